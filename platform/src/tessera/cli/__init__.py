@@ -1,0 +1,20 @@
+"""The ``tessera`` command. Each command group lives in its own module and is registered here."""
+
+from __future__ import annotations
+
+import typer
+
+from tessera.cli.model import model_app
+from tessera.cli.tenants import keys_app, tenants_app
+
+app = typer.Typer(no_args_is_help=True, add_completion=False, help="Tessera: multi-tenant LLM serving.")
+app.add_typer(tenants_app, name="tenants")
+app.add_typer(keys_app, name="keys")
+app.add_typer(model_app, name="model")
+
+
+def main() -> None:
+    app()
+
+
+__all__ = ["app", "main"]

