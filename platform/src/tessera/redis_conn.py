@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 
 
 class EmbeddedRedis:
@@ -50,4 +52,7 @@ def connect(url: str, timeout_s: float = 1.0) -> aioredis.Redis:
         socket_connect_timeout=timeout_s,
         health_check_interval=0,
         retry_on_timeout=False,
+        # No retries: redis-py's default backoff would turn "Redis is down" into seconds of waiting,
+        # and the gateway must answer 503 (or fail open) within a few hundred milliseconds.
+        retry=Retry(NoBackoff(), 0),
     )

@@ -39,7 +39,9 @@ class TesseraSettings(BaseSettings):
     trace_exporter: str = Field(
         default="jsonl", description="Span exporter: 'jsonl', 'otlp-http', 'otlp-grpc' or 'none'."
     )
-    trace_file: Path | None = Field(default=None, description="JSONL span file (jsonl exporter).")
+    trace_dir: Path | None = Field(
+        default=None, description="Directory of per-process JSONL span files (jsonl exporter); default .tessera/traces."
+    )
     otlp_endpoint: str | None = Field(default=None, description="OTLP collector URL (otlp-* exporters).")
     trace_sample_ratio: float = Field(default=1.0, ge=0.0, le=1.0, description="Parent-based trace sampling ratio.")
     advertise_host: str = Field(

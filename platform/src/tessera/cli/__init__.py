@@ -5,12 +5,16 @@ from __future__ import annotations
 import typer
 
 from tessera.cli.model import model_app
+from tessera.cli.plan import plan_app
 from tessera.cli.tenants import keys_app, tenants_app
+from tessera.cli.up import up
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="Tessera: multi-tenant LLM serving.")
 app.add_typer(tenants_app, name="tenants")
 app.add_typer(keys_app, name="keys")
 app.add_typer(model_app, name="model")
+app.add_typer(plan_app, name="plan")
+app.command("up")(up)
 
 
 def main() -> None:

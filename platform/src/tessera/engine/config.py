@@ -79,8 +79,10 @@ class EngineConfig(BaseModel):
     kv_cache_dtype: KVCacheDtype = Field(
         default="fp8", description="KV cache element type. fp8 halves KV bytes per token against bf16."
     )
-    calculate_kv_scales: bool = Field(
-        default=False, description="Compute FP8 KV scales from the first batch instead of using 1.0."
+    kv_scale_mode: Literal["checkpoint", "dynamic"] = Field(
+        default="checkpoint",
+        description="FP8 KV scales: 'checkpoint' uses the scales stored with the model (1.0 when absent); "
+        "'dynamic' computes per-token-head scales at run time (vLLM's fp8_per_token_head).",
     )
     speculative: SpeculativeConfig | None = Field(
         default_factory=SpeculativeConfig, description="Speculative decoding; null turns it off."
@@ -100,8 +102,8 @@ class EngineConfig(BaseModel):
     num_gpu_blocks_override: int | None = Field(
         default=None, ge=1, description="Explicit KV block count (tests provoke eviction with a tiny cache)."
     )
-    cpu_kv_cache_space_gib: float = Field(
-        default=1.0, gt=0.0, description="KV cache size on the CPU build (VLLM_CPU_KVCACHE_SPACE), GiB."
+    cpu_kv_cache_space_gib: int = Field(
+        default=1, ge=1, description="KV cache size on the CPU build (VLLM_CPU_KVCACHE_SPACE), whole GiB."
     )
     enforce_eager: bool = Field(default=True, description="Skip graph capture (fast start-up).")
     seed: int = Field(default=0, description="Sampling seed of the engine.")
@@ -112,6 +114,10 @@ class EngineConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> EngineConfig:
+        if self.kv_scale_mode == "dynamic" and self.kv_cache_dtype not in ("fp8", "fp8_e4m3"):
+            raise ValueError(
+                f"kv_scale_mode='dynamic' needs kv_cache_dtype 'fp8' or 'fp8_e4m3', not {self.kv_cache_dtype!r}"
+            )
         if self.num_gpu_blocks_override is not None:
             capacity = self.num_gpu_blocks_override * self.block_size
             if self.max_model_len > capacity:
@@ -120,6 +126,13 @@ class EngineConfig(BaseModel):
                     f"{self.num_gpu_blocks_override} blocks x block_size={self.block_size} = {capacity} tokens"
                 )
         return self
+
+    @property
+    def vllm_kv_cache_dtype(self) -> str:
+        # NOTE: vLLM 0.32 dropped calculate_kv_scales; dynamic scaling is a cache dtype of its own.
+        if self.kv_scale_mode == "dynamic":
+            return "fp8_per_token_head"
+        return self.kv_cache_dtype
 
     @property
     def tokenizer_path(self) -> str:
@@ -137,8 +150,7 @@ class EngineConfig(BaseModel):
             "tokenizer": self.tokenizer_path,
             "served_model_name": self.served_model_name,
             "dtype": self.dtype,
-            "kv_cache_dtype": self.kv_cache_dtype,
-            "calculate_kv_scales": self.calculate_kv_scales,
+            "kv_cache_dtype": self.vllm_kv_cache_dtype,
             "enable_prefix_caching": self.enable_prefix_caching,
             "scheduling_policy": self.scheduling_policy,
             "max_num_seqs": self.max_num_seqs,

@@ -1,0 +1,64 @@
+"""The engine as a Ray Serve deployment: Ray places replicas, restarts them when their health check fails
+and rolls them on upgrade; tokens do not travel through Ray (each replica serves HTTP on its own port and
+the gateway streams from it directly — see design §1 for the measurements behind this).
+
+Serve config (what the Helm chart renders into ``serveConfigV2``)::
+
+    import_path: tessera.engine.deployment:build_app
+    args: {engine: {<EngineConfig, camelCase>}, replicas: 1}
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from ray import serve
+
+from tessera.engine.config import EngineConfig
+from tessera.engine.host import EngineHost
+from tessera.settings import load_settings
+
+
+@serve.deployment(
+    name="tessera-engine",
+    health_check_period_s=5,
+    health_check_timeout_s=10,
+    graceful_shutdown_timeout_s=20,
+    max_ongoing_requests=10_000,
+)
+class EngineReplica:
+    def __init__(self, engine: dict[str, Any]) -> None:
+        config = EngineConfig.model_validate(engine)
+        settings = load_settings()
+        try:
+            replica_id = serve.get_replica_context().replica_id.unique_id
+        except Exception:  # noqa: BLE001 - outside Serve (unit use) there is no replica context
+            replica_id = f"local-{os.getpid()}"
+        self.host = EngineHost(config, settings.redis_url, engine_id=f"{config.served_model_name}-{replica_id}",
+                               advertise_host=settings.advertise_host).start()
+
+    def check_health(self) -> None:
+        """Ray calls this periodically; raising marks the replica unhealthy and Ray replaces it."""
+        if not self.host.is_healthy():
+            raise RuntimeError(f"engine {self.host.engine_id} is dead")
+
+    async def __call__(self, request: Any) -> dict[str, Any]:
+        # Not the data path: a discovery endpoint answering where this replica streams from.
+        return {"engine_id": self.host.engine_id, "url": self.host.url}
+
+    def __del__(self) -> None:
+        self.host.stop()
+
+
+def build_app(args: dict[str, Any]) -> Any:
+    """Serve application builder (``import_path`` target)."""
+    unknown = set(args) - {"engine", "replicas"}
+    if unknown:
+        raise ValueError(f"unknown args {sorted(unknown)}; valid: engine, replicas")
+    engine = EngineConfig.model_validate(args["engine"])
+    replicas = int(args.get("replicas", 1))
+    return EngineReplica.options(  # type: ignore[attr-defined]
+        num_replicas=replicas, name=f"engine-{engine.served_model_name}",
+        ray_actor_options={"num_cpus": 0.5 if engine.tensor_parallel_size == 1 else 0},
+    ).bind(engine.model_dump(by_alias=True))

@@ -1,0 +1,401 @@
+"""One engine replica: a vLLM ``AsyncLLM`` and the lean streaming HTTP endpoint the gateway calls.
+
+The host runs in a thread of its own with its own event loop, so it works the same inside a Ray Serve
+replica (which only has to construct it and forward health checks) and in a plain process (benchmarks).
+Endpoints:
+  POST /generate           NDJSON stream (see protocol.py); the vLLM request is aborted if the caller leaves
+  POST /abort              {"request_id", "reason"}: the controller's last-resort abort (gateway retries)
+  GET  /requests           in-flight requests with tenant and priority (the controller picks victims)
+  GET  /health             200 while the engine is alive, 503 once it is dead
+  GET  /stats              engine load, KV geometry and speculative-decoding counters
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import orjson
+
+from tessera.engine.config import EngineConfig
+from tessera.engine.protocol import GenerateRequest, RequestStats
+from tessera.engine.registry import EngineRecord, EngineRegistry, ModelInfo, register_model
+from tessera.engine.stats import LoadTracker, make_stat_logger_factory
+
+logger = logging.getLogger(__name__)
+
+Scope = dict[str, Any]
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+
+NDJSON_HEADERS = [(b"content-type", b"application/x-ndjson"), (b"cache-control", b"no-store")]
+JSON_HEADERS = [(b"content-type", b"application/json")]
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass(slots=True)
+class InFlight:
+    request_id: str
+    tenant: str
+    priority: int
+    started_ts: float
+    abort_reason: str | None = None
+
+
+async def _read_body(receive: Receive, limit: int = 8 * 1024 * 1024) -> bytes:
+    chunks = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ConnectionError("client went away")
+        body = message.get("body", b"")
+        size += len(body)
+        if size > limit:
+            raise ValueError("request body too large")
+        chunks.append(body)
+        if not message.get("more_body"):
+            return b"".join(chunks)
+
+
+async def _respond(send: Send, status: int, payload: Any) -> None:
+    await send({"type": "http.response.start", "status": status, "headers": JSON_HEADERS})
+    await send({"type": "http.response.body", "body": orjson.dumps(payload)})
+
+
+class EngineHost:
+    """Owns the engine, the HTTP server and the registry heartbeat of one replica."""
+
+    def __init__(self, config: EngineConfig, redis_url: str | None, engine_id: str | None = None,
+                 advertise_host: str = "127.0.0.1") -> None:
+        self.config = config
+        self.redis_url = redis_url
+        self.engine_id = engine_id or f"engine-{uuid.uuid4().hex[:8]}"
+        self.advertise_host = advertise_host
+        self.port = config.http_port or free_port()
+        self.kv_events_port = free_port() if config.kv_events.enabled else 0
+        self.tracker = LoadTracker()
+        self.in_flight: dict[str, InFlight] = {}
+        self.engine: Any = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._ready = threading.Event()
+        self._startup_error: BaseException | None = None
+        self._server: Any = None
+        self._stopping = False
+
+    # ---- lifecycle -------------------------------------------------------------------------------
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.advertise_host}:{self.port}"
+
+    @property
+    def kv_events_endpoint(self) -> str:
+        return f"tcp://{self.advertise_host}:{self.kv_events_port}" if self.kv_events_port else ""
+
+    def start(self, timeout_s: float = 600.0) -> EngineHost:
+        """Starts the engine thread and waits until the engine is up and the endpoint listens."""
+        self._thread = threading.Thread(target=self._thread_main, name=f"tessera-{self.engine_id}", daemon=True)
+        self._thread.start()
+        if not self._ready.wait(timeout_s):
+            raise TimeoutError(f"engine {self.engine_id} did not start within {timeout_s} s")
+        if self._startup_error is not None:
+            raise RuntimeError(f"engine {self.engine_id} failed to start") from self._startup_error
+        return self
+
+    def stop(self) -> None:
+        self._stopping = True
+        if self._server is not None:
+            self._server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    def is_healthy(self) -> bool:
+        engine = self.engine
+        alive = self._thread is not None and self._thread.is_alive()
+        return bool(alive and engine is not None and not engine.errored)
+
+    def _thread_main(self) -> None:
+        try:
+            import uvloop
+
+            uvloop.install()
+        except ImportError:  # pragma: no cover - uvloop is a dependency
+            pass
+        loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(loop)
+        self._loop = loop
+        try:
+            loop.run_until_complete(self._serve())
+        except BaseException as exc:  # noqa: BLE001 - reported to start() and logged
+            self._startup_error = self._startup_error or exc
+            logger.exception("engine host %s stopped with an error", self.engine_id)
+        finally:
+            self._ready.set()
+            if self.engine is not None:
+                self.engine.shutdown()
+            loop.close()
+
+    async def _serve(self) -> None:
+        import uvicorn
+        from vllm import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.config.cpu_kv_cache_space_gib))
+        kv_bind = f"tcp://*:{self.kv_events_port}" if self.kv_events_port else None
+        args = AsyncEngineArgs(**self.config.to_vllm_kwargs(kv_events_endpoint=kv_bind))
+        self.engine = AsyncLLM.from_engine_args(args, stat_loggers=[make_stat_logger_factory(self.tracker)])
+        self.tracker.load.num_gpu_blocks = int(self.engine.vllm_config.cache_config.num_gpu_blocks or 0)
+        self.tracker.load.block_size = int(self.engine.vllm_config.cache_config.block_size)
+        self.tracker.load.kv_cache_dtype = str(self.engine.vllm_config.cache_config.cache_dtype)
+
+        config = uvicorn.Config(
+            self.asgi, host=self.config.http_host, port=self.port, loop="none", http="httptools",
+            log_level="warning", access_log=False, lifespan="off", timeout_keep_alive=300,
+            interface="asgi3", proxy_headers=False,
+        )
+        self._server = uvicorn.Server(config)
+        self._server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
+        heartbeat = asyncio.create_task(self._heartbeat_loop())
+        indexer = asyncio.create_task(self._index_loop())
+        watchdog = asyncio.create_task(self._ready_when_listening())
+        try:
+            await self._server.serve()
+        finally:
+            heartbeat.cancel()
+            indexer.cancel()
+            watchdog.cancel()
+            await self._deregister()
+
+    async def _ready_when_listening(self) -> None:
+        while not self._server.started:
+            await asyncio.sleep(0.02)
+        self._ready.set()
+
+    # ---- registry --------------------------------------------------------------------------------
+
+    def record(self) -> EngineRecord:
+        load = self.tracker.snapshot()
+        return EngineRecord(
+            engine_id=self.engine_id,
+            url=self.url,
+            model=self.config.served_model_name,
+            block_size=load.block_size,
+            num_gpu_blocks=load.num_gpu_blocks,
+            max_model_len=self.config.max_model_len,
+            kv_events_endpoint=self.kv_events_endpoint,
+            num_running=load.num_running,
+            num_waiting=load.num_waiting,
+            kv_cache_usage=load.kv_cache_usage,
+        )
+
+    async def _heartbeat_loop(self) -> None:
+        if not self.redis_url:
+            return
+        from tessera.redis_conn import connect
+
+        redis = connect(self.redis_url)
+        registry = EngineRegistry(redis, self.config.heartbeat_interval_s)
+        load = self.tracker.snapshot()
+        await register_model(redis, ModelInfo(
+            name=self.config.served_model_name, tokenizer=self.config.tokenizer_path,
+            max_model_len=self.config.max_model_len, block_size=load.block_size,
+        ))
+        try:
+            while True:
+                # A dead engine stops heartbeating, so the gateway stops routing to it within the TTL.
+                if self.is_healthy():
+                    try:
+                        await registry.heartbeat(self.record())
+                    except Exception as exc:  # noqa: BLE001 - Redis blips must not kill the replica
+                        logger.warning("heartbeat to Redis failed: %s", exc)
+                await asyncio.sleep(self.config.heartbeat_interval_s)
+        finally:
+            await redis.aclose()
+
+    async def _index_loop(self) -> None:
+        """Feeds the shared prefix index from this engine's own KV events (see routing/prefix_index.py)."""
+        if not self.redis_url or not self.kv_events_port:
+            return
+        from tessera.redis_conn import connect
+        from tessera.routing.kv_events import subscribe
+        from tessera.routing.prefix_index import PrefixIndex
+
+        redis = connect(self.redis_url)
+        index = PrefixIndex(redis)
+        try:
+            await index.clear_engine(self.engine_id)
+            async for batch in subscribe(f"tcp://127.0.0.1:{self.kv_events_port}", self.config.kv_events.topic):
+                try:
+                    await index.apply(self.engine_id, batch.ops)
+                except Exception as exc:  # noqa: BLE001 - a Redis blip loses one batch, not the replica
+                    logger.warning("prefix index update failed: %s", exc)
+        finally:
+            await redis.aclose()
+
+    async def _deregister(self) -> None:
+        if not self.redis_url:
+            return
+        from tessera.redis_conn import connect
+
+        redis = connect(self.redis_url)
+        try:
+            from tessera.routing.prefix_index import PrefixIndex
+
+            await EngineRegistry(redis).deregister(self.engine_id)
+            await PrefixIndex(redis).clear_engine(self.engine_id)
+        except Exception as exc:  # noqa: BLE001 - best effort on shutdown; the TTL cleans up anyway
+            logger.warning("deregister failed: %s", exc)
+        finally:
+            await redis.aclose()
+
+    # ---- HTTP ------------------------------------------------------------------------------------
+
+    async def asgi(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return
+        path, method = scope["path"], scope["method"]
+        if path == "/generate" and method == "POST":
+            await self._generate(scope, receive, send)
+        elif path == "/health":
+            healthy = self.is_healthy()
+            await _respond(send, 200 if healthy else 503, {"healthy": healthy, "engine_id": self.engine_id})
+        elif path == "/stats":
+            await _respond(send, 200, {"engine_id": self.engine_id, **asdict(self.tracker.snapshot())})
+        elif path == "/requests":
+            await _respond(send, 200, [asdict(r) for r in self.in_flight.values()])
+        elif path == "/abort" and method == "POST":
+            await self._abort(receive, send)
+        else:
+            await _respond(send, 404, {"error": f"no route {method} {path}"})
+
+    async def _abort(self, receive: Receive, send: Send) -> None:
+        body = orjson.loads(await _read_body(receive))
+        request_id = str(body.get("request_id", ""))
+        entry = self.in_flight.get(request_id)
+        if entry is None:
+            await _respond(send, 404, {"error": f"request {request_id!r} is not running here"})
+            return
+        entry.abort_reason = str(body.get("reason", "aborted"))
+        await self.engine.abort(request_id)
+        await _respond(send, 200, {"aborted": request_id})
+
+    async def _generate(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            request = GenerateRequest.model_validate_json(await _read_body(receive))
+        except ConnectionError:
+            return
+        except ValueError as exc:
+            await _respond(send, 400, {"error": str(exc)})
+            return
+        if not self.is_healthy():
+            await _respond(send, 503, {"error": "engine is not healthy"})
+            return
+        headers = dict(scope.get("headers") or [])
+        tenant = headers.get(b"x-tessera-tenant", b"").decode()
+        entry = InFlight(request.request_id, tenant, request.priority, time.time())
+        self.in_flight[request.request_id] = entry
+        await send({"type": "http.response.start", "status": 200, "headers": NDJSON_HEADERS})
+        stream = asyncio.create_task(self._stream(request, entry, send, headers))
+        disconnect = asyncio.create_task(_wait_disconnect(receive))
+        try:
+            done, _ = await asyncio.wait({stream, disconnect}, return_when=asyncio.FIRST_COMPLETED)
+            if stream not in done:
+                # The caller left: cancelling the generator makes vLLM abort; abort explicitly as well.
+                stream.cancel()
+                await asyncio.gather(stream, return_exceptions=True)
+                await self.engine.abort(request.request_id)
+            else:
+                stream.result()
+        finally:
+            disconnect.cancel()
+            self.in_flight.pop(request.request_id, None)
+
+    async def _stream(self, request: GenerateRequest, entry: InFlight, send: Send,
+                      headers: dict[bytes, bytes]) -> None:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        params = SamplingParams(
+            n=request.n, max_tokens=request.max_tokens, temperature=request.temperature, top_p=request.top_p,
+            top_k=request.top_k, seed=request.seed, stop=request.stop or None, ignore_eos=request.ignore_eos,
+            output_kind=RequestOutputKind.DELTA,
+        )
+        prompt: dict[str, Any] = {"prompt_token_ids": request.prompt_token_ids}
+        if request.cache_salt:
+            prompt["cache_salt"] = request.cache_salt
+        stats = RequestStats(engine_id=self.engine_id, num_prompt_tokens=len(request.prompt_token_ids))
+        finish: dict[str, str | None] = {}
+        final: Any = None
+        async for output in self.engine.generate(prompt, params, request_id=request.request_id,
+                                                 priority=request.priority):
+            final = output
+            stats.num_steps += 1
+            lines = []
+            for completion in output.outputs:
+                num_new = len(completion.token_ids)
+                stats.num_output_tokens += num_new
+                if num_new or completion.text:
+                    lines.append(orjson.dumps({"i": completion.index, "t": completion.text, "d": completion.token_ids}))
+                if completion.finish_reason is not None:
+                    finish[str(completion.index)] = completion.finish_reason
+            if lines:
+                await send({"type": "http.response.body", "body": b"\n".join(lines) + b"\n", "more_body": True})
+        if entry.abort_reason is not None and (final is None or not final.finished or
+                                               all(v in (None, "abort") for v in finish.values())):
+            tail = {"error": f"request aborted by the engine: {entry.abort_reason}", "status": 503,
+                    "retryable": True, "stats": stats.to_dict()}
+            await send({"type": "http.response.body", "body": orjson.dumps(tail) + b"\n", "more_body": False})
+            return
+        _fill_timeline(stats, final, request.n)
+        done = {"done": True, "finish": finish, "stats": stats.to_dict()}
+        await send({"type": "http.response.body", "body": orjson.dumps(done) + b"\n", "more_body": False})
+
+
+async def _wait_disconnect(receive: Receive) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def _fill_timeline(stats: RequestStats, final: Any, n: int) -> None:
+    if final is None:
+        return
+    stats.num_cached_tokens = int(final.num_cached_tokens or 0)
+    # Every step yields one token per sequence without speculation; the rest are accepted drafts.
+    stats.num_spec_accepted_tokens = max(0, stats.num_output_tokens - stats.num_steps * n)
+    metrics = final.metrics
+    if metrics is None:
+        return
+    stats.num_preemptions = int(getattr(metrics, "num_preemptions", 0))
+    queued, scheduled = metrics.queued_ts, metrics.scheduled_ts
+    first, last = metrics.first_token_ts, metrics.last_token_ts
+    arrival = metrics.arrival_time
+
+    def wall(ts: float) -> float:
+        return arrival + (ts - queued) if ts and queued else 0.0
+
+    stats.queued_s = max(0.0, scheduled - queued) if scheduled else 0.0
+    stats.prefill_s = max(0.0, first - scheduled) if first and scheduled else 0.0
+    stats.ttft_s = float(metrics.first_token_latency)
+    stats.decode_s = max(0.0, last - first) if last and first else 0.0
+    stats.arrival_ts = arrival
+    stats.scheduled_ts = wall(scheduled)
+    stats.first_token_ts = wall(first)
+    stats.finished_ts = wall(last)
+    stats.e2e_s = max(0.0, stats.finished_ts - arrival) if stats.finished_ts else 0.0

@@ -1,0 +1,124 @@
+"""The admin API (``/admin/...``), protected by a separate admin token (``TESSERA_ADMIN_TOKEN``).
+
+  POST   /admin/tenants                    {"name", "policy"?}         → 201 tenant
+  GET    /admin/tenants                                                → tenants
+  GET    /admin/tenants/<name>                                         → tenant
+  PATCH  /admin/tenants/<name>             {"policy": {...partial}}    → tenant (validated merge)
+  DELETE /admin/tenants/<name>                                         → 204, keys revoked
+  POST   /admin/tenants/<name>/keys                                    → 201 {"key" (shown once), "key_id"}
+  GET    /admin/tenants/<name>/keys                                    → key ids and prefixes only
+  DELETE /admin/keys/<key_id>                                          → 204, revoked on every gateway ≤ 2 s
+  GET    /admin/tenants/<name>/usage?period=hour|day|month             → usage of the current period
+"""
+
+from __future__ import annotations
+
+import hmac
+from typing import TYPE_CHECKING, Any
+from urllib.parse import parse_qs
+
+import orjson
+from pydantic import ValidationError
+
+from tessera.gateway.errors import APIError, bad_request
+from tessera.tenancy.admission import Admission
+from tessera.tenancy.policy import TenantPolicy
+from tessera.tenancy.store import Tenant, TenantExistsError, TenantNotFoundError, TenantStore
+
+if TYPE_CHECKING:
+    from tessera.gateway.app import Receive, Scope, Send
+
+
+def tenant_json(tenant: Tenant) -> dict[str, Any]:
+    return {"name": tenant.name, "policy": tenant.policy.model_dump(mode="json"), "created_at": tenant.created_at}
+
+
+class AdminAPI:
+    def __init__(self, store: TenantStore, admission: Admission, admin_token: str | None) -> None:
+        self._store = store
+        self._admission = admission
+        self._token = admin_token
+
+    async def handle(self, scope: Scope, receive: Receive, send: Send, headers: dict[str, str],
+                     request_id: str) -> None:
+        from tessera.gateway.app import respond
+        from tessera.gateway.flow import read_body
+
+        self._authorize(headers.get("authorization"))
+        method = scope["method"]
+        parts = [p for p in scope["path"].split("/") if p][1:]  # drop "admin"
+        body = await read_body(receive, headers, 65536) if method in ("POST", "PATCH") else b""
+        try:
+            status, payload = await self._dispatch(method, parts, body, scope.get("query_string", b""))
+        except TenantNotFoundError as exc:
+            raise APIError(404, str(exc.args[0]), "tenant_not_found") from None
+        except TenantExistsError as exc:
+            raise APIError(409, str(exc), "tenant_exists") from None
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            loc = ".".join(str(p) for p in first["loc"])
+            raise bad_request(f"Invalid policy: {loc}: {first['msg']}", "invalid_policy", loc) from None
+        except ValueError as exc:
+            raise bad_request(str(exc)) from None
+        await respond(send, status, payload, request_id)
+
+    def _authorize(self, authorization: str | None) -> None:
+        if not self._token:
+            raise APIError(403, "The admin API is disabled: set TESSERA_ADMIN_TOKEN on the gateway.", "admin_disabled")
+        supplied = authorization[7:] if authorization and authorization.startswith("Bearer ") else ""
+        if not hmac.compare_digest(supplied.encode(), self._token.encode()):
+            raise APIError(401, "Invalid admin token.", "invalid_admin_token")
+
+    async def _dispatch(self, method: str, parts: list[str], body: bytes, query: bytes) -> tuple[int, Any]:
+        data = _json_object(body) if body else {}
+        if parts == ["tenants"] and method == "POST":
+            name = data.get("name")
+            if not isinstance(name, str):
+                raise ValueError("body needs 'name' (string)")
+            policy = TenantPolicy.model_validate(data.get("policy") or {})
+            return 201, tenant_json(await self._store.create_tenant(name, policy))
+        if parts == ["tenants"] and method == "GET":
+            return 200, {"data": [tenant_json(t) for t in await self._store.list_tenants()]}
+        if len(parts) == 2 and parts[0] == "tenants":
+            name = parts[1]
+            if method == "GET":
+                return 200, tenant_json(await self._store.require_tenant(name))
+            if method == "PATCH":
+                current = await self._store.require_tenant(name)
+                changes = data.get("policy")
+                if not isinstance(changes, dict):
+                    raise ValueError("body needs 'policy' (object of fields to change)")
+                merged = {**current.policy.model_dump(), **changes}
+                return 200, tenant_json(await self._store.set_policy(name, TenantPolicy.model_validate(merged)))
+            if method == "DELETE":
+                await self._store.delete_tenant(name)
+                return 200, {"deleted": name}
+        if len(parts) == 3 and parts[0] == "tenants" and parts[2] == "keys":
+            if method == "POST":
+                issued = await self._store.issue_key(parts[1])
+                return 201, {"key": issued.plaintext, "key_id": issued.key_id, "tenant": parts[1]}
+            if method == "GET":
+                keys = await self._store.list_keys(parts[1])
+                return 200, {"data": [{"key_id": k.key_id, "prefix": k.display_prefix, "revoked": k.revoked,
+                                       "created_at": k.created_at} for k in keys]}
+        if len(parts) == 3 and parts[0] == "tenants" and parts[2] == "usage" and method == "GET":
+            tenant = await self._store.require_tenant(parts[1])
+            period = parse_qs(query.decode()).get("period", [tenant.policy.budget_period])[0]
+            return 200, {"tenant": tenant.name, **(await self._admission.usage(tenant.name, period))}
+        if len(parts) == 2 and parts[0] == "keys" and method == "DELETE":
+            try:
+                tenant_name = await self._store.revoke_key(parts[1])
+            except KeyError:
+                raise APIError(404, f"key {parts[1]!r} does not exist", "key_not_found") from None
+            return 200, {"revoked": parts[1], "tenant": tenant_name}
+        raise APIError(404, f"No admin route {method} /admin/{'/'.join(parts)}.", "not_found")
+
+
+def _json_object(body: bytes) -> dict[str, Any]:
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise ValueError(f"body is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ValueError("body must be a JSON object")
+    return data

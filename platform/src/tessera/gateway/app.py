@@ -1,0 +1,172 @@
+"""The gateway: a stateless ASGI app (uvicorn + uvloop, several workers); all shared state is in Redis.
+
+Request path: read body (413) → auth (401) → parse (400) → model (404/403) → tokenize once → limits (400)
+→ admission, one Lua call (429/503) → route (prefix/KV-aware) → stream from the chosen replica's own
+port → reconcile usage. Raw ASGI rather than a framework: this is the hot path of every token.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import orjson
+from opentelemetry import trace
+from opentelemetry.propagate import extract, inject
+from pydantic import ValidationError
+
+from tessera.gateway.admin import AdminAPI
+from tessera.gateway.auth import Authenticator
+from tessera.gateway.engine_client import EngineClient
+from tessera.gateway.errors import APIError, error_body, unauthorized
+from tessera.gateway.flow import GenerationFlow
+from tessera.gateway.metrics import GatewayMetrics
+from tessera.gateway.models import ModelCatalog
+from tessera.gateway.openapi import openapi_document
+from tessera.redis_conn import connect
+from tessera.routing.router import Router
+from tessera.settings import TesseraSettings, load_settings
+from tessera.tenancy.admission import Admission
+from tessera.tenancy.store import TenantStore
+from tessera.telemetry.tracing import configure_tracing
+
+logger = logging.getLogger(__name__)
+
+Scope = dict[str, Any]
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+
+REDIS_ERRORS: tuple[type[BaseException], ...]
+try:
+    from redis.exceptions import ConnectionError as RedisConnectionError
+    from redis.exceptions import TimeoutError as RedisTimeoutError
+
+    REDIS_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError)
+except ImportError:  # pragma: no cover
+    REDIS_ERRORS = (OSError,)
+
+
+class Gateway:
+    def __init__(self, settings: TesseraSettings) -> None:
+        if not settings.redis_url:
+            raise ValueError("TESSERA_REDIS_URL is not set: the gateway keeps all shared state in Redis")
+        self.settings = settings
+        configure_tracing("tessera-gateway", settings.trace_exporter, settings.trace_dir,
+                          settings.otlp_endpoint, settings.trace_sample_ratio)
+        self.redis = connect(settings.redis_url, settings.redis_timeout_s)
+        self.store = TenantStore(self.redis)
+        self.auth = Authenticator(self.store, settings.key_cache_ttl_s)
+        self.catalog = ModelCatalog(self.redis)
+        self.admission = Admission(self.redis)
+        from tessera.routing.prefix_index import PrefixIndex
+
+        self.router = Router(self.redis, settings.routing_policy, PrefixIndex(self.redis))
+        self.engines = EngineClient()
+        self.metrics = GatewayMetrics()
+        self.tracer = trace.get_tracer("tessera.gateway")
+        self.flow = GenerationFlow(self)
+        self.admin = AdminAPI(self.store, self.admission, settings.admin_token)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+            return
+        if scope["type"] != "http":
+            return
+        headers = {k.decode().lower(): v.decode("latin-1") for k, v in scope.get("headers") or []}
+        request_id = headers.get("x-request-id") or f"req-{uuid.uuid4().hex}"
+        if len(request_id) > 128:
+            request_id = f"req-{uuid.uuid4().hex}"
+        path, method = scope["path"], scope["method"]
+        try:
+            if path in ("/v1/completions", "/v1/chat/completions"):
+                if method != "POST":
+                    raise APIError(405, f"{path} only accepts POST", "method_not_allowed")
+                ctx = extract(headers)
+                with self.tracer.start_as_current_span(
+                    "gateway.request", context=ctx, kind=trace.SpanKind.SERVER,
+                    attributes={"tessera.request_id": request_id, "http.route": path},
+                ) as span:
+                    carrier: dict[str, str] = {}
+                    inject(carrier)
+                    await self.flow.handle(path == "/v1/chat/completions", scope, receive, send, headers,
+                                           request_id, carrier, span)
+            elif path == "/v1/models" and method == "GET":
+                await self._models(send, headers, request_id)
+            elif path == "/health":
+                await respond(send, 200, {"status": "ok"}, request_id)
+            elif path == "/metrics":
+                body, content_type = self.metrics.render()
+                await send({"type": "http.response.start", "status": 200,
+                            "headers": [(b"content-type", content_type.encode())]})
+                await send({"type": "http.response.body", "body": body})
+            elif path == "/openapi.json":
+                await respond(send, 200, openapi_document(), request_id)
+            elif path.startswith("/admin/"):
+                await self.admin.handle(scope, receive, send, headers, request_id)
+            else:
+                raise APIError(404, f"No route {method} {path}.", "not_found")
+        except APIError as err:
+            await respond_error(send, err, request_id)
+        except REDIS_ERRORS as exc:
+            logger.warning("redis unavailable: %s", exc)
+            await respond_error(send, APIError(503, "The rate-limit store is unavailable; retry shortly.",
+                                               "store_unavailable", headers={"Retry-After": "1"}), request_id)
+        except Exception:
+            logger.exception("unhandled error in %s %s", method, path)
+            await respond_error(send, APIError(500, "Internal error; the request id identifies it in the logs.",
+                                               "internal_error"), request_id)
+
+    async def _models(self, send: Send, headers: dict[str, str], request_id: str) -> None:
+        tenant = await self.auth.tenant_for(headers.get("authorization"))
+        if tenant is None:
+            raise unauthorized()
+        names = [n for n in await self.catalog.names() if tenant.policy.allows_model(n)]
+        data = [{"id": n, "object": "model", "created": 0, "owned_by": "tessera"} for n in names]
+        await respond(send, 200, {"object": "list", "data": data}, request_id)
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await self.engines.close()
+                await self.redis.aclose()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+
+async def respond(send: Send, status: int, payload: Any, request_id: str,
+                  extra_headers: dict[str, str] | None = None) -> None:
+    headers = [(b"content-type", b"application/json"), (b"x-request-id", request_id.encode())]
+    headers += [(k.lower().encode(), v.encode()) for k, v in (extra_headers or {}).items()]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": orjson.dumps(payload)})
+
+
+async def respond_error(send: Send, err: APIError, request_id: str) -> None:
+    headers = [(b"content-type", b"application/json"), (b"x-request-id", request_id.encode())]
+    headers += [(k.lower().encode(), v.encode()) for k, v in err.headers.items()]
+    try:
+        await send({"type": "http.response.start", "status": err.status, "headers": headers})
+        await send({"type": "http.response.body", "body": err.body()})
+    except RuntimeError:
+        # The response already started (mid-stream failure): the stream's own error event was sent.
+        pass
+
+
+def validation_message(exc: ValidationError) -> tuple[str, str | None]:
+    first = exc.errors()[0]
+    loc = ".".join(str(p) for p in first["loc"]) or None
+    return f"Invalid request: {loc}: {first['msg']}" if loc else f"Invalid request: {first['msg']}", loc
+
+
+def create_app() -> Gateway:
+    """uvicorn factory: ``uvicorn tessera.gateway.app:create_app --factory``."""
+    return Gateway(load_settings())
+
+
+__all__ = ["Gateway", "create_app", "error_body", "respond", "respond_error"]

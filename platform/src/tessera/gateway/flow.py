@@ -1,0 +1,306 @@
+"""One generation request through the gateway, from raw body to the last SSE event."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from typing import TYPE_CHECKING, Any
+
+import orjson
+from opentelemetry.trace import Span, Status, StatusCode
+from pydantic import ValidationError
+
+from tessera.gateway.engine_client import StreamResult
+from tessera.gateway.errors import APIError, bad_request, unauthorized
+from tessera.gateway.openai_format import ChunkWriter, finish_reason, full_response, usage
+from tessera.gateway.schemas import ChatCompletionRequest, CompletionRequest
+from tessera.routing.hashing import block_hash_chain
+from tessera.routing.snapshot import RouteRequest
+from tessera.tenancy.admission import Lease, Rejection
+from tessera.tenancy.policy import DEMOTION_STEP
+
+if TYPE_CHECKING:
+    from tessera.gateway.app import Gateway, Receive, Scope, Send
+    from tessera.gateway.models import ServedModel
+    from tessera.tenancy.store import Tenant
+
+SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
+APPROX_PREFIX_CHARS = 4096
+
+
+async def read_body(receive: Receive, headers: dict[str, str], limit: int) -> bytes:
+    declared = headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise APIError(413, f"Request body of {declared} bytes exceeds the limit of {limit} bytes.", "body_too_large")
+    chunks, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise APIError(400, "Client disconnected while sending the body.", "client_disconnected")
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise APIError(413, f"Request body exceeds the limit of {limit} bytes.", "body_too_large")
+        chunks.append(chunk)
+        if not message.get("more_body"):
+            return b"".join(chunks)
+
+
+class GenerationFlow:
+    def __init__(self, gateway: Gateway) -> None:
+        self.gw = gateway
+
+    async def handle(self, chat: bool, scope: Scope, receive: Receive, send: Send, headers: dict[str, str],
+                     request_id: str, trace_carrier: dict[str, str], span: Span) -> None:
+        gw = self.gw
+        t_start = time.monotonic()
+        raw = await read_body(receive, headers, gw.settings.max_body_bytes)
+        tenant = await gw.auth.tenant_for(headers.get("authorization"))
+        if tenant is None:
+            raise unauthorized()
+        span.set_attribute("tessera.tenant", tenant.name)
+        req = parse_request(chat, raw)
+        span.set_attribute("gen_ai.request.model", req.model)
+        model = await gw.catalog.get(req.model)
+        if model is None:
+            raise APIError(404, f"The model {req.model!r} does not exist; GET /v1/models lists yours.",
+                           "model_not_found", "model")
+        if not tenant.policy.allows_model(req.model):
+            raise APIError(403, f"Your tenant may not use the model {req.model!r}.", "model_not_allowed", "model")
+        prompt_ids = tokenize(chat, req, model)
+        max_tokens = check_limits(chat, req, tenant, model, len(prompt_ids))
+        span.set_attributes({"gen_ai.usage.input_tokens": len(prompt_ids), "gen_ai.request.max_tokens": max_tokens})
+
+        reserve = len(prompt_ids) + max_tokens * req.n
+        t_admit = time.monotonic()
+        with gw.tracer.start_as_current_span("admission") as adm_span:
+            decision = await self._admit(tenant, reserve)
+            adm_span.set_attribute("tessera.admitted", isinstance(decision, Lease))
+        if isinstance(decision, Rejection):
+            gw.metrics.rejected(tenant.name, decision.limit)
+            span.set_attribute("tessera.rejected", decision.limit)
+            raise APIError(429, decision.message, decision.limit,
+                           headers={"Retry-After": str(decision.retry_after_s or 1)})
+        lease = decision
+        admission_s = time.monotonic() - t_admit
+        span.set_attribute("tessera.admission_wait_s", admission_s)
+        result = StreamResult()
+        try:
+            await self._serve(chat, req, tenant, model, prompt_ids, max_tokens, request_id, trace_carrier,
+                              span, send, receive, result, lease, t_start)
+        finally:
+            if lease is not None:
+                # Bill at least what was generated, also when the client went away mid-stream.
+                with contextlib.suppress(Exception):
+                    await gw.admission.finish(lease, len(prompt_ids), result.completion_tokens)
+
+    async def _admit(self, tenant: Tenant, reserve: int) -> Lease | Rejection | None:
+        gw = self.gw
+        try:
+            return await gw.admission.admit(tenant.name, tenant.policy, reserve)
+        except Exception as exc:
+            from tessera.gateway.app import REDIS_ERRORS
+
+            if not isinstance(exc, REDIS_ERRORS) or not gw.settings.redis_fail_open:
+                raise
+            gw.metrics.fail_open(tenant.name)
+            return None
+
+    async def _serve(self, chat: bool, req: CompletionRequest | ChatCompletionRequest, tenant: Tenant,
+                     model: ServedModel, prompt_ids: list[int], max_tokens: int, request_id: str,
+                     carrier: dict[str, str], span: Span, send: Send, receive: Receive, result: StreamResult,
+                     lease: Lease | None, t_start: float) -> None:
+        gw = self.gw
+        salt = tenant.cache_salt if tenant.policy.prefix_cache_isolation else None
+        hashes = block_hash_chain(prompt_ids, model.info.block_size, salt)
+        prompt_text = ""
+        if gw.router.policy_name == "approx_prefix":
+            prompt_text = model.tokenizer.decode(prompt_ids[:APPROX_PREFIX_CHARS // 2])
+        with gw.tracer.start_as_current_span("route") as route_span:
+            decision, records = await gw.router.route(RouteRequest(
+                tenant=tenant.name, model=req.model, num_prompt_tokens=len(prompt_ids), block_hashes=hashes,
+                prompt_prefix=prompt_text, session_id=req.user,
+            ))
+            route_span.set_attributes({"tessera.route.reason": decision.reason,
+                                       "tessera.route.expected_cached_tokens": decision.expected_cached_tokens})
+        if not decision.ranked:
+            raise APIError(503, f"No engine is serving {req.model!r} right now; retry shortly.",
+                           "engine_unavailable", headers={"Retry-After": "2"})
+        priority = tenant.policy.priority
+        if await _demoted(gw, tenant.name):
+            priority += DEMOTION_STEP
+        body = {"request_id": request_id, "prompt_token_ids": prompt_ids, "max_tokens": max_tokens,
+                "temperature": req.temperature, "top_p": req.top_p, "seed": req.seed, "stop": req.stop_list,
+                "n": req.n, "cache_salt": salt, "priority": priority}
+        targets = [(eid, records[eid].url) for eid in decision.ranked]
+        engine_headers = {"x-tessera-tenant": tenant.name, "x-request-id": request_id, **carrier}
+        response_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        created = int(time.time())
+        first = decision.ranked[0]
+        out_headers = [(b"x-request-id", request_id.encode()), (b"x-tessera-engine", first.encode()),
+                       (b"x-tessera-route-reason", decision.reason.encode())]
+        span.set_attributes({"tessera.engine": first, "tessera.route.reason": decision.reason,
+                             "tessera.priority": priority})
+        gw.router.started(first)
+        try:
+            with gw.tracer.start_as_current_span("engine.call") as call_span:
+                from opentelemetry.propagate import inject
+
+                inject(engine_headers)
+                stream = gw.engines.stream(targets, body, engine_headers, result)
+                if req.stream:
+                    await self._stream_out(chat, req, stream, send, receive, out_headers, response_id, created,
+                                           len(prompt_ids), result)
+                else:
+                    await self._collect(chat, req, stream, send, out_headers, response_id, created,
+                                        len(prompt_ids), result)
+                call_span.set_attribute("tessera.engines_tried", ",".join(result.engines_tried))
+        finally:
+            gw.router.finished(first)
+            stats = result.stats
+            span.set_attributes({
+                "gen_ai.usage.output_tokens": result.completion_tokens,
+                "tessera.cached_tokens": int(stats.get("num_cached_tokens", 0)),
+                "tessera.preemptions": int(stats.get("num_preemptions", 0)),
+                "tessera.retries": result.retries,
+                "tessera.engine.final": result.engines_tried[-1] if result.engines_tried else "",
+            })
+            gw.metrics.completed(tenant.name, result.completion_tokens, time.monotonic() - t_start)
+
+    async def _collect(self, chat: bool, req: Any, stream: Any, send: Send, out_headers: list[tuple[bytes, bytes]],
+                       response_id: str, created: int, num_prompt: int, result: StreamResult) -> None:
+        texts: dict[int, list[str]] = {i: [] for i in range(req.n)}
+        async for delta in stream:
+            texts.setdefault(delta.index, []).append(delta.text)
+        cached = int(result.stats.get("num_cached_tokens", 0))
+        body = full_response(chat, response_id, req.model, created, {i: "".join(t) for i, t in texts.items()},
+                             result.finish, usage(num_prompt, result.completion_tokens, cached))
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"application/json"), *out_headers]})
+        await send({"type": "http.response.body", "body": body})
+
+    async def _stream_out(self, chat: bool, req: Any, stream: Any, send: Send, receive: Receive,
+                          out_headers: list[tuple[bytes, bytes]], response_id: str, created: int, num_prompt: int,
+                          result: StreamResult) -> None:
+        writer = ChunkWriter(chat, response_id, req.model, created)
+
+        state = {"started": False}
+
+        async def pump() -> None:
+            async for delta in stream:
+                if not state["started"]:
+                    await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS + out_headers})
+                    state["started"] = True
+                    if chat:
+                        await send({"type": "http.response.body",
+                                    "body": b"".join(writer.role(i) for i in range(req.n)), "more_body": True})
+                if delta.text:
+                    await send({"type": "http.response.body", "body": writer.text(delta.index, delta.text),
+                                "more_body": True})
+            if not state["started"]:
+                state["started"] = True
+                await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS + out_headers})
+            tail = [writer.finish(i, finish_reason(result.finish.get(i))) for i in range(req.n)]
+            if req.include_usage:
+                cached = int(result.stats.get("num_cached_tokens", 0))
+                tail.append(writer.usage(usage(num_prompt, result.completion_tokens, cached)))
+            tail.append(writer.done())
+            await send({"type": "http.response.body", "body": b"".join(tail), "more_body": False})
+
+        pump_task = asyncio.ensure_future(pump())
+        gone_task = asyncio.ensure_future(_wait_disconnect(receive))
+        try:
+            done, _ = await asyncio.wait({pump_task, gone_task}, return_when=asyncio.FIRST_COMPLETED)
+            if pump_task in done:
+                pump_task.result()
+            else:
+                # Client left: closing the engine stream makes the replica abort the vLLM request.
+                pump_task.cancel()
+                await asyncio.gather(pump_task, return_exceptions=True)
+        except APIError as err:
+            if not state["started"]:
+                raise
+            await send({"type": "http.response.body",
+                        "body": b"data: " + orjson.dumps({"error": {"message": err.message, "code": err.code}})
+                        + b"\n\n", "more_body": False})
+        finally:
+            gone_task.cancel()
+            with contextlib.suppress(BaseException):
+                await stream.aclose()
+
+
+async def _wait_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _demoted(gw: Gateway, tenant: str) -> bool:
+    from tessera.tenancy.demotion import is_demoted
+
+    return await is_demoted(gw.redis, tenant)
+
+
+def parse_request(chat: bool, raw: bytes) -> CompletionRequest | ChatCompletionRequest:
+    try:
+        data = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise bad_request(f"Request body is not valid JSON: {exc}", "invalid_json") from None
+    if not isinstance(data, dict):
+        raise bad_request("Request body must be a JSON object.", "invalid_json")
+    try:
+        return ChatCompletionRequest.model_validate(data) if chat else CompletionRequest.model_validate(data)
+    except ValidationError as exc:
+        from tessera.gateway.app import validation_message
+
+        message, param = validation_message(exc)
+        raise bad_request(message, "invalid_value", param) from None
+
+
+def tokenize(chat: bool, req: CompletionRequest | ChatCompletionRequest, model: ServedModel) -> list[int]:
+    if isinstance(req, ChatCompletionRequest):
+        try:
+            messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        except ValueError as exc:
+            raise bad_request(str(exc), "unsupported_content", "messages") from None
+        ids = model.encode_chat(messages)
+    elif isinstance(req.prompt, str):
+        ids = model.encode(req.prompt)
+    elif req.prompt and isinstance(req.prompt[0], str):
+        ids = model.encode(str(req.prompt[0]))
+    else:
+        ids = [int(t) for t in req.prompt]  # type: ignore[arg-type]
+        vocab = model.tokenizer.get_vocab_size()
+        if any(t < 0 or t >= vocab for t in ids):
+            raise bad_request(f"Prompt token ids must be in [0, {vocab}).", "invalid_token_id", "prompt")
+    if not ids:
+        raise bad_request("The prompt is empty after tokenization.", "empty_prompt", "prompt")
+    return ids
+
+
+def check_limits(chat: bool, req: CompletionRequest | ChatCompletionRequest, tenant: Tenant,
+                 model: ServedModel, num_prompt: int) -> int:
+    policy = tenant.policy
+    if req.n > policy.max_n:
+        raise bad_request(f"n={req.n} exceeds your limit of {policy.max_n}.", "n_too_large", "n")
+    if policy.max_prompt_tokens is not None and num_prompt > policy.max_prompt_tokens:
+        raise bad_request(f"The prompt has {num_prompt} tokens; your limit is {policy.max_prompt_tokens}.",
+                          "prompt_too_long", "prompt")
+    context = model.info.max_model_len
+    if num_prompt >= context:
+        raise bad_request(f"The prompt has {num_prompt} tokens; the model's context is {context} tokens.",
+                          "context_length_exceeded", "messages" if chat else "prompt")
+    requested = req.requested_max_tokens if isinstance(req, ChatCompletionRequest) else req.max_tokens
+    param = "max_tokens"
+    if requested is None:
+        return min(policy.max_tokens_cap, context - num_prompt)
+    if requested > policy.max_tokens_cap:
+        raise bad_request(f"max_tokens={requested} exceeds your limit of {policy.max_tokens_cap}.",
+                          "max_tokens_too_large", param)
+    if num_prompt + requested > context:
+        raise bad_request(
+            f"This model's maximum context length is {context} tokens; the prompt has {num_prompt} and "
+            f"max_tokens is {requested} ({num_prompt + requested} in all). Lower max_tokens or the prompt.",
+            "context_length_exceeded", param)
+    return requested

@@ -1,0 +1,90 @@
+"""The gateway's view of served models: tokenizers (loaded once per process) and context limits."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from tessera.engine.registry import ModelInfo, list_models
+
+CATALOG_REFRESH_S = 2.0
+
+
+@dataclass(slots=True)
+class ServedModel:
+    info: ModelInfo
+    tokenizer: Any  # tokenizers.Tokenizer
+    chat_template: Any  # jinja2.Template | None
+    bos_token: str
+    eos_token: str
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        if self.chat_template is None:
+            # No template shipped: a plain role-prefixed transcript, documented in the README.
+            text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
+        else:
+            text = self.chat_template.render(
+                messages=messages, add_generation_prompt=True, bos_token=self.bos_token, eos_token=self.eos_token
+            )
+        return self.encode(text)
+
+
+def load_served_model(info: ModelInfo) -> ServedModel:
+    import jinja2
+    from tokenizers import Tokenizer
+
+    path = Path(info.tokenizer)
+    tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
+    config: dict[str, Any] = {}
+    if (path / "tokenizer_config.json").exists():
+        config = json.loads((path / "tokenizer_config.json").read_text())
+    template_text = config.get("chat_template")
+    if not template_text and (path / "chat_template.jinja").exists():
+        template_text = (path / "chat_template.jinja").read_text()
+    env = jinja2.Environment(autoescape=False, keep_trailing_newline=True)
+    template = env.from_string(template_text) if isinstance(template_text, str) else None
+
+    def token_text(value: Any) -> str:
+        return value.get("content", "") if isinstance(value, dict) else str(value or "")
+
+    return ServedModel(info, tokenizer, template, token_text(config.get("bos_token")),
+                       token_text(config.get("eos_token")))
+
+
+class ModelCatalog:
+    """Models registered by engines, refreshed from Redis at most every ``CATALOG_REFRESH_S``."""
+
+    def __init__(self, redis: aioredis.Redis) -> None:
+        self._redis = redis
+        self._models: dict[str, ServedModel] = {}
+        self._refreshed_at = 0.0
+
+    async def refresh(self, force: bool = False) -> None:
+        if not force and time.monotonic() - self._refreshed_at < CATALOG_REFRESH_S:
+            return
+        infos = await list_models(self._redis)
+        for info in infos:
+            current = self._models.get(info.name)
+            if current is None or current.info != info:
+                self._models[info.name] = load_served_model(info)
+        for name in set(self._models) - {i.name for i in infos}:
+            del self._models[name]
+        self._refreshed_at = time.monotonic()
+
+    async def get(self, name: str) -> ServedModel | None:
+        await self.refresh()
+        if name not in self._models:
+            await self.refresh(force=True)
+        return self._models.get(name)
+
+    async def names(self) -> list[str]:
+        await self.refresh()
+        return sorted(self._models)

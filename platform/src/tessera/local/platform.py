@@ -1,0 +1,186 @@
+"""The whole platform on one machine: embedded Redis, a local Ray with the engine deployment, the gateway.
+
+Used by ``make run`` (``tessera up``) and by the end-to-end tests' fixture, so what the tests exercise is
+exactly what a developer runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from tessera.engine.config import EngineConfig, default_small_model_dir
+from tessera.engine.small_model import is_small_model_dir, make_small_model
+from tessera.redis_conn import EmbeddedRedis, connect
+from tessera.tenancy.policy import TenantPolicy
+from tessera.tenancy.store import TenantStore
+
+
+@dataclass
+class LocalPlatformOptions:
+    state_dir: Path = Path(".tessera")
+    model_dir: Path | None = None
+    num_engines: int = 1
+    gateway_port: int = 8000
+    gateway_workers: int = 2
+    gateway_host: str = "127.0.0.1"
+    redis_url: str | None = None
+    routing_policy: str = "prefix_affinity"
+    admin_token: str | None = None
+    engine_overrides: dict[str, Any] = field(default_factory=dict)
+    trace_dir: Path | None = None
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+
+class LocalPlatform:
+    def __init__(self, options: LocalPlatformOptions) -> None:
+        self.options = options
+        self.redis: EmbeddedRedis | None = None
+        self.redis_url = options.redis_url or ""
+        self.gateway: subprocess.Popen[bytes] | None = None
+        self.engine_config: EngineConfig | None = None
+        self._ray_started = False
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.options.gateway_host}:{self.options.gateway_port}"
+
+    @property
+    def run_dir(self) -> Path:
+        return self.options.state_dir / "run"
+
+    def start(self, timeout_s: float = 600.0) -> LocalPlatform:
+        deadline = time.monotonic() + timeout_s
+        opts = self.options
+        model_dir = opts.model_dir or default_small_model_dir(opts.state_dir)
+        if opts.model_dir is None and not is_small_model_dir(model_dir):
+            print(f"[tessera] generating the small model in {model_dir}", flush=True)
+            make_small_model(model_dir)
+        if not (model_dir / "config.json").exists():
+            raise FileNotFoundError(f"{model_dir} has no config.json: give a Hugging Face model directory")
+        self.engine_config = EngineConfig.model_validate(
+            {"model": str(model_dir.resolve()), "served_model_name": opts.engine_overrides.get(
+                "served_model_name", "tessera-small" if opts.model_dir is None else model_dir.name),
+             **opts.engine_overrides})
+        self.engine_config.validate_for_cpu() if not _has_gpu() else None
+
+        if not self.redis_url:
+            self.redis = EmbeddedRedis().start()
+            self.redis_url = self.redis.url
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "redis_url").write_text(self.redis_url)
+        env = self._env()
+        os.environ.update(env)
+
+        print(f"[tessera] starting Ray Serve with {opts.num_engines} engine replica(s)", flush=True)
+        self._start_ray(env)
+        self._start_gateway(env)
+        self._wait_ready(deadline)
+        return self
+
+    def _env(self) -> dict[str, str]:
+        opts = self.options
+        env = {
+            "TESSERA_REDIS_URL": self.redis_url,
+            "TESSERA_ROUTING_POLICY": opts.routing_policy,
+            "TESSERA_TRACE_DIR": str((opts.trace_dir or opts.state_dir / "traces").resolve()),
+            "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+            **opts.extra_env,
+        }
+        if opts.admin_token:
+            env["TESSERA_ADMIN_TOKEN"] = opts.admin_token
+        return env
+
+    def _start_ray(self, env: dict[str, str]) -> None:
+        import ray
+        from ray import serve
+
+        from tessera.engine.deployment import build_app
+
+        assert self.engine_config is not None
+        ray.init(num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False, log_to_driver=False,
+                 runtime_env={"env_vars": env}, configure_logging=False)
+        self._ray_started = True
+        serve.start(proxy_location="Disabled")
+        app = build_app({"engine": self.engine_config.model_dump(by_alias=True), "replicas": self.options.num_engines})
+        serve.run(app, name="tessera-engines", route_prefix=None, blocking=False)
+
+    def _start_gateway(self, env: dict[str, str]) -> None:
+        opts = self.options
+        cmd = [sys.executable, "-m", "uvicorn", "tessera.gateway.app:create_app", "--factory",
+               "--host", opts.gateway_host, "--port", str(opts.gateway_port), "--workers", str(opts.gateway_workers),
+               "--loop", "uvloop", "--http", "httptools", "--no-access-log", "--log-level", "warning",
+               "--timeout-keep-alive", "30"]
+        self.gateway = subprocess.Popen(cmd, env={**os.environ, **env}, start_new_session=True)
+
+    def _wait_ready(self, deadline: float) -> None:
+        async def engines_ready() -> bool:
+            from tessera.engine.registry import EngineRegistry
+
+            redis = connect(self.redis_url)
+            try:
+                return len(await EngineRegistry(redis).live_engines()) >= self.options.num_engines
+            finally:
+                await redis.aclose()
+
+        while time.monotonic() < deadline:
+            if self.gateway is not None and self.gateway.poll() is not None:
+                raise RuntimeError(f"the gateway exited with code {self.gateway.returncode}")
+            if asyncio.run(engines_ready()):
+                with contextlib.suppress(httpx.HTTPError):
+                    if httpx.get(f"{self.base_url}/health", timeout=2).status_code == 200:
+                        return
+            time.sleep(1.0)
+        raise TimeoutError("the platform did not become ready in time")
+
+    async def create_tenant(self, name: str, policy: TenantPolicy | None = None) -> str:
+        redis = connect(self.redis_url, timeout_s=5)
+        try:
+            store = TenantStore(redis)
+            if await store.get_tenant(name) is None:
+                await store.create_tenant(name, policy)
+            elif policy is not None:
+                await store.set_policy(name, policy)
+            return (await store.issue_key(name)).plaintext
+        finally:
+            await redis.aclose()
+
+    def stop(self) -> None:
+        if self.gateway is not None and self.gateway.poll() is None:
+            os.killpg(self.gateway.pid, signal.SIGTERM)
+            try:
+                self.gateway.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.gateway.pid, signal.SIGKILL)
+        if self._ray_started:
+            import ray
+            from ray import serve
+
+            with contextlib.suppress(Exception):
+                serve.shutdown()
+            ray.shutdown()
+            self._ray_started = False
+        if self.redis is not None:
+            self.redis.stop()
+            self.redis = None
+        with contextlib.suppress(FileNotFoundError):
+            (self.run_dir / "redis_url").unlink()
+
+
+def _has_gpu() -> bool:
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except ImportError:
+        return False

@@ -1,0 +1,80 @@
+"""Subscribes to one engine's KV events (vLLM's ZMQ publisher) and decodes them into plain values.
+
+Wire format (vLLM 0.32): multipart ``[topic, seq (8 bytes big-endian), msgpack(KVEventBatch)]``; events
+are tagged structs BlockStored / BlockRemoved / AllBlocksCleared. The decoder is vLLM's own struct types,
+so a format change in vLLM fails loudly here rather than silently mis-indexing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(slots=True)
+class DecodedBatch:
+    seq: int
+    ts: float
+    # In event order: ("store", hash), ("remove", hash), ("clear", 0). Order matters: a block can be
+    # removed and stored again within one batch.
+    ops: list[tuple[str, int]] = field(default_factory=list)
+    # One entry per stored block: (hash, parent hash, token ids, cache salt or None).
+    stored_blocks: list[tuple[int, int | None, list[int], str | None]] = field(default_factory=list)
+
+
+def _as_int(value: Any) -> int:
+    if isinstance(value, bytes):
+        return int.from_bytes(value, "big") & ((1 << 64) - 1)
+    return int(value)
+
+
+def _salt(extra: Any) -> str | None:
+    if not extra:
+        return None
+    for key in extra:
+        if isinstance(key, str):
+            return key
+    return None
+
+
+def decode_batch(seq: int, batch: Any) -> DecodedBatch:
+    from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+
+    out = DecodedBatch(seq=seq, ts=float(batch.ts))
+    for event in batch.events:
+        if isinstance(event, BlockStored):
+            size = event.block_size
+            extras = event.extra_keys or [None] * len(event.block_hashes)
+            parent = _as_int(event.parent_block_hash) if event.parent_block_hash is not None else None
+            for i, raw in enumerate(event.block_hashes):
+                h = _as_int(raw)
+                out.ops.append(("store", h))
+                out.stored_blocks.append((h, parent, list(event.token_ids[i * size:(i + 1) * size]),
+                                          _salt(extras[i] if i < len(extras) else None)))
+                parent = h
+        elif isinstance(event, BlockRemoved):
+            out.ops.extend(("remove", _as_int(h)) for h in event.block_hashes)
+        elif isinstance(event, AllBlocksCleared):
+            out.ops.append(("clear", 0))
+    return out
+
+
+async def subscribe(endpoint: str, topic: str = "") -> AsyncIterator[DecodedBatch]:
+    """Yields decoded batches from a ZMQ PUB endpoint until cancelled."""
+    import msgspec
+    import zmq
+    import zmq.asyncio
+    from vllm.distributed.kv_events import KVEventBatch
+
+    decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+    ctx = zmq.asyncio.Context.instance()
+    sock = ctx.socket(zmq.SUB)
+    sock.setsockopt(zmq.SUBSCRIBE, topic.encode())
+    sock.connect(endpoint)
+    try:
+        while True:
+            _, seq_bytes, payload = await sock.recv_multipart()
+            yield decode_batch(int.from_bytes(seq_bytes, "big"), decoder.decode(payload))
+    finally:
+        sock.close(linger=0)
