@@ -10,13 +10,4 @@ KIB = 1024
 MIB = 1024**2
 GIB = 1024**3
 GB = 1e9
-TB = 1e12
 TFLOP = 1e12
-
-
-def to_gib(num_bytes: float) -> float:
-    return num_bytes / GIB
-
-
-def to_gb(num_bytes: float) -> float:
-    return num_bytes / GB

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from tessera.planner.hardware import AcceleratorSpec, Link
 from tessera.planner.parallelism import RANK_ORDER, TrainingSetup
 from tessera.planner.pipeline import stage_layers
-from tessera.planner.shapes import ModelShape, count_params
+from tessera.planner.shapes import ModelShape, count_params, kv_heads_per_gpu
 
 ACTIVATION_BYTES = 2
 
@@ -117,7 +117,7 @@ def context_parallel_traffic(
     c = setup.cp
     if c == 1:
         return None
-    kv_heads_here = shape.kv_heads / setup.tp if setup.tp <= shape.kv_heads else 1
+    kv_heads_here = kv_heads_per_gpu(shape, setup.tp)
     kv_bytes = 2 * setup.micro_batch_size * setup.seq_len * kv_heads_here * shape.head_size * ACTIVATION_BYTES
     ops_per_layer = 3 + (1 if setup.recompute == "full" else 0)
     per_op = all_gather_bytes_per_rank(kv_bytes, c)

@@ -75,14 +75,14 @@ class Explanation:
         return self.mfu_convention == self.hfu_convention
 
     def describe(self) -> str:
-        work = f"{self.recompute} recomputation"
+        work = "no recomputation" if self.recompute == "none" else f"{self.recompute} recomputation"
         if self.flash_counted:
             work += " and FlashAttention's backward recompute of the scores"
         if self.consistent:
             return f"both count {CONVENTION_LABELS[self.mfu_convention]}; HFU adds {work}"
         return (
-            f"MFU counts {CONVENTION_LABELS[self.mfu_convention]} while HFU counts executed work: "
-            f"{CONVENTION_LABELS[self.hfu_convention]} attention, forward and backward, plus {work}"
+            f"MFU counts {CONVENTION_LABELS[self.mfu_convention]} while HFU counts executed work under the "
+            f"{CONVENTION_LABELS[self.hfu_convention]} convention: forward, backward, {work}"
         )
 
 
@@ -186,7 +186,12 @@ def diagnose(shape: ModelShape, gpu: AcceleratorSpec, pair: MeasuredPair) -> Dia
         verdict, explanations = "mixed-conventions", tuple(mixed)
     else:
         verdict, explanations = "unexplained", ()
-    best = explanations[0] if explanations else min(candidates, key=lambda e: abs(e.predicted_ratio - ratio))
+    if explanations:
+        best = explanations[0]
+    else:
+        # Nearest accounting, among those whose MFU convention agrees with a measured throughput.
+        pool = [e for e in candidates if mfu_matches(e.mfu_convention)] or candidates
+        best = min(pool, key=lambda e: abs(e.predicted_ratio - ratio))
     model = model_flops_per_token(shape, seq_len, best.mfu_convention)
     tokens = pair.tokens_per_s_per_gpu or tokens_per_s_at(pair.mfu_percent / 100.0, model, 1, peak)
     by_convention: dict[str, float] = {

@@ -7,7 +7,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from tessera.planner.flops import AttentionConvention, RecomputeMode
-from tessera.planner.shapes import ModelShape
+from tessera.planner.shapes import ModelShape, can_split_heads
 
 # Megatron's default rank order, innermost first: TP ranks are neighbours (same node), PP the outermost.
 RANK_ORDER: tuple[Literal["tp", "cp", "dp", "pp"], ...] = ("tp", "cp", "dp", "pp")
@@ -77,11 +77,10 @@ class TrainingSetup(BaseModel):
 
     def check_against(self, shape: ModelShape) -> None:
         """Raise ``ValueError`` when the degrees cannot split ``shape`` (heads over TP)."""
-        if shape.num_heads % self.tp:
-            raise ValueError(f"tp={self.tp} must divide the {shape.num_heads} query heads of {shape.name}")
-        if self.tp > shape.kv_heads and self.tp % shape.kv_heads:
+        if not can_split_heads(shape, self.tp):
             raise ValueError(
-                f"tp={self.tp} must be a multiple of the {shape.kv_heads} KV heads of {shape.name}"
+                f"tp={self.tp} must divide the {shape.num_heads} query heads of {shape.name}, and divide or "
+                f"be a multiple of its {shape.kv_heads} KV heads"
             )
         if self.pp > shape.num_layers:
             raise ValueError(f"pp={self.pp} exceeds the {shape.num_layers} layers of {shape.name}")

@@ -23,7 +23,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from tessera.planner._units import GIB
+from tessera.planner._units import GIB, KIB
 from tessera.planner.hardware import AcceleratorSpec
 from tessera.planner.serving import (
     KVCapacity,
@@ -34,7 +34,7 @@ from tessera.planner.serving import (
     kv_capacity,
     roofline_speculative_speedup,
 )
-from tessera.planner.shapes import ModelShape
+from tessera.planner.shapes import ModelShape, can_split_heads
 
 SpeculativeChoice = Literal["ngram", "mtp", "eagle", "eagle3", "draft_model", "none"]
 MAX_UTILIZATION = 0.95
@@ -133,9 +133,7 @@ def tp_candidates(shape: ModelShape, gpu: AcceleratorSpec, max_tp: int) -> tuple
     sizes = []
     t = 1
     while t <= limit:
-        heads_ok = shape.num_heads % t == 0
-        kv_ok = shape.kv_heads % t == 0 or t % shape.kv_heads == 0
-        if heads_ok and kv_ok:
+        if can_split_heads(shape, t):
             sizes.append(t)
         t *= 2
     return tuple(sizes)
@@ -239,6 +237,11 @@ def propose_engine_settings(
     shape: ModelShape, gpu: AcceleratorSpec, request: ServeRequest, *, block_size: int = 16
 ) -> EngineProposal | None:
     """Engine settings for ``request``; ``None`` when no tensor-parallel size up to ``max_tp`` fits."""
+    if request.tp is not None and not can_split_heads(shape, request.tp):
+        valid = ", ".join(str(t) for t in tp_candidates(shape, gpu, gpu.gpus_per_node))
+        raise ValueError(
+            f"tp={request.tp} cannot split the heads of {shape.name}; valid up to a node: {valid}"
+        )
     utilization = request.gpu_memory_utilization or proposed_utilization(gpu, request.memory_reserve_gib)
     sizes = (request.tp,) if request.tp is not None else tp_candidates(shape, gpu, request.max_tp)
     chosen: tuple[int, KVCapacity] | None = None
@@ -269,7 +272,7 @@ def propose_engine_settings(
         f"tensor_parallel_size={tp}: smallest size whose KV cache holds {request.min_concurrent_seqs} "
         f"sequences of {request.seq_len_for_capacity} tokens ({capacity.concurrent_seqs} fit)",
         f"kv_cache_dtype={ENGINE_KV_DTYPE[request.kv_dtype]}: "
-        f"{capacity.kv_bytes_per_token / 1024:.0f} KiB per token per GPU",
+        f"{capacity.kv_bytes_per_token / KIB:.0f} KiB per token per GPU",
         f"gpu_memory_utilization={utilization:.2f}: "
         + (
             "as asked"

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from tessera.planner.hardware import AcceleratorSpec, ComputeDtype
-from tessera.planner.shapes import ModelShape, count_params
+from tessera.planner.shapes import ModelShape, count_params, kv_heads_per_gpu
 
 KVDtype = Literal["bf16", "fp8", "int8"]
 WeightDtype = Literal["bf16", "fp8", "int8", "int4"]
@@ -35,13 +35,6 @@ KV_DTYPES: tuple[KVDtype, ...] = ("bf16", "fp8", "int8")
 KV_DTYPE_BYTES: dict[KVDtype, int] = {"bf16": 2, "fp8": 1, "int8": 1}
 WEIGHT_DTYPE_BYTES: dict[WeightDtype, float] = {"bf16": 2.0, "fp8": 1.0, "int8": 1.0, "int4": 0.5}
 LOGIT_BYTES = 4
-
-
-def kv_heads_per_gpu(shape: ModelShape, tp: int) -> float:
-    """KV heads one GPU stores: g/t, or one replicated head when t exceeds g."""
-    if tp < 1:
-        raise ValueError(f"tensor-parallel degree must be >= 1, got {tp}")
-    return shape.kv_heads / tp if tp <= shape.kv_heads else 1.0
 
 
 def kv_bytes_per_token(shape: ModelShape, kv_dtype: KVDtype) -> int:

@@ -109,6 +109,20 @@ class ModelShape(BaseModel):
         return self.kv_heads * self.head_size
 
 
+def can_split_heads(shape: ModelShape, tp: int) -> bool:
+    """Whether ``tp`` GPUs can share the query heads evenly, and the KV heads evenly or by replication."""
+    if tp < 1:
+        raise ValueError(f"tensor-parallel degree must be >= 1, got {tp}")
+    return shape.num_heads % tp == 0 and (shape.kv_heads % tp == 0 or tp % shape.kv_heads == 0)
+
+
+def kv_heads_per_gpu(shape: ModelShape, tp: int) -> float:
+    """KV heads one GPU of a TP group holds: g/t, or one replicated head when t exceeds g."""
+    if tp < 1:
+        raise ValueError(f"tensor-parallel degree must be >= 1, got {tp}")
+    return shape.kv_heads / tp if tp <= shape.kv_heads else 1.0
+
+
 @dataclass(frozen=True, slots=True)
 class ParamCount:
     """Parameters of a model, split the way the FLOP and memory formulas use them."""

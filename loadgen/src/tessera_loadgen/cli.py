@@ -1,0 +1,245 @@
+"""``tessera-loadgen``: run, sweep, mock-server, validate, report."""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import resource
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from tessera_loadgen.workload import Workload, load_workload
+
+DEFAULT_RUNS_DIR = Path("runs")
+
+
+def _raise_fd_limit() -> None:
+    # An open-loop client facing a slow server holds one socket per request in flight.
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+def _keys(pairs: Sequence[str]) -> dict[str, str]:
+    keys = {}
+    for pair in pairs:
+        tenant, sep, key = pair.partition("=")
+        if not sep or not tenant:
+            raise SystemExit(f"--key expects TENANT=KEY, got {pair!r}")
+        keys[tenant] = key
+    return keys
+
+
+def _load(args: argparse.Namespace) -> Workload:
+    workload = load_workload(args.workload)
+    updates: dict[str, Any] = {}
+    for field in ("model", "seed", "duration_s", "num_requests", "warmup_s"):
+        value = getattr(args, field, None)
+        if value is not None:
+            updates[field] = value
+    if getattr(args, "target", None):
+        updates["target"] = args.target
+    data = workload.model_dump() | updates
+    workload = Workload.model_validate(data)
+    if args.key:
+        workload = workload.with_keys(_keys(args.key))
+    if workload.target is None:
+        raise SystemExit("no target: pass --target URL or set 'target' in the workload")
+    return workload
+
+
+def _run_dir(args: argparse.Namespace, workload: Workload) -> Path:
+    if args.out:
+        return Path(args.out)
+    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    return DEFAULT_RUNS_DIR / f"{workload.name}-{stamp}"
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from tessera_loadgen.client import Target
+    from tessera_loadgen.execute import execute
+    from tessera_loadgen.results import format_table
+
+    workload = _load(args)
+    assert workload.target is not None
+    run_dir = _run_dir(args, workload)
+    output = execute(
+        workload,
+        Target.parse(workload.target),
+        run_dir,
+        num_workers=args.workers,
+        progress=not args.no_progress,
+        plots=not args.no_plots,
+    )
+    print(format_table(output.result["summary"]))
+    print(f"results: {run_dir}")
+    overall = output.result["summary"]["overall"]
+    if overall["client_lagging"]:
+        print(
+            "warning: the client itself was late (schedule-lag p99 above 5 ms); try --workers",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from tessera_loadgen.client import Target
+    from tessera_loadgen.execute import execute
+    from tessera_loadgen.sweep import format_points, geometric_rates, run_sweep
+
+    workload = _load(args)
+    assert workload.target is not None
+    target = Target.parse(workload.target)
+    if args.rates:
+        rates = [float(r) for r in args.rates.split(",") if r.strip()]
+    elif args.start and args.max:
+        rates = geometric_rates(args.start, args.factor, args.max)
+    else:
+        raise SystemExit("give --rates R1,R2,... or --start R --max R [--factor F]")
+    out_dir = _run_dir(args, workload)
+
+    def run_point(scaled: Workload, run_dir: Path) -> dict[str, Any]:
+        output = execute(
+            scaled, target, run_dir, num_workers=args.workers, progress=not args.no_progress, plots=False
+        )
+        summary: dict[str, Any] = output.result["summary"]
+        return summary
+
+    def show(point: Any) -> None:
+        print(
+            f"rate {point.rate_rps:g} req/s: achieved {point.achieved_rate_rps or 0:.1f}, "
+            f"attainment {(point.slo_attainment or 0) * 100:.1f}%, {'ok' if point.ok else 'FAILED'}",
+            flush=True,
+        )
+
+    points, best = run_sweep(workload, rates, out_dir, run_point, refine_steps=args.refine, on_point=show)
+    print(format_points(points, best))
+    print(f"results: {out_dir}")
+    return 0
+
+
+def cmd_mock_server(args: argparse.Namespace) -> int:
+    from tessera_loadgen.mock_server import MockConfig, serve
+
+    config = MockConfig(
+        model=args.model,
+        ttft_s=args.ttft_s,
+        itl_s=args.itl_s,
+        tokens_per_chunk=args.tokens_per_chunk,
+        default_max_tokens=args.default_max_tokens,
+        error_rate=args.error_rate,
+        error_status=args.error_status,
+        reject_rate=args.reject_rate,
+        retry_after_s=None if args.retry_after_s.lower() == "none" else float(args.retry_after_s),
+        break_rate=args.break_rate,
+        stall_after_requests=args.stall_after_requests,
+        stall_s=args.stall_s,
+        seed=args.seed,
+    )
+    try:
+        serve(config, args.host, args.port, args.workers)
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    workload = load_workload(args.workload)
+    rate = workload.open_loop_rate_rps()
+    print(f"{args.workload}: ok, {len(workload.tenants)} tenants, open-loop total {rate:g} req/s")
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from tessera_loadgen.results import format_table, load_result
+
+    result = load_result(Path(args.run_dir))
+    if args.json:
+        print(json.dumps(result["summary"], indent=2))
+    else:
+        print(format_table(result["summary"]))
+    return 0
+
+
+def _add_overrides(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("workload", help="workload YAML file")
+    parser.add_argument("--target", help="server root URL, e.g. http://127.0.0.1:8000")
+    parser.add_argument("--out", help="run directory (default: runs/NAME-TIMESTAMP)")
+    parser.add_argument(
+        "--key", action="append", default=[], metavar="TENANT=KEY", help="API key of a tenant"
+    )
+    parser.add_argument("--model", help="default model for tenants that set none")
+    parser.add_argument("--seed", type=int)
+    parser.add_argument("--duration", dest="duration_s", type=float, help="measured seconds")
+    parser.add_argument("--num-requests", type=int, help="measured requests")
+    parser.add_argument("--warmup", dest="warmup_s", type=float, help="warm-up seconds")
+    parser.add_argument("--workers", type=int, default=1, help="client processes (for rates beyond one core)")
+    parser.add_argument("--no-progress", action="store_true", help="no live progress line")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tessera-loadgen", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    run = commands.add_parser("run", help="run a workload and write a run directory")
+    _add_overrides(run)
+    run.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    run.set_defaults(func=cmd_run)
+
+    sweep = commands.add_parser("sweep", help="run at increasing rates; report the highest meeting the SLOs")
+    _add_overrides(sweep)
+    sweep.add_argument("--rates", help="comma-separated total rates, req/s")
+    sweep.add_argument("--start", type=float, help="first rate of a geometric series")
+    sweep.add_argument("--factor", type=float, default=1.5, help="ratio of the series (default 1.5)")
+    sweep.add_argument("--max", type=float, help="last rate of the series")
+    sweep.add_argument("--refine", type=int, default=2, help="bisection steps after the first failure")
+    sweep.set_defaults(func=cmd_sweep)
+
+    mock = commands.add_parser("mock-server", help="OpenAI-compatible mock server with known timing")
+    mock.add_argument("--host", default="127.0.0.1")
+    mock.add_argument("--port", type=int, default=8100, help="0 picks a free port (printed)")
+    mock.add_argument("--workers", type=int, default=1)
+    mock.add_argument("--model", default="mock-model")
+    mock.add_argument("--ttft-s", type=float, default=0.0, help="time to first token")
+    mock.add_argument("--itl-s", type=float, default=0.0, help="delay per token")
+    mock.add_argument("--tokens-per-chunk", type=int, default=1)
+    mock.add_argument("--default-max-tokens", type=int, default=16)
+    mock.add_argument("--error-rate", type=float, default=0.0)
+    mock.add_argument("--error-status", type=int, default=500)
+    mock.add_argument("--reject-rate", type=float, default=0.0, help="share of requests answered 429")
+    mock.add_argument("--retry-after-s", default="1", help="Retry-After of a 429, or 'none'")
+    mock.add_argument("--break-rate", type=float, default=0.0, help="share of streams cut mid-way")
+    mock.add_argument("--stall-after-requests", type=int, help="stall once at the Nth request")
+    mock.add_argument("--stall-s", type=float, default=0.0, help="stall length")
+    mock.add_argument("--seed", type=int, default=0)
+    mock.set_defaults(func=cmd_mock_server)
+
+    validate = commands.add_parser("validate", help="check a workload file")
+    validate.add_argument("workload")
+    validate.set_defaults(func=cmd_validate)
+
+    report = commands.add_parser("report", help="print the summary of a run directory")
+    report.add_argument("run_dir")
+    report.add_argument("--json", action="store_true", help="print the summary as JSON")
+    report.set_defaults(func=cmd_report)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _raise_fd_limit()
+    try:
+        code: int = args.func(args)
+    except (ValidationError, ValueError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

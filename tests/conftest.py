@@ -1,0 +1,33 @@
+"""Fixtures shared by every test directory: a real Redis-protocol server and the small generated model."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tessera.engine.small_model import is_small_model_dir, make_small_model
+from tessera.redis_conn import EmbeddedRedis
+
+REPO = Path(__file__).resolve().parents[1]
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+# The tests' traces go to a per-session directory, never the developer's .tessera/.
+os.environ.setdefault("TESSERA_TRACE_EXPORTER", "jsonl")
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[EmbeddedRedis]:
+    server = EmbeddedRedis().start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def small_model_dir() -> Path:
+    """The default small model, generated once per checkout (deterministic from its seed)."""
+    path = REPO / ".tessera" / "models" / "tessera-small"
+    if not is_small_model_dir(path):
+        make_small_model(path)
+    return path

@@ -1,0 +1,90 @@
+"""Measured TTFT, TPOT and ITL against a mock server with known delays.
+
+Tolerances: a measured time can exceed the configured one by the server's and the client's event-loop
+lateness. The client's lateness is what its own schedule lag shows, so the allowed excess is a fixed
+floor for the server side and the network stack plus a multiple of the run's measured schedule-lag p99;
+medians are compared, so a few stragglers on a busy machine do not fail the test. A time can undershoot
+the configured one only by timer rounding (under 2 ms).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from tessera_loadgen.client import Target
+from tessera_loadgen.metrics import MetricSpec, summarize_run
+from tessera_loadgen.runner import Runner, run_in_loop
+from tessera_loadgen.workload import Workload
+
+MockFactory = Callable[..., str]
+
+EARLY_S = 0.002
+FLOOR_S = 0.010
+
+
+def run(url: str, rate: float = 20.0, n: int = 30, output_tokens: int = 16, **tenant: Any) -> dict[str, Any]:
+    workload = Workload.model_validate(
+        {
+            "num_requests": n,
+            "warmup_requests": 2,
+            "model": "mock-model",
+            "tenants": [
+                {
+                    "name": "t",
+                    "arrival": {"process": "constant", "rate_rps": rate},
+                    "classes": [{"name": "c", "output_tokens": output_tokens, "prompt": {"tokens": 16}}],
+                    **tenant,
+                }
+            ],
+        }
+    )
+    result = run_in_loop(Runner(workload, Target.parse(url)).run())
+    summary = summarize_run(result.records, MetricSpec.from_workload(workload))
+    assert summary["overall"]["num_failed"] == 0, summary["overall"]["errors"]
+    return summary["overall"]
+
+
+def close_to(measured: float, expected: float, lag_p99: float) -> None:
+    allowed = FLOOR_S + 3 * lag_p99
+    assert expected - EARLY_S <= measured <= expected + allowed, (measured, expected, allowed)
+
+
+def test_ttft_tpot_itl_match_the_configured_delays(mock_server: MockFactory) -> None:
+    url = mock_server(ttft_s=0.040, itl_s=0.008)
+    overall = run(url)
+    lag = overall["schedule_lag_s"]["p99"]
+    latency = overall["latency"]
+    close_to(latency["ttft_s"]["p50"], 0.040, lag)
+    close_to(latency["tpot_s"]["p50"], 0.008, lag)
+    close_to(latency["itl_s"]["p50"], 0.008, lag)
+    close_to(latency["itl_per_token_s"]["p50"], 0.008, lag)
+    # E2EL = TTFT + 15 gaps of 8 ms.
+    close_to(latency["e2el_s"]["p50"], 0.040 + 15 * 0.008, lag)
+    assert latency["itl_s"]["count"] == 30 * 15
+    assert overall["tokens"]["n_out"]["p50"] == 16
+    assert overall["tokens"]["num_chunk_tokens_estimated"] == 0
+
+
+def test_per_token_itl_is_right_when_chunks_carry_several_tokens(mock_server: MockFactory) -> None:
+    url = mock_server(ttft_s=0.020, itl_s=0.005, tokens_per_chunk=4)
+    overall = run(url)
+    lag = overall["schedule_lag_s"]["p99"]
+    latency = overall["latency"]
+    # 16 tokens in 4 chunks of 4, chunks 20 ms apart: ITL per chunk 20 ms, per token 5 ms.
+    assert latency["itl_s"]["count"] == 30 * 3
+    close_to(latency["itl_s"]["p50"], 0.020, lag)
+    assert latency["itl_per_token_s"]["count"] == 30 * 12
+    close_to(latency["itl_per_token_s"]["p50"], 0.005, lag / 4)
+    # TPOT = (t_last - t_first) / (n_out - 1) = 3 * 20 ms / 15.
+    close_to(latency["tpot_s"]["p50"], 0.060 / 15, lag / 15)
+
+
+def test_user_view_equals_service_view_plus_schedule_lag(mock_server: MockFactory) -> None:
+    url = mock_server(ttft_s=0.010)
+    overall = run(url, rate=50.0, n=40)
+    latency = overall["latency"]
+    gap = latency["ttft_user_s"]["mean"] - latency["ttft_s"]["mean"]
+    assert gap == pytest.approx(overall["schedule_lag_s"]["mean"], abs=1e-6)

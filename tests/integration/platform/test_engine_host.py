@@ -1,0 +1,92 @@
+"""The engine host against a real vLLM engine: FP8 KV, speculative decoding, abort on disconnect."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import httpx
+import orjson
+import pytest
+
+from tessera.engine.host import EngineHost
+
+from .conftest import start_host
+
+pytestmark = pytest.mark.engine
+
+REPETITIVE = list(range(40, 56)) * 6  # 96 tokens that repeat: n-gram drafts have something to match
+
+
+def generate(host: EngineHost, **body: object) -> list[dict]:
+    payload = {"request_id": f"t-{time.monotonic_ns()}", "prompt_token_ids": REPETITIVE, "max_tokens": 32,
+               "temperature": 0.0, **body}
+    with httpx.stream("POST", f"{host.url}/generate", json=payload, timeout=60) as response:
+        assert response.status_code == 200
+        return [orjson.loads(line) for line in response.iter_lines() if line]
+
+
+def test_stream_ends_with_stats(fp8_engine: EngineHost) -> None:
+    lines = generate(fp8_engine)
+    deltas, done = lines[:-1], lines[-1]
+    assert done["done"] is True and done["finish"] == {"0": "length"}
+    assert sum(len(d["d"]) for d in deltas) == done["stats"]["num_output_tokens"] == 32
+    assert done["stats"]["num_prompt_tokens"] == len(REPETITIVE)
+    assert done["stats"]["ttft_s"] > 0 and done["stats"]["first_token_ts"] >= done["stats"]["arrival_ts"]
+
+
+def test_same_salt_hits_the_prefix_cache_other_salt_does_not(fp8_engine: EngineHost) -> None:
+    prompt = list(range(100, 300))
+    generate(fp8_engine, prompt_token_ids=prompt, cache_salt="tenant-a", max_tokens=2)
+    again = generate(fp8_engine, prompt_token_ids=prompt, cache_salt="tenant-a", max_tokens=2)[-1]["stats"]
+    other = generate(fp8_engine, prompt_token_ids=prompt, cache_salt="tenant-b", max_tokens=2)[-1]["stats"]
+    assert again["num_cached_tokens"] >= 192
+    assert other["num_cached_tokens"] == 0
+
+
+def test_speculative_decoding_drafts_and_accepts(fp8_engine: EngineHost) -> None:
+    before = httpx.get(f"{fp8_engine.url}/stats").json()
+    generate(fp8_engine, max_tokens=64)
+    after = httpx.get(f"{fp8_engine.url}/stats").json()
+    drafted = after["spec_draft_tokens"] - before["spec_draft_tokens"]
+    accepted = after["spec_accepted_tokens"] - before["spec_accepted_tokens"]
+    assert drafted > 0, "the engine drafted no tokens: speculative decoding is off"
+    assert accepted > 0, "no draft token was accepted on a repetitive prompt"
+
+
+def test_disconnect_leaves_no_running_request(fp8_engine: EngineHost) -> None:
+    payload = {"request_id": "leaver", "prompt_token_ids": REPETITIVE, "max_tokens": 1500, "ignore_eos": True}
+    with httpx.stream("POST", f"{fp8_engine.url}/generate", json=payload, timeout=60) as response:
+        lines = response.iter_lines()
+        next(lines)
+        next(lines)
+        assert any(r["request_id"] == "leaver" for r in httpx.get(f"{fp8_engine.url}/requests").json())
+    deadline = time.monotonic() + 2.0
+    while time.monotonic() < deadline:
+        in_flight = httpx.get(f"{fp8_engine.url}/requests").json()
+        running = httpx.get(f"{fp8_engine.url}/stats").json()["num_running"]
+        if not in_flight and running == 0:
+            break
+        time.sleep(0.05)
+    assert httpx.get(f"{fp8_engine.url}/requests").json() == []
+    time.sleep(0.3)  # one more stats step after the abort
+    assert httpx.get(f"{fp8_engine.url}/stats").json()["num_running"] == 0
+
+
+def test_fp8_doubles_kv_token_capacity(fp8_engine: EngineHost, small_model_dir: Path) -> None:
+    fp8 = httpx.get(f"{fp8_engine.url}/stats").json()
+    auto = start_host(small_model_dir, None, kv_cache_dtype="auto", speculative=None, kv_events={"enabled": False})
+    try:
+        bf16 = httpx.get(f"{auto.url}/stats").json()
+    finally:
+        auto.stop()
+    assert fp8["kv_cache_dtype"] == "fp8" and bf16["kv_cache_dtype"] in ("auto", "bfloat16")
+    ratio = (fp8["num_gpu_blocks"] * fp8["block_size"]) / (bf16["num_gpu_blocks"] * bf16["block_size"])
+    assert 1.9 <= ratio <= 2.1, f"fp8/auto KV token capacity ratio {ratio:.2f}"
+
+
+def test_health_and_unknown_route(fp8_engine: EngineHost) -> None:
+    assert httpx.get(f"{fp8_engine.url}/health").json()["healthy"] is True
+    assert httpx.get(f"{fp8_engine.url}/nope").status_code == 404
+    bad = httpx.post(f"{fp8_engine.url}/generate", json={"request_id": "x"})
+    assert bad.status_code == 400 and "prompt_token_ids" in bad.json()["error"]
