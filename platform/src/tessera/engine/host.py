@@ -109,6 +109,12 @@ class EngineHost:
 
     def start(self, timeout_s: float = 600.0) -> EngineHost:
         """Starts the engine thread and waits until the engine is up and the endpoint listens."""
+        from tessera.settings import load_settings
+        from tessera.telemetry.tracing import configure_tracing
+
+        settings = load_settings()
+        configure_tracing("tessera-engine", settings.trace_exporter, settings.trace_dir, settings.otlp_endpoint,
+                          settings.trace_sample_ratio)
         self._thread = threading.Thread(target=self._thread_main, name=f"tessera-{self.engine_id}", daemon=True)
         self._thread.start()
         if not self._ready.wait(timeout_s):
@@ -310,7 +316,7 @@ class EngineHost:
         entry = InFlight(request.request_id, tenant, request.priority, time.time())
         self.in_flight[request.request_id] = entry
         await send({"type": "http.response.start", "status": 200, "headers": NDJSON_HEADERS})
-        stream = asyncio.create_task(self._stream(request, entry, send, headers))
+        stream = asyncio.create_task(self._traced_stream(request, entry, send, headers))
         disconnect = asyncio.create_task(_wait_disconnect(receive))
         try:
             done, _ = await asyncio.wait({stream, disconnect}, return_when=asyncio.FIRST_COMPLETED)
@@ -325,8 +331,24 @@ class EngineHost:
             disconnect.cancel()
             self.in_flight.pop(request.request_id, None)
 
-    async def _stream(self, request: GenerateRequest, entry: InFlight, send: Send,
-                      headers: dict[bytes, bytes]) -> None:
+    async def _traced_stream(self, request: GenerateRequest, entry: InFlight, send: Send,
+                             headers: dict[bytes, bytes]) -> None:
+        """Runs the generation inside an ``engine.generate`` span joined to the gateway's trace."""
+        from opentelemetry import trace
+        from opentelemetry.propagate import extract
+
+        carrier = {k.decode(): v.decode("latin-1") for k, v in headers.items()}
+        tracer = trace.get_tracer("tessera.engine")
+        with tracer.start_as_current_span("engine.generate", context=extract(carrier), kind=trace.SpanKind.SERVER,
+                                          attributes={"tessera.engine": self.engine_id,
+                                                      "tessera.request_id": request.request_id,
+                                                      "tessera.tenant": entry.tenant,
+                                                      "tessera.priority": request.priority,
+                                                      "gen_ai.request.max_tokens": request.max_tokens}) as span:
+            stats = await self._stream(request, entry, send)
+            record_engine_span(span, stats, entry.abort_reason)
+
+    async def _stream(self, request: GenerateRequest, entry: InFlight, send: Send) -> RequestStats:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -360,10 +382,38 @@ class EngineHost:
             tail = {"error": f"request aborted by the engine: {entry.abort_reason}", "status": 503,
                     "retryable": True, "stats": stats.to_dict()}
             await send({"type": "http.response.body", "body": orjson.dumps(tail) + b"\n", "more_body": False})
-            return
+            return stats
         _fill_timeline(stats, final, request.n)
         done = {"done": True, "finish": finish, "stats": stats.to_dict()}
         await send({"type": "http.response.body", "body": orjson.dumps(done) + b"\n", "more_body": False})
+        return stats
+
+
+def record_engine_span(span: Any, stats: RequestStats, abort_reason: str | None) -> None:
+    """The engine timeline as span events at their real times, plus GenAI and tessera.* attributes."""
+    span.set_attributes({
+        "gen_ai.usage.input_tokens": stats.num_prompt_tokens,
+        "gen_ai.usage.output_tokens": stats.num_output_tokens,
+        "tessera.cached_tokens": stats.num_cached_tokens,
+        "tessera.preemptions": stats.num_preemptions,
+        "tessera.spec.accepted_tokens": stats.num_spec_accepted_tokens,
+        "tessera.engine.steps": stats.num_steps,
+        "tessera.queue_s": stats.queued_s,
+        "tessera.prefill_s": stats.prefill_s,
+        "tessera.decode_s": stats.decode_s,
+        "tessera.ttft_s": stats.ttft_s,
+    })
+    for name, ts in (("queued", stats.arrival_ts), ("scheduled", stats.scheduled_ts),
+                     ("first_token", stats.first_token_ts), ("finished", stats.finished_ts)):
+        if ts:
+            span.add_event(name, timestamp=int(ts * 1e9))
+    if stats.num_preemptions:
+        # vLLM reports how often, not when: one event carries the count.
+        span.add_event("preempted", attributes={"tessera.preemptions": stats.num_preemptions},
+                       timestamp=int((stats.finished_ts or time.time()) * 1e9))
+    if abort_reason:
+        span.set_attribute("tessera.aborted", abort_reason)
+        span.add_event("aborted", attributes={"tessera.cause": abort_reason})
 
 
 async def _wait_disconnect(receive: Receive) -> None:

@@ -56,6 +56,11 @@ class LocalPlatform:
         return f"http://{self.options.gateway_host}:{self.options.gateway_port}"
 
     @property
+    def model(self) -> str:
+        assert self.engine_config is not None, "start() first"
+        return self.engine_config.served_model_name
+
+    @property
     def run_dir(self) -> Path:
         return self.options.state_dir / "run"
 
