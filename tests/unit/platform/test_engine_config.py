@@ -75,3 +75,11 @@ def test_dynamic_kv_scales_map_to_per_token_head_fp8() -> None:
     assert EngineConfig(model="/m", kv_scale_mode="dynamic").vllm_kv_cache_dtype == "fp8_per_token_head"
     with pytest.raises(ValidationError, match="kv_scale_mode"):
         EngineConfig(model="/m", kv_cache_dtype="auto", kv_scale_mode="dynamic")
+
+
+def test_free_port_honours_a_range() -> None:
+    from tessera.engine.host import free_port
+
+    assert 41000 <= free_port(port_range="41000-41010") <= 41010
+    with pytest.raises(ValueError, match="port range"):
+        free_port(port_range="9-2")

@@ -81,7 +81,8 @@ def list_tenants(as_json: bool = typer.Option(False, "--json", help="Print JSON.
     """List tenants and their policies."""
     tenants = run_with_store(lambda store, _: store.list_tenants())
     if as_json:
-        typer.echo(json.dumps([{"name": t.name, "policy": t.policy.model_dump(mode="json")} for t in tenants], indent=2))
+        rows = [{"name": t.name, "policy": t.policy.model_dump(mode="json")} for t in tenants]
+        typer.echo(json.dumps(rows, indent=2))
         return
     for t in tenants:
         p = t.policy

@@ -33,7 +33,7 @@ class EngineReplica:
         settings = load_settings()
         try:
             replica_id = serve.get_replica_context().replica_id.unique_id
-        except Exception:  # noqa: BLE001 - outside Serve (unit use) there is no replica context
+        except Exception:
             replica_id = f"local-{os.getpid()}"
         self.host = EngineHost(config, settings.redis_url, engine_id=f"{config.served_model_name}-{replica_id}",
                                advertise_host=settings.advertise_host).start()

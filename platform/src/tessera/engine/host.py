@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import random
 import socket
 import threading
 import time
@@ -40,10 +41,28 @@ NDJSON_HEADERS = [(b"content-type", b"application/x-ndjson"), (b"cache-control",
 JSON_HEADERS = [(b"content-type", b"application/json")]
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
+def free_port(host: str = "127.0.0.1", port_range: str | None = None) -> int:
+    """A free TCP port, inside ``port_range`` ("start-end") when given.
+
+    NOTE: the Helm chart passes disjoint ranges for the HTTP and the KV-event ports
+    (TESSERA_ENGINE_PORT_RANGE, TESSERA_KV_EVENTS_PORT_RANGE) so its NetworkPolicy can open each range
+    to a different peer: HTTP only to gateways, KV events only to the controller.
+    """
+    candidates: list[int] = [0]
+    if port_range:
+        start, _, end = port_range.partition("-")
+        first, last = int(start), int(end)
+        if not 0 < first <= last < 65536:
+            raise ValueError(f"port range {port_range!r} is invalid: use 'start-end' within 1-65535")
+        candidates = random.sample(range(first, last + 1), min(64, last - first + 1))
+    for port in candidates:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((host if port == 0 else "0.0.0.0", port))
+            except OSError:
+                continue
+            return int(sock.getsockname()[1])
+    raise OSError(f"no free port in {port_range}")
 
 
 @dataclass(slots=True)
@@ -85,8 +104,9 @@ class EngineHost:
         self.redis_url = redis_url
         self.engine_id = engine_id or f"engine-{uuid.uuid4().hex[:8]}"
         self.advertise_host = advertise_host
-        self.port = config.http_port or free_port()
-        self.kv_events_port = free_port() if config.kv_events.enabled else 0
+        self.port = config.http_port or free_port(port_range=os.environ.get("TESSERA_ENGINE_PORT_RANGE"))
+        self.kv_events_port = (free_port(port_range=os.environ.get("TESSERA_KV_EVENTS_PORT_RANGE"))
+                               if config.kv_events.enabled else 0)
         self.tracker = LoadTracker()
         self.in_flight: dict[str, InFlight] = {}
         self.engine: Any = None
@@ -147,7 +167,7 @@ class EngineHost:
         self._loop = loop
         try:
             loop.run_until_complete(self._serve())
-        except BaseException as exc:  # noqa: BLE001 - reported to start() and logged
+        except BaseException as exc:
             self._startup_error = self._startup_error or exc
             logger.exception("engine host %s stopped with an error", self.engine_id)
         finally:
@@ -227,7 +247,7 @@ class EngineHost:
                 if self.is_healthy():
                     try:
                         await registry.heartbeat(self.record())
-                    except Exception as exc:  # noqa: BLE001 - Redis blips must not kill the replica
+                    except Exception as exc:
                         logger.warning("heartbeat to Redis failed: %s", exc)
                 await asyncio.sleep(self.config.heartbeat_interval_s)
         finally:
@@ -248,7 +268,7 @@ class EngineHost:
             async for batch in subscribe(f"tcp://127.0.0.1:{self.kv_events_port}", self.config.kv_events.topic):
                 try:
                     await index.apply(self.engine_id, batch.ops)
-                except Exception as exc:  # noqa: BLE001 - a Redis blip loses one batch, not the replica
+                except Exception as exc:
                     logger.warning("prefix index update failed: %s", exc)
         finally:
             await redis.aclose()
@@ -264,7 +284,7 @@ class EngineHost:
 
             await EngineRegistry(redis).deregister(self.engine_id)
             await PrefixIndex(redis).clear_engine(self.engine_id)
-        except Exception as exc:  # noqa: BLE001 - best effort on shutdown; the TTL cleans up anyway
+        except Exception as exc:
             logger.warning("deregister failed: %s", exc)
         finally:
             await redis.aclose()

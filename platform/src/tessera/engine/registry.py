@@ -110,7 +110,8 @@ class EngineRegistry:
                 continue
             flat += [k, v]
         # The engine id is the last ARGV so the script can ZADD it.
-        await self._heartbeat(keys=[ENGINES_ZSET, engine_key(record.engine_id)], args=[self._ttl_s, *flat, record.engine_id])
+        keys = [ENGINES_ZSET, engine_key(record.engine_id)]
+        await self._heartbeat(keys=keys, args=[self._ttl_s, *flat, record.engine_id])
 
     async def deregister(self, engine_id: str) -> None:
         await self._redis.zrem(ENGINES_ZSET, engine_id)

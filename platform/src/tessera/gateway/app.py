@@ -28,9 +28,9 @@ from tessera.gateway.openapi import openapi_document
 from tessera.redis_conn import connect
 from tessera.routing.router import Router
 from tessera.settings import TesseraSettings, load_settings
+from tessera.telemetry.tracing import configure_tracing
 from tessera.tenancy.admission import Admission
 from tessera.tenancy.store import TenantStore
-from tessera.telemetry.tracing import configure_tracing
 
 logger = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ import uuid
 from typing import TYPE_CHECKING, Any
 
 import orjson
-from opentelemetry.trace import Span, Status, StatusCode
+from opentelemetry.trace import Span
 from pydantic import ValidationError
 
 from tessera.gateway.engine_client import StreamResult

@@ -52,9 +52,8 @@ class CompletionRequest(_Common):
     @field_validator("prompt")
     @classmethod
     def _single_prompt(cls, value: Any) -> Any:
-        if isinstance(value, list) and value and isinstance(value[0], str):
-            if len(value) != 1:
-                raise ValueError("batched prompts are not supported: send one prompt per request")
+        if isinstance(value, list) and len(value) > 1 and isinstance(value[0], str):
+            raise ValueError("batched prompts are not supported: send one prompt per request")
         if isinstance(value, list) and not value:
             raise ValueError("prompt must not be empty")
         return value

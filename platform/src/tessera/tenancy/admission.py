@@ -126,6 +126,6 @@ class Admission:
     async def usage(self, tenant: str, period: str, when: datetime | None = None) -> dict[str, int]:
         period_id, _ = budget_period_id(period, when or datetime.now(UTC))
         raw = await self._redis.hgetall(usage_key(tenant, period_id))
-        usage = {k.decode(): int(v) for k, v in raw.items()}
+        usage = {(k.decode() if isinstance(k, bytes) else k): int(v) for k, v in raw.items()}
         return {"requests": 0, "prompt_tokens": 0, "completion_tokens": 0, **usage, "period": period_id}  # type: ignore[dict-item]
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import re
 from typing import Literal
 
-from pydantic.alias_generators import to_camel
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic.alias_generators import to_camel
 
 PriorityClass = Literal["critical", "high", "normal", "low", "batch"]
 

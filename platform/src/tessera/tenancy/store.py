@@ -35,6 +35,10 @@ def apikey_key(key_id: str) -> str:
     return f"tessera:apikey:{key_id}"
 
 
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
 class TenantExistsError(ValueError):
     pass
 
@@ -91,7 +95,7 @@ class TenantStore:
         return Tenant(
             name=name,
             policy=TenantPolicy.model_validate_json(raw[b"policy"]),
-            cache_salt=raw[b"cache_salt"].decode(),
+            cache_salt=_text(raw[b"cache_salt"]),
             created_at=float(raw[b"created_at"]),
         )
 
@@ -102,7 +106,7 @@ class TenantStore:
         return tenant
 
     async def list_tenants(self) -> list[Tenant]:
-        names = sorted(n.decode() for n in await self._redis.smembers(TENANTS_SET))
+        names = sorted(_text(n) for n in await self._redis.smembers(TENANTS_SET))
         tenants = [await self.get_tenant(n) for n in names]
         return [t for t in tenants if t is not None]
 
@@ -114,7 +118,7 @@ class TenantStore:
     async def delete_tenant(self, name: str) -> None:
         """Deletes the tenant and revokes all its keys (they stop working within the key-cache TTL)."""
         await self.require_tenant(name)
-        key_ids = [k.decode() for k in await self._redis.smembers(tenant_keys_set(name))]
+        key_ids = [_text(k) for k in await self._redis.smembers(tenant_keys_set(name))]
         pipe = self._redis.pipeline(transaction=True)
         for key_id in key_ids:
             pipe.delete(apikey_key(key_id))
@@ -138,7 +142,7 @@ class TenantStore:
         await self.require_tenant(tenant)
         infos = []
         for raw_id in sorted(await self._redis.smembers(tenant_keys_set(tenant))):
-            key_id = raw_id.decode()
+            key_id = _text(raw_id)
             raw = await self._redis.hgetall(apikey_key(key_id))
             if raw:
                 infos.append(
@@ -157,7 +161,7 @@ class TenantStore:
         if not raw:
             raise KeyError(f"key {key_id!r} does not exist")
         await self._redis.hset(apikey_key(key_id), "revoked_at", repr(time.time()))
-        return str(raw[b"tenant"].decode())
+        return str(_text(raw[b"tenant"]))
 
     async def authenticate(self, plaintext: str) -> str | None:
         """The tenant a key belongs to, or None for an unknown, malformed or revoked key."""
@@ -167,9 +171,9 @@ class TenantStore:
         raw = await self._redis.hgetall(apikey_key(key_id))
         if not raw or b"revoked_at" in raw:
             return None
-        if not key_matches(plaintext, raw[b"sha256"].decode()):
+        if not key_matches(plaintext, _text(raw[b"sha256"])):
             return None
-        return str(raw[b"tenant"].decode())
+        return str(_text(raw[b"tenant"]))
 
 
 def policy_from_json(text: str) -> TenantPolicy:
