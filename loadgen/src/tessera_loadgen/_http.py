@@ -152,12 +152,21 @@ class Connection(asyncio.Protocol):
             self.transport.close()
 
 
+MAX_CONNECTING = 32
+"""Connection attempts in progress at once, per pool."""
+
+
 class ConnectionPool:
     """Keep-alive connections to one origin, at most ``max_connections`` open (``None``: unbounded).
 
     Requests beyond the cap wait in FIFO order inside the client; their time waiting is schedule lag, not
     server time, which is exactly how a connection-limited client hides queueing unless latency is also
     measured from the intended send time.
+
+    NOTE: at most ``MAX_CONNECTING`` connection attempts run at once; further requests wait for the next
+    connection that opens or frees up. Without this, a 50 ms server hiccup at thousands of requests per
+    second starts thousands of handshakes, the server's accept queue overflows, dropped SYNs are retried
+    only after a second, and the hiccup becomes a multi-second collapse of client and server alike.
     """
 
     def __init__(
@@ -175,6 +184,7 @@ class ConnectionPool:
         self._waiting: deque[tuple[bytes, Handler]] = deque()
         self._all: set[Connection] = set()
         self.num_open = 0
+        self.num_connecting = 0
         self.num_connects = 0
         self._closing = False
 
@@ -212,11 +222,17 @@ class ConnectionPool:
             if not connection.closed:
                 connection.send(data, handler, retried)
                 return
-        if self.max_connections is None or self.num_open < self.max_connections:
+        if self._may_connect():
             self.num_open += 1
+            self.num_connecting += 1
             asyncio.get_running_loop().create_task(self._connect(data, handler, retried))
         else:
             self._waiting.append((data, handler))
+
+    def _may_connect(self) -> bool:
+        return self.num_connecting < MAX_CONNECTING and (
+            self.max_connections is None or self.num_open < self.max_connections
+        )
 
     async def _connect(self, data: bytes, handler: Handler, retried: bool) -> None:
         loop = asyncio.get_running_loop()
@@ -226,15 +242,18 @@ class ConnectionPool:
             )
         except (TimeoutError, OSError) as exc:
             self.num_open -= 1
+            self.num_connecting -= 1
             handler.on_error(ERROR_CONNECT, f"{type(exc).__name__}: {exc}")
             self._pump()
             return
+        self.num_connecting -= 1
         self.num_connects += 1
         if self._closing or connection.closed:
             connection.close()
             handler.on_error(ERROR_CONNECT, "client closed" if self._closing else "closed on connect")
             return
         connection.send(data, handler, retried)
+        self._pump()
 
     def _release(self, connection: Connection) -> None:
         if self._waiting:
@@ -250,11 +269,7 @@ class ConnectionPool:
         self._pump()
 
     def _pump(self) -> None:
-        """Open connections for waiting requests while under the cap (after a close or failed connect)."""
-        while (
-            self._waiting
-            and not self._closing
-            and (self.max_connections is None or self.num_open < self.max_connections)
-        ):
+        """Open connections for waiting requests while the caps allow (after a connect or a close)."""
+        while self._waiting and not self._closing and self._may_connect():
             data, handler = self._waiting.popleft()
             self._submit(data, handler, retried=False)

@@ -100,6 +100,13 @@ def _count_words(value: Any) -> int:
     return 0
 
 
+def _prompt_words(request: _Request) -> int:
+    """Prompt length in words, standing in for prompt tokens."""
+    if request.messages is not None:
+        return sum(_count_words(m.content) for m in request.messages)
+    return _count_words(request.prompt)
+
+
 class MockServer:
     """The ASGI application; ``stats`` counts what it saw (exposed at ``GET /mock/stats``)."""
 
@@ -175,10 +182,7 @@ class MockServer:
             return
         breaks = bool(config.break_rate) and rng.random() < config.break_rate
         n_out = request.max_completion_tokens or request.max_tokens or config.default_max_tokens
-        if chat:
-            n_in = sum(_count_words(m.content) for m in request.messages or [])
-        else:
-            n_in = _count_words(request.prompt)
+        n_in = _prompt_words(request)
         model = (request.model or config.model).encode()
         if request.stream:
             await self._stream(send, request, chat, request_id, model, n_in, n_out, t_arrival, breaks)

@@ -28,7 +28,9 @@ class TesseraSettings(BaseSettings):
         description="Admit requests when Redis is unreachable (counted in a metric). Default: fail closed, 503.",
     )
     redis_timeout_s: float = Field(
-        default=0.1, description="Socket timeout for Redis calls on the request path, seconds."
+        default=0.25,
+        description="Socket timeout for Redis calls on the request path, seconds (a hung Redis costs at most this "
+        "before the 503; a stopped one is refused at once).",
     )
     key_cache_ttl_s: float = Field(
         default=1.0,

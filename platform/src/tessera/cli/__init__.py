@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import typer
 
+from tessera.cli.engine import engine_app
 from tessera.cli.model import model_app
 from tessera.cli.plan import plan_app
 from tessera.cli.tenants import keys_app, tenants_app
@@ -13,6 +14,7 @@ app = typer.Typer(no_args_is_help=True, add_completion=False, help="Tessera: mul
 app.add_typer(tenants_app, name="tenants")
 app.add_typer(keys_app, name="keys")
 app.add_typer(model_app, name="model")
+app.add_typer(engine_app, name="engine")
 app.add_typer(plan_app, name="plan")
 app.command("up")(up)
 

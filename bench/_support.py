@@ -1,0 +1,95 @@
+"""Shared benchmark plumbing: processes, percentiles, result files and tables."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "bench" / "results"
+BIN = Path(sys.executable).parent
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def percentiles(values: Sequence[float], qs: Sequence[float] = (50, 99)) -> list[float]:
+    if not values:
+        return [float("nan")] * len(qs)
+    return [float(np.percentile(np.asarray(values), q)) for q in qs]
+
+
+def start_engine(config: dict[str, Any], env: dict[str, str], log: Path, timeout_s: float = 300) -> tuple[subprocess.Popen[bytes], str]:
+    ready = log.with_suffix(".url")
+    ready.unlink(missing_ok=True)
+    proc = subprocess.Popen(
+        [str(BIN / "tessera"), "engine", "serve", "--config", json.dumps(config), "--ready-file", str(ready)],
+        env={**os.environ, **env}, stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True,
+    )
+    deadline = time.monotonic() + timeout_s
+    while not ready.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"engine did not start; see {log}")
+        time.sleep(0.5)
+    return proc, ready.read_text()
+
+
+def start_gateway(env: dict[str, str], log: Path, workers: int = 1, timeout_s: float = 60) -> tuple[subprocess.Popen[bytes], str]:
+    port = free_port()
+    proc = subprocess.Popen(
+        [str(BIN / "python"), "-m", "uvicorn", "tessera.gateway.app:create_app", "--factory", "--port", str(port),
+         "--workers", str(workers), "--loop", "uvloop", "--http", "httptools", "--no-access-log",
+         "--log-level", "warning"],
+        env={**os.environ, **env}, stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"gateway did not start; see {log}")
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, 15)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+
+
+def write_results(name: str, payload: dict[str, Any]) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps(payload, indent=2, default=str))
+    return path
+
+
+def print_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
+    def fmt(value: Any) -> str:
+        return f"{value:.3f}" if isinstance(value, float) else str(value)
+
+    cells = [[fmt(v) for v in row] for row in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
+    print(" | ".join(h.rjust(w) for h, w in zip(headers, widths, strict=True)))
+    print("-+-".join("-" * w for w in widths))
+    for row in cells:
+        print(" | ".join(v.rjust(w) for v, w in zip(row, widths, strict=True)))
