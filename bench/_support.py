@@ -32,7 +32,9 @@ def percentiles(values: Sequence[float], qs: Sequence[float] = (50, 99)) -> list
     return [float(np.percentile(np.asarray(values), q)) for q in qs]
 
 
-def start_engine(config: dict[str, Any], env: dict[str, str], log: Path, timeout_s: float = 300) -> tuple[subprocess.Popen[bytes], str]:
+def start_engine(
+    config: dict[str, Any], env: dict[str, str], log: Path, timeout_s: float = 300
+) -> tuple[subprocess.Popen[bytes], str]:
     ready = log.with_suffix(".url")
     ready.unlink(missing_ok=True)
     proc = subprocess.Popen(
@@ -47,7 +49,9 @@ def start_engine(config: dict[str, Any], env: dict[str, str], log: Path, timeout
     return proc, ready.read_text()
 
 
-def start_gateway(env: dict[str, str], log: Path, workers: int = 1, timeout_s: float = 60) -> tuple[subprocess.Popen[bytes], str]:
+def start_gateway(
+    env: dict[str, str], log: Path, workers: int = 1, timeout_s: float = 60
+) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
     proc = subprocess.Popen(
         [str(BIN / "python"), "-m", "uvicorn", "tessera.gateway.app:create_app", "--factory", "--port", str(port),

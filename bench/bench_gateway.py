@@ -24,11 +24,11 @@ import orjson
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _support import percentiles, print_table, start_engine, start_gateway, stop, write_results  # noqa: E402
+from _support import percentiles, print_table, start_engine, start_gateway, stop, write_results
 
-from tessera.engine.small_model import is_small_model_dir, make_small_model  # noqa: E402
-from tessera.redis_conn import EmbeddedRedis, connect  # noqa: E402
-from tessera.tenancy.store import TenantStore  # noqa: E402
+from tessera.engine.small_model import is_small_model_dir, make_small_model
+from tessera.redis_conn import EmbeddedRedis, connect
+from tessera.tenancy.store import TenantStore
 
 RATES = (2.0, 4.0, 8.0)
 LENGTHS = (16, 64)
@@ -126,8 +126,8 @@ def main() -> None:
             return key
 
         key = asyncio.run(tenant())
-        from tessera.gateway.models import load_served_model
         from tessera.engine.registry import ModelInfo
+        from tessera.gateway.models import load_served_model
 
         served = load_served_model(ModelInfo("tessera-small", str(model_dir.resolve()), 2048, 32))
         ids = served.encode_chat([{"role": "user", "content": PROMPT}])

@@ -97,6 +97,7 @@ class Ceiling:
     client: str
     ceiling_rps: float | None
     throughput_ceiling_rps: float | None
+    lowest_tried_rps: float | None
     trials: list[Trial] = field(default_factory=list)
 
 
@@ -262,9 +263,7 @@ def _vllm_trial_main(url: str, rate: float, seconds: float, out: Path) -> None:
 
         async def limited() -> Any:
             async with semaphore:
-                return await async_request_openai_chat_completions(
-                    request_func_input=request, session=session
-                )
+                return await async_request_openai_chat_completions(request_func_input=request, session=session)
 
         tasks = []
         start = time.perf_counter()
@@ -291,9 +290,7 @@ def guidellm_available() -> bool:
 
 def make_tokenizer(directory: Path) -> None:
     if not (directory / "tokenizer.json").exists():
-        subprocess.run(
-            [str(BENCH_VENV / "bin" / "python"), "-c", _TOKENIZER_SCRIPT, str(directory)], check=True
-        )
+        subprocess.run([str(BENCH_VENV / "bin" / "python"), "-c", _TOKENIZER_SCRIPT, str(directory)], check=True)
 
 
 def guidellm_trial(rate: float, warmup_s: float, duration_s: float, tokenizer: Path) -> Trial:
@@ -398,9 +395,10 @@ class Searcher:
                     break
                 good = rate
         else:
+            # Down in halves, to an eighth of the start: below that the client is no contender anyway.
             bad = rate
-            while rate > 2 and good is None:
-                rate /= factor
+            while rate > start / 8 and good is None:
+                rate /= 2
                 if self.ok(rate, criterion):
                     good = rate
                 else:
@@ -427,6 +425,12 @@ NAMES = {
 }
 
 
+def _ceiling_text(value: float | None, lowest: float | None) -> str:
+    if value is not None:
+        return f"{value:.0f}"
+    return "none" if lowest is None else f"< {lowest:g} (none passed)"
+
+
 def table(ceilings: dict[str, Ceiling]) -> str:
     vllm = ceilings.get("vllm")
     guidellm = ceilings.get("guidellm")
@@ -445,20 +449,16 @@ def table(ceilings: dict[str, Ceiling]) -> str:
             return f"{value / other.ceiling_rps:.1f}x"
 
         lag = "-" if best is None else f"{best.lag_p99_s * 1000:.2f} ms"
-        throughput = (
-            "-" if ceiling.throughput_ceiling_rps is None else f"{ceiling.throughput_ceiling_rps:.0f}"
-        )
+        throughput = "-" if ceiling.throughput_ceiling_rps is None else f"{ceiling.throughput_ceiling_rps:.0f}"
         lines.append(
-            f"| {NAMES[key]} | {'none' if value is None else f'{value:.0f}'} | {ratio(vllm)} "
+            f"| {NAMES[key]} | {_ceiling_text(value, ceiling.lowest_tried_rps)} | {ratio(vllm)} "
             f"| {ratio(guidellm)} | {lag} | {throughput} |"
         )
     return "\n".join(lines)
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--clients", default="tessera,vllm,guidellm", help="comma-separated subset")
     parser.add_argument("--warmup", type=float, default=1.0, help="warm-up seconds per trial")
     parser.add_argument("--duration", type=float, default=5.0, help="measured seconds per trial")
@@ -503,7 +503,8 @@ def main() -> int:
             searcher = Searcher(client, trial, args.attempts)
             ceiling = searcher.search(passes, starts[client], args.refine)
             throughput = searcher.search(passes_throughput, ceiling or starts[client], args.refine)
-            ceilings[client] = Ceiling(client, ceiling, throughput, searcher.trials)
+            lowest = min(t.rate_rps for t in searcher.trials) if searcher.trials else None
+            ceilings[client] = Ceiling(client, ceiling, throughput, lowest, searcher.trials)
 
     report = table(ceilings)
     print()

@@ -55,9 +55,7 @@ async def test_two_tenants_get_per_tenant_percentiles(platform_stack: Any, tmp_p
         }
     )
     run_dir = tmp_path / "run"
-    output = await asyncio.to_thread(
-        execute, workload, Target.parse(platform_stack.base_url), run_dir, progress=False
-    )
+    output = await asyncio.to_thread(execute, workload, Target.parse(platform_stack.base_url), run_dir, progress=False)
 
     result = json.loads((run_dir / "result.json").read_text())
     assert result["metrics_version"] == "1"

@@ -237,9 +237,7 @@ class ConnectionPool:
     async def _connect(self, data: bytes, handler: Handler, retried: bool) -> None:
         loop = asyncio.get_running_loop()
         try:
-            _, connection = await loop.create_connection(
-                lambda: Connection(self), self.host, self.port, ssl=self._ssl
-            )
+            _, connection = await loop.create_connection(lambda: Connection(self), self.host, self.port, ssl=self._ssl)
         except (TimeoutError, OSError) as exc:
             self.num_open -= 1
             self.num_connecting -= 1

@@ -73,9 +73,7 @@ def get_arrival_process(name: str) -> type[ArrivalProcess]:
     try:
         return ArrivalProcess._registry[name]
     except KeyError:
-        raise ValueError(
-            f"unknown arrival process {name!r}; valid: {', '.join(arrival_process_names())}"
-        ) from None
+        raise ValueError(f"unknown arrival process {name!r}; valid: {', '.join(arrival_process_names())}") from None
 
 
 def make_arrival_process(

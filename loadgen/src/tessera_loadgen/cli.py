@@ -104,9 +104,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     out_dir = _run_dir(args, workload)
 
     def run_point(scaled: Workload, run_dir: Path) -> dict[str, Any]:
-        output = execute(
-            scaled, target, run_dir, num_workers=args.workers, progress=not args.no_progress, plots=False
-        )
+        output = execute(scaled, target, run_dir, num_workers=args.workers, progress=not args.no_progress, plots=False)
         summary: dict[str, Any] = output.result["summary"]
         return summary
 
@@ -170,9 +168,7 @@ def _add_overrides(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("workload", help="workload YAML file")
     parser.add_argument("--target", help="server root URL, e.g. http://127.0.0.1:8000")
     parser.add_argument("--out", help="run directory (default: runs/NAME-TIMESTAMP)")
-    parser.add_argument(
-        "--key", action="append", default=[], metavar="TENANT=KEY", help="API key of a tenant"
-    )
+    parser.add_argument("--key", action="append", default=[], metavar="TENANT=KEY", help="API key of a tenant")
     parser.add_argument("--model", help="default model for tenants that set none")
     parser.add_argument("--seed", type=int)
     parser.add_argument("--duration", dest="duration_s", type=float, help="measured seconds")

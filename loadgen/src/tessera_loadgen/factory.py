@@ -32,9 +32,7 @@ class SessionState:
 class RequestFactory:
     """Builds one tenant's requests."""
 
-    def __init__(
-        self, workload: Workload, tenant: Tenant, model: str, library: PromptLibrary, seed: int | str
-    ) -> None:
+    def __init__(self, workload: Workload, tenant: Tenant, model: str, library: PromptLibrary, seed: int | str) -> None:
         self.workload = workload
         self.tenant = tenant
         self.model = model
@@ -106,9 +104,7 @@ class RequestFactory:
         session.messages.append({"role": "user", "content": text})
         max_tokens = request_class.output_tokens.sample_int(rng)
         body = self._body(request_class, max_tokens, messages=list(session.messages))
-        record = self._record(
-            request_class, f"{session.session_id}-t{session.turn}", t_sched, warmup, max_tokens
-        )
+        record = self._record(request_class, f"{session.session_id}-t{session.turn}", t_sched, warmup, max_tokens)
         record.session_id = session.session_id
         record.turn = session.turn
         return record, body

@@ -48,13 +48,9 @@ class MockConfig(BaseModel):
 
     model: str = Field("mock-model", description="Model id served and listed by /v1/models.")
     ttft_s: float = Field(0.0, ge=0, description="Delay from request to the first content chunk, s.")
-    itl_s: float = Field(
-        0.0, ge=0, description="Delay between tokens, s; chunks are tokens_per_chunk of them."
-    )
+    itl_s: float = Field(0.0, ge=0, description="Delay between tokens, s; chunks are tokens_per_chunk of them.")
     tokens_per_chunk: int = Field(1, ge=1, description="Tokens per streamed chunk (speculative decoding).")
-    default_max_tokens: int = Field(
-        16, ge=1, description="Output tokens when the request sets no max_tokens."
-    )
+    default_max_tokens: int = Field(16, ge=1, description="Output tokens when the request sets no max_tokens.")
     error_rate: float = Field(0.0, ge=0, le=1, description="Share of requests answered with error_status.")
     error_status: int = Field(500, ge=400, le=599, description="Status of injected errors.")
     reject_rate: float = Field(0.0, ge=0, le=1, description="Share of requests answered 429.")
@@ -135,9 +131,7 @@ class MockServer:
             await self._respond(send, 404, _error_body("not found", "not_found_error"))
 
     @staticmethod
-    async def _respond(
-        send: Send, status: int, body: bytes, headers: list[tuple[bytes, bytes]] = _JSON
-    ) -> None:
+    async def _respond(send: Send, status: int, body: bytes, headers: list[tuple[bytes, bytes]] = _JSON) -> None:
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": body})
 
@@ -176,9 +170,7 @@ class MockServer:
         if config.error_rate and rng.random() < config.error_rate:
             stats["errors"] += 1
             headers = [*_JSON, (b"x-request-id", request_id)]
-            await self._respond(
-                send, config.error_status, _error_body("injected error", "server_error"), headers
-            )
+            await self._respond(send, config.error_status, _error_body("injected error", "server_error"), headers)
             return
         breaks = bool(config.break_rate) and rng.random() < config.break_rate
         n_out = request.max_completion_tokens or request.max_tokens or config.default_max_tokens

@@ -41,9 +41,7 @@ def write_plots(plot_dir: Path, records: Sequence[RequestRecord], t0: float) -> 
         for tenant, rows in groups.items():
             values = np.sort([v for r in rows if r.ok and (v := metric(r)) is not None])
             if len(values):
-                ax.plot(
-                    values, np.arange(1, len(values) + 1) / len(values), label=f"{tenant} (n={len(values)})"
-                )
+                ax.plot(values, np.arange(1, len(values) + 1) / len(values), label=f"{tenant} (n={len(values)})")
         ax.set_xscale("log")
         ax.set_xlabel(label)
         ax.set_ylabel("fraction of requests")

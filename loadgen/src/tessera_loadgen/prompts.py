@@ -90,9 +90,7 @@ def load_sharegpt(path: str | Path) -> list[Conversation]:
         user_turns = tuple(
             str(turn.get("value", ""))
             for turn in turns
-            if isinstance(turn, dict)
-            and turn.get("from") in ("human", "user")
-            and str(turn.get("value", "")).strip()
+            if isinstance(turn, dict) and turn.get("from") in ("human", "user") and str(turn.get("value", "")).strip()
         )
         if user_turns:
             conversations.append(Conversation(user_turns))

@@ -56,7 +56,10 @@ class Shard:
 
 @dataclass(slots=True)
 class RunResult:
-    """What a run produced: the records (absolute times) and the clock origin ``t0``."""
+    """What a run produced: the records (absolute times) and the clock origin ``t0``.
+
+    ``interrupted``: the run was stopped (Ctrl-C) before its limits were reached.
+    """
 
     records: list[RequestRecord]
     t0: float
@@ -159,9 +162,8 @@ class Runner:
         self._in_flight = 0
         self._drained = asyncio.Event()
         self._stopping = False
-        self._budget: float = (
-            shard.share(workload.num_requests) if workload.num_requests is not None else math.inf
-        )
+        self._stopped_early = False
+        self._budget: float = shard.share(workload.num_requests) if workload.num_requests is not None else math.inf
         self._warmup_left = shard.share(workload.warmup_requests)
         self._sessions: set[asyncio.Task[None]] = set()
         self._ctxs: list[_TenantCtx] = []
@@ -172,6 +174,7 @@ class Runner:
     def stop(self) -> None:
         """Stop starting requests; those in flight still finish (or time out)."""
         self._stopping = True
+        self._stopped_early = True
 
     async def run(self) -> RunResult:
         workload = self.workload
@@ -227,11 +230,12 @@ class Runner:
             t_end = _perf_counter()
             for task in list(self._sessions):
                 task.cancel()
-            for ctx in self._ctxs:
-                await ctx.client.close()
+            # Before closing the connections, whose loss would otherwise be recorded as broken streams.
             for record in self._records:
                 if record.t_done is None:
                     record.fail(ERROR_INCOMPLETE, "the run ended before the request did", t_end)
+            for ctx in self._ctxs:
+                await ctx.client.close()
             gc.unfreeze()
             if gc_was_enabled:
                 gc.enable()
@@ -241,7 +245,7 @@ class Runner:
             t0_unix,
             t_end,
             models,
-            interrupted,
+            interrupted or self._stopped_early,
             sum(c.client.pool.num_connects for c in self._ctxs),
         )
 
@@ -253,9 +257,7 @@ class Runner:
             arrival = ctx.tenant.arrival
             assert arrival is not None
             seed = f"{self.workload.seed}:arrivals:{ctx.tenant.name}"
-            offsets = make_arrival_process(
-                arrival.process, arrival.rate_rps, seed, arrival.burstiness
-            ).offsets_s()
+            offsets = make_arrival_process(arrival.process, arrival.rate_rps, seed, arrival.burstiness).offsets_s()
             heap.append(_Arrival(t0 + next(offsets), order, ctx, offsets))
         heapq.heapify(heap)
         loop = asyncio.get_running_loop()

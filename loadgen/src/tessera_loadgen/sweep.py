@@ -150,9 +150,7 @@ def run_sweep(
 def write_sweep(out_dir: Path, points: Sequence[SweepPoint], best: float | None) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     rows = [asdict(p) | {"ok": p.ok} for p in sorted(points, key=lambda p: p.rate_rps)]
-    (out_dir / "sweep.json").write_text(
-        json.dumps({"max_rate_meeting_slo_rps": best, "points": rows}, indent=2)
-    )
+    (out_dir / "sweep.json").write_text(json.dumps({"max_rate_meeting_slo_rps": best, "points": rows}, indent=2))
     with (out_dir / "sweep.csv").open("w", newline="") as out:
         writer = csv.DictWriter(out, fieldnames=list(rows[0]) if rows else ["rate_rps"])
         writer.writeheader()
@@ -161,9 +159,7 @@ def write_sweep(out_dir: Path, points: Sequence[SweepPoint], best: float | None)
 
 def format_points(points: Sequence[SweepPoint], best: float | None) -> str:
     """A text table of the sweep."""
-    lines = [
-        f"{'rate':>9} {'achieved':>9} {'goodput':>9} {'attain':>7} {'TTFT p99':>9} {'lag p99':>8} {'ok':>3}"
-    ]
+    lines = [f"{'rate':>9} {'achieved':>9} {'goodput':>9} {'attain':>7} {'TTFT p99':>9} {'lag p99':>8} {'ok':>3}"]
     for p in sorted(points, key=lambda p: p.rate_rps):
         lines.append(
             f"{p.rate_rps:>9g} {_f(p.achieved_rate_rps):>9} {_f(p.goodput_rps):>9} "

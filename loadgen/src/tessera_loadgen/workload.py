@@ -97,9 +97,7 @@ class RequestClass(_Strict):
 
     name: str = Field(..., min_length=1, description="Class name, used in results.")
     weight: float = Field(1.0, gt=0, description="Relative share of this class in the tenant's arrivals.")
-    endpoint: Literal["chat", "completions"] = Field(
-        "chat", description="/v1/chat/completions or /v1/completions."
-    )
+    endpoint: Literal["chat", "completions"] = Field("chat", description="/v1/chat/completions or /v1/completions.")
     stream: bool = Field(True, description="Stream the response (SSE); needed for TTFT, TPOT and ITL.")
     prompt: Prompt = Field(default_factory=Prompt, description="Prompt source and length.")
     output_tokens: Distribution = Field(Constant(value=128), description="max_tokens of each request.")
@@ -193,9 +191,7 @@ class Workload(_Strict):
     num_requests: int | None = Field(None, ge=1, description="Measured requests to send (after warm-up).")
     warmup_s: float = Field(0.0, ge=0, description="Requests scheduled in the first seconds are warm-up.")
     warmup_requests: int = Field(0, ge=0, description="The first N arrivals are warm-up.")
-    request_timeout_s: float = Field(
-        300.0, gt=0, description="Per request, from first send, retries included."
-    )
+    request_timeout_s: float = Field(300.0, gt=0, description="Per request, from first send, retries included.")
     continuous_usage_stats: bool = Field(
         True,
         description="Ask for usage in every chunk (vLLM), so multi-token chunks are counted exactly.",
@@ -253,9 +249,7 @@ class Workload(_Strict):
         """A copy with API keys set for the named tenants (``--key tenant=KEY``)."""
         for name in keys:
             self.tenant(name)
-        tenants = [
-            t.model_copy(update={"api_key": keys[t.name]}) if t.name in keys else t for t in self.tenants
-        ]
+        tenants = [t.model_copy(update={"api_key": keys[t.name]}) if t.name in keys else t for t in self.tenants]
         return self.model_copy(update={"tenants": tenants})
 
     def redacted(self) -> dict[str, Any]:

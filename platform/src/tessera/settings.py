@@ -36,6 +36,11 @@ class TesseraSettings(BaseSettings):
         default=1.0,
         description="How long a gateway caches an API-key lookup; bounds how late a revocation takes effect.",
     )
+    lease_ttl_s: float = Field(
+        default=30.0, gt=0.0,
+        description="Concurrency lease TTL, seconds: a crashed gateway's leases free themselves after this; "
+        "running requests renew theirs every third of it.",
+    )
     max_body_bytes: int = Field(default=1_048_576, description="Largest accepted request body, bytes (413 above).")
     routing_policy: str = Field(default="prefix_affinity", description="Routing policy name (see tessera.routing).")
     trace_exporter: str = Field(

@@ -18,9 +18,7 @@ from tessera_loadgen.arrivals import (
 
 
 def gaps(name: str, rate: float, n: int, burstiness: float | None = None) -> list[float]:
-    offsets = list(
-        itertools.islice(make_arrival_process(name, rate, seed=5, burstiness=burstiness).offsets_s(), n)
-    )
+    offsets = list(itertools.islice(make_arrival_process(name, rate, seed=5, burstiness=burstiness).offsets_s(), n))
     return [b - a for a, b in itertools.pairwise(offsets)]
 
 

@@ -43,9 +43,7 @@ def clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
 def new_call(
     endpoint: str = "chat", retry: RetryPolicy | None = None, collect: bool = False
 ) -> tuple[_Call, RequestRecord, list[RequestRecord]]:
-    client = TenantClient(
-        Target.parse("http://127.0.0.1:9"), "key", timeout_s=30, retry=retry or RetryPolicy()
-    )
+    client = TenantClient(Target.parse("http://127.0.0.1:9"), "key", timeout_s=30, retry=retry or RetryPolicy())
     record = RequestRecord("r1", "t", "c", endpoint, True, t_sched=99.0)
     done: list[RequestRecord] = []
     client.in_flight += 1
@@ -53,9 +51,7 @@ def new_call(
     return call, record, done
 
 
-def chunk(
-    content: str | None = None, cum: int | None = None, usage_only: bool = False, text: bool = False
-) -> bytes:
+def chunk(content: str | None = None, cum: int | None = None, usage_only: bool = False, text: bool = False) -> bytes:
     body: dict[str, Any] = {"id": "x"}
     if usage_only:
         body["choices"] = []

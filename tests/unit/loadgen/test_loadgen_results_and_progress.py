@@ -24,9 +24,7 @@ from tessera_loadgen.results import (
 
 
 def records(t0: float) -> list[RequestRecord]:
-    ok = RequestRecord(
-        "a-0", "a", "c", "chat", True, t_sched=t0 + 1.0, trace_id="ab" * 16, server_request_id="s1"
-    )
+    ok = RequestRecord("a-0", "a", "c", "chat", True, t_sched=t0 + 1.0, trace_id="ab" * 16, server_request_id="s1")
     ok.t_send_first = ok.t_send = t0 + 1.001
     ok.chunk_times = [t0 + 1.1, t0 + 1.12, t0 + 1.2]
     ok.chunk_tokens = [1, 1, 2]
@@ -59,9 +57,7 @@ def test_run_dir_round_trip(tmp_path: Path) -> None:
     assert first["chunk_offsets_s"] == [0.0, 0.02, 0.1]
     # Recomputing from the JSONL gives the same summary as the live records.
     again = summarize_run(read_jsonl(tmp_path / "requests.jsonl"))
-    assert again["overall"]["latency"]["tpot_s"]["p50"] == pytest.approx(
-        summary["overall"]["latency"]["tpot_s"]["p50"]
-    )
+    assert again["overall"]["latency"]["tpot_s"]["p50"] == pytest.approx(summary["overall"]["latency"]["tpot_s"]["p50"])
     assert again["overall"]["errors"] == {"http_500": 1}
 
     with (tmp_path / "summary.csv").open() as src:

@@ -22,9 +22,7 @@ WORKLOAD = Workload.model_validate(
 )
 
 
-def fake_summary(
-    target: float, achieved: float, attainment_a: float, lag_p99: float = 0.001
-) -> dict[str, Any]:
+def fake_summary(target: float, achieved: float, attainment_a: float, lag_p99: float = 0.001) -> dict[str, Any]:
     dist = {"p99": 0.1}
     overall = {
         "achieved_rate_rps": achieved,

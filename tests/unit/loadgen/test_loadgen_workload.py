@@ -88,9 +88,7 @@ def test_unknown_prefix_group_and_session_on_completions_are_errors() -> None:
     with pytest.raises(ValidationError, match="unknown prefix group 'sys'"):
         Workload.model_validate(minimal(classes=[{"name": "c", "prompt": {"prefix_group": "sys"}}]))
     with pytest.raises(ValidationError, match="sessions need endpoint 'chat'"):
-        Workload.model_validate(
-            minimal(classes=[{"name": "c", "endpoint": "completions", "session": {"turns": 2}}])
-        )
+        Workload.model_validate(minimal(classes=[{"name": "c", "endpoint": "completions", "session": {"turns": 2}}]))
 
 
 def test_with_total_rate_keeps_the_mix_and_leaves_closed_loop_alone() -> None:

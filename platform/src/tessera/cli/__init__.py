@@ -8,6 +8,7 @@ from tessera.cli.engine import engine_app
 from tessera.cli.model import model_app
 from tessera.cli.plan import plan_app
 from tessera.cli.tenants import keys_app, tenants_app
+from tessera.cli.traces import traces_app
 from tessera.cli.up import up
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="Tessera: multi-tenant LLM serving.")
@@ -16,6 +17,7 @@ app.add_typer(keys_app, name="keys")
 app.add_typer(model_app, name="model")
 app.add_typer(engine_app, name="engine")
 app.add_typer(plan_app, name="plan")
+app.add_typer(traces_app, name="traces")
 app.command("up")(up)
 
 

@@ -48,12 +48,27 @@ def run_with_store(fn: Callable[[TenantStore, Admission], Awaitable[T]]) -> T:
         raise typer.Exit(2) from None
 
 
-def parse_policy(policy_json: str | None, policy_file: Path | None, base: dict[str, Any] | None = None) -> TenantPolicy:
-    data: dict[str, Any] = dict(base or {})
-    if policy_file is not None:
-        data.update(json.loads(policy_file.read_text()))
-    if policy_json:
-        data.update(json.loads(policy_json))
+def read_policy_changes(policy_json: str | None, policy_file: Path | None) -> dict[str, Any]:
+    """Policy fields from --policy-file, then --policy (which wins); a JSON object either way."""
+    data: dict[str, Any] = {}
+    for source, text in (("--policy-file", policy_file.read_text() if policy_file else None),
+                         ("--policy", policy_json)):
+        if not text:
+            continue
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as exc:
+            typer.echo(f"error: {source} is not valid JSON: {exc}", err=True)
+            raise typer.Exit(2) from None
+        if not isinstance(value, dict):
+            typer.echo(f"error: {source} must be a JSON object of policy fields", err=True)
+            raise typer.Exit(2)
+        data.update(value)
+    return data
+
+
+def parse_policy(policy_json: str | None, policy_file: Path | None) -> TenantPolicy:
+    data = read_policy_changes(policy_json, policy_file)
     try:
         return TenantPolicy.model_validate(data)
     except ValidationError as exc:
@@ -94,9 +109,15 @@ def list_tenants(as_json: bool = typer.Option(False, "--json", help="Print JSON.
 def update(name: str, policy: str = typer.Option(None, help="Fields to change, as JSON."),
            policy_file: Path = typer.Option(None, help="Fields to change, JSON file.")) -> None:
     """Change some policy fields of a tenant (the rest stay)."""
+    changes = read_policy_changes(policy, policy_file)
+
     async def go(store: TenantStore, _: Admission) -> TenantPolicy:
         current = await store.require_tenant(name)
-        merged = parse_policy(policy, policy_file, current.policy.model_dump())
+        try:
+            merged = current.policy.updated(changes)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            raise ValueError(f"invalid policy: {'.'.join(map(str, first['loc']))}: {first['msg']}") from None
         return (await store.set_policy(name, merged)).policy
 
     typer.echo(run_with_store(go).model_dump_json(indent=2))

@@ -72,6 +72,9 @@ class InFlight:
     priority: int
     started_ts: float
     abort_reason: str | None = None
+    # W3C traceparent of this request's engine.generate span: the KV-eviction controller links its
+    # eviction and action spans to the requests they affect (and parents an abort under it).
+    traceparent: str = ""
 
 
 async def _read_body(receive: Receive, limit: int = 8 * 1024 * 1024) -> bytes:
@@ -258,19 +261,22 @@ class EngineHost:
         if not self.redis_url or not self.kv_events_port:
             return
         from tessera.redis_conn import connect
-        from tessera.routing.kv_events import subscribe
+        from tessera.routing.indexer import FeedStats, feed_index
+        from tessera.routing.kv_events import KVEventSubscriber
         from tessera.routing.prefix_index import PrefixIndex
 
-        redis = connect(self.redis_url)
+        # Subscribe before clearing: events published from here on queue in the socket, none is lost.
+        events = KVEventSubscriber(f"tcp://127.0.0.1:{self.kv_events_port}", self.config.kv_events.topic)
+        redis = connect(self.redis_url, timeout_s=5.0)
         index = PrefixIndex(redis)
         try:
             await index.clear_engine(self.engine_id)
-            async for batch in subscribe(f"tcp://127.0.0.1:{self.kv_events_port}", self.config.kv_events.topic):
-                try:
-                    await index.apply(self.engine_id, batch.ops)
-                except Exception as exc:
-                    logger.warning("prefix index update failed: %s", exc)
+            live = [e.engine_id for e in await EngineRegistry(redis).live_engines()]
+            await index.sweep([*live, self.engine_id])
+            self.index_stats = FeedStats()  # read by tests and /stats consumers while the feed runs
+            await feed_index(index, self.engine_id, events, self.index_stats)
         finally:
+            events.close()
             await redis.aclose()
 
     async def _deregister(self) -> None:
@@ -278,7 +284,8 @@ class EngineHost:
             return
         from tessera.redis_conn import connect
 
-        redis = connect(self.redis_url)
+        # Not on a request path: a busy Redis gets time, so the index does not keep a stopped engine's blocks.
+        redis = connect(self.redis_url, timeout_s=5.0)
         try:
             from tessera.routing.prefix_index import PrefixIndex
 
@@ -365,6 +372,9 @@ class EngineHost:
                                                       "tessera.tenant": entry.tenant,
                                                       "tessera.priority": request.priority,
                                                       "gen_ai.request.max_tokens": request.max_tokens}) as span:
+            ctx = span.get_span_context()
+            if ctx.is_valid:
+                entry.traceparent = f"00-{ctx.trace_id:032x}-{ctx.span_id:016x}-{int(ctx.trace_flags):02x}"
             stats = await self._stream(request, entry, send)
             record_engine_span(span, stats, entry.abort_reason)
 

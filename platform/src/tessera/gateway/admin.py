@@ -4,11 +4,14 @@
   GET    /admin/tenants                                                → tenants
   GET    /admin/tenants/<name>                                         → tenant
   PATCH  /admin/tenants/<name>             {"policy": {...partial}}    → tenant (validated merge)
-  DELETE /admin/tenants/<name>                                         → 204, keys revoked
+  DELETE /admin/tenants/<name>                                         → 200, keys deleted
   POST   /admin/tenants/<name>/keys                                    → 201 {"key" (shown once), "key_id"}
   GET    /admin/tenants/<name>/keys                                    → key ids and prefixes only
-  DELETE /admin/keys/<key_id>                                          → 204, revoked on every gateway ≤ 2 s
+  DELETE /admin/keys/<key_id>                                          → 200, revoked on every gateway ≤ 2 s
   GET    /admin/tenants/<name>/usage?period=hour|day|month             → usage of the current period
+
+A tenant reads its own usage with its API key at ``GET /v1/usage`` (``usage_report`` below); a missing or
+wrong admin token is 401, an admin API without a configured token answers 403 to everyone.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from pydantic import ValidationError
 
 from tessera.gateway.errors import APIError, bad_request
 from tessera.tenancy.admission import Admission
+from tessera.tenancy.periods import check_period
 from tessera.tenancy.policy import TenantPolicy
 from tessera.tenancy.store import Tenant, TenantExistsError, TenantNotFoundError, TenantStore
 
@@ -88,8 +92,7 @@ class AdminAPI:
                 changes = data.get("policy")
                 if not isinstance(changes, dict):
                     raise ValueError("body needs 'policy' (object of fields to change)")
-                merged = {**current.policy.model_dump(), **changes}
-                return 200, tenant_json(await self._store.set_policy(name, TenantPolicy.model_validate(merged)))
+                return 200, tenant_json(await self._store.set_policy(name, current.policy.updated(changes)))
             if method == "DELETE":
                 await self._store.delete_tenant(name)
                 return 200, {"deleted": name}
@@ -103,8 +106,7 @@ class AdminAPI:
                                        "created_at": k.created_at} for k in keys]}
         if len(parts) == 3 and parts[0] == "tenants" and parts[2] == "usage" and method == "GET":
             tenant = await self._store.require_tenant(parts[1])
-            period = parse_qs(query.decode()).get("period", [tenant.policy.budget_period])[0]
-            return 200, {"tenant": tenant.name, **(await self._admission.usage(tenant.name, period))}
+            return 200, await usage_report(self._admission, tenant, query)
         if len(parts) == 2 and parts[0] == "keys" and method == "DELETE":
             try:
                 tenant_name = await self._store.revoke_key(parts[1])
@@ -112,6 +114,19 @@ class AdminAPI:
                 raise APIError(404, f"key {parts[1]!r} does not exist", "key_not_found") from None
             return 200, {"revoked": parts[1], "tenant": tenant_name}
         raise APIError(404, f"No admin route {method} /admin/{'/'.join(parts)}.", "not_found")
+
+
+async def usage_report(admission: Admission, tenant: Tenant, query: bytes) -> dict[str, Any]:
+    """The tenant's usage in the current ``?period=`` (default: its budget period), with its budget."""
+    period = parse_qs(query.decode("latin-1")).get("period", [tenant.policy.budget_period])[0]
+    try:
+        check_period(period)
+    except ValueError as exc:
+        raise bad_request(str(exc), "invalid_period", "period") from None
+    report: dict[str, Any] = {"tenant": tenant.name, **(await admission.usage(tenant.name, period))}
+    if period == tenant.policy.budget_period:
+        report["token_budget"] = tenant.policy.token_budget
+    return report
 
 
 def _json_object(body: bytes) -> dict[str, Any]:

@@ -17,7 +17,7 @@ from opentelemetry import trace
 from opentelemetry.propagate import extract, inject
 from pydantic import ValidationError
 
-from tessera.gateway.admin import AdminAPI
+from tessera.gateway.admin import AdminAPI, usage_report
 from tessera.gateway.auth import Authenticator
 from tessera.gateway.engine_client import EngineClient
 from tessera.gateway.errors import APIError, error_body, unauthorized
@@ -57,9 +57,10 @@ class Gateway:
                           settings.otlp_endpoint, settings.trace_sample_ratio)
         self.redis = connect(settings.redis_url, settings.redis_timeout_s)
         self.store = TenantStore(self.redis)
-        self.auth = Authenticator(self.store, settings.key_cache_ttl_s)
+        self.auth = Authenticator(self.store, settings.key_cache_ttl_s, settings.redis_fail_open,
+                                  lambda exc: isinstance(exc, REDIS_ERRORS))
         self.catalog = ModelCatalog(self.redis)
-        self.admission = Admission(self.redis)
+        self.admission = Admission(self.redis, settings.lease_ttl_s)
         from tessera.routing.prefix_index import PrefixIndex
 
         self.router = Router(self.redis, settings.routing_policy, PrefixIndex(self.redis))
@@ -95,6 +96,8 @@ class Gateway:
                                            request_id, carrier, span)
             elif path == "/v1/models" and method == "GET":
                 await self._models(send, headers, request_id)
+            elif path == "/v1/usage" and method == "GET":
+                await self._usage(scope, send, headers, request_id)
             elif path == "/health":
                 await respond(send, 200, {"status": "ok"}, request_id)
             elif path == "/metrics":
@@ -127,12 +130,20 @@ class Gateway:
         data = [{"id": n, "object": "model", "created": 0, "owned_by": "tessera"} for n in names]
         await respond(send, 200, {"object": "list", "data": data}, request_id)
 
+    async def _usage(self, scope: Scope, send: Send, headers: dict[str, str], request_id: str) -> None:
+        tenant = await self.auth.tenant_for(headers.get("authorization"))
+        if tenant is None:
+            raise unauthorized()
+        report = await usage_report(self.admission, tenant, scope.get("query_string", b""))
+        await respond(send, 200, report, request_id)
+
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         while True:
             message = await receive()
             if message["type"] == "lifespan.startup":
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
+                await self.flow.finishes.close()
                 await self.engines.close()
                 await self.redis.aclose()
                 await send({"type": "lifespan.shutdown.complete"})

@@ -5,6 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import orjson
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+# Redis did not answer (down, restarting, too slow): 503, or fail open where configured; never a 500.
+STORE_ERRORS: tuple[type[BaseException], ...] = (RedisConnectionError, RedisTimeoutError, OSError)
 
 _TYPES = {
     400: "invalid_request_error",
@@ -49,3 +54,28 @@ def bad_request(message: str, code: str = "invalid_request", param: str | None =
 def unauthorized(message: str = "Invalid API key: pass 'Authorization: Bearer <key>' with a key issued "
                  "by 'tessera keys issue'.") -> APIError:
     return APIError(401, message, "invalid_api_key")
+
+
+# Tags pydantic puts in an error location to say which member of a union failed; not field names.
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "bytes", "none", "dict", "list", "tuple", "set"})
+
+
+def field_param(loc: tuple[int | str, ...]) -> str | None:
+    """The OpenAI ``param`` of a pydantic error location: field names and list indexes
+    (``messages[0].role``), without pydantic's union-member tags (``str``, ``list[int]``, ``function-after[…]``)."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part.isidentifier() and part not in _TYPE_TAGS:
+            out += f".{part}" if out else part
+    return out or None
+
+
+def invalid_field(errors: list[dict[str, object]], code: str = "invalid_value") -> APIError:
+    """A 400 naming the first invalid field of a pydantic ``ValidationError.errors()`` list."""
+    first = errors[0]
+    param = field_param(tuple(first.get("loc") or ()))  # type: ignore[arg-type]
+    message = str(first.get("msg", "invalid value"))
+    return bad_request(f"Invalid request: {param}: {message}" if param else f"Invalid request: {message}", code,
+                       param)

@@ -4,30 +4,41 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 import uuid
+from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
+import jinja2
 import orjson
 from opentelemetry.trace import Span
 from pydantic import ValidationError
 
 from tessera.gateway.engine_client import StreamResult
-from tessera.gateway.errors import APIError, bad_request, unauthorized
+from tessera.gateway.errors import STORE_ERRORS, APIError, bad_request, invalid_field, unauthorized
 from tessera.gateway.openai_format import ChunkWriter, finish_reason, full_response, usage
 from tessera.gateway.schemas import ChatCompletionRequest, CompletionRequest
 from tessera.routing.hashing import block_hash_chain
-from tessera.routing.snapshot import RouteRequest
+from tessera.routing.snapshot import RouteDecision, RouteRequest
 from tessera.tenancy.admission import Lease, Rejection
-from tessera.tenancy.policy import DEMOTION_STEP
+from tessera.tenancy.billing import FinishQueue
+from tessera.tenancy.policy import DEMOTION_STEP, PRIORITY_VALUES
 
 if TYPE_CHECKING:
+    from tessera.engine.registry import EngineRecord
     from tessera.gateway.app import Gateway, Receive, Scope, Send
     from tessera.gateway.models import ServedModel
     from tessera.tenancy.store import Tenant
 
+logger = logging.getLogger(__name__)
+
 SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
 APPROX_PREFIX_CHARS = 4096
+# Admission under KV pressure: while every engine of the model carries the controller's pressure flag,
+# requests of the low and batch classes get 503 + Retry-After (they are the deferrable ones); the others
+# are admitted and queue in the engine by priority.
+SHED_UNDER_PRESSURE_FROM = PRIORITY_VALUES["low"]
 
 
 async def read_body(receive: Receive, headers: dict[str, str], limit: int) -> bytes:
@@ -51,6 +62,10 @@ async def read_body(receive: Receive, headers: dict[str, str], limit: int) -> by
 class GenerationFlow:
     def __init__(self, gateway: Gateway) -> None:
         self.gw = gateway
+        self.finishes = FinishQueue(gateway.admission, lambda exc: isinstance(exc, STORE_ERRORS))
+        # Fail-open mode only: what this process last read from Redis, served while Redis is unreachable.
+        self._known_models: dict[str, ServedModel] = {}
+        self._known_routes: dict[str, tuple[RouteDecision, dict[str, EngineRecord]]] = {}
 
     async def handle(self, chat: bool, scope: Scope, receive: Receive, send: Send, headers: dict[str, str],
                      request_id: str, trace_carrier: dict[str, str], span: Span) -> None:
@@ -63,7 +78,7 @@ class GenerationFlow:
         span.set_attribute("tessera.tenant", tenant.name)
         req = parse_request(chat, raw)
         span.set_attribute("gen_ai.request.model", req.model)
-        model = await gw.catalog.get(req.model)
+        model = await self._model(req.model)
         if model is None:
             raise APIError(404, f"The model {req.model!r} does not exist; GET /v1/models lists yours.",
                            "model_not_found", "model")
@@ -73,6 +88,12 @@ class GenerationFlow:
         max_tokens = check_limits(chat, req, tenant, model, len(prompt_ids))
         span.set_attributes({"gen_ai.usage.input_tokens": len(prompt_ids), "gen_ai.request.max_tokens": max_tokens})
 
+        if tenant.policy.priority >= SHED_UNDER_PRESSURE_FROM and await self._all_engines_pressured(req.model):
+            gw.metrics.rejected(tenant.name, "engine_under_pressure")
+            span.set_attribute("tessera.rejected", "engine_under_pressure")
+            raise APIError(503, f"Every engine serving {req.model!r} is short of KV cache; low and batch "
+                           "priority requests wait until it frees.", "engine_under_pressure",
+                           headers={"Retry-After": "1"})
         reserve = len(prompt_ids) + max_tokens * req.n
         t_admit = time.monotonic()
         with gw.tracer.start_as_current_span("admission") as adm_span:
@@ -87,23 +108,59 @@ class GenerationFlow:
         admission_s = time.monotonic() - t_admit
         span.set_attribute("tessera.admission_wait_s", admission_s)
         result = StreamResult()
+        keeper = asyncio.ensure_future(self._keep_lease(lease)) if lease is not None else None
         try:
             await self._serve(chat, req, tenant, model, prompt_ids, max_tokens, request_id, trace_carrier,
                               span, send, receive, result, lease, t_start)
         finally:
+            if keeper is not None:
+                keeper.cancel()
             if lease is not None:
-                # Bill at least what was generated, also when the client went away mid-stream.
-                with contextlib.suppress(Exception):
-                    await gw.admission.finish(lease, len(prompt_ids), result.completion_tokens)
+                # Bill at least what was generated, also when the client went away mid-stream; when Redis
+                # does not answer, the finish waits in the queue (usage is never lost).
+                await self.finishes.finish(lease, len(prompt_ids), result.completion_tokens)
+
+    async def _keep_lease(self, lease: Lease) -> None:
+        """Renews the concurrency lease every third of its TTL while the request runs (long streams keep
+        their slot; a dead gateway stops renewing and the lease expires)."""
+        admission = self.gw.admission
+        while True:
+            await asyncio.sleep(admission.lease_ttl_s / 3)
+            try:
+                if not await admission.renew(lease):
+                    logger.warning("lease %s of tenant %s expired before renewal", lease.lease_id, lease.tenant)
+                    return
+            except STORE_ERRORS as exc:
+                logger.warning("lease %s not renewed: %s", lease.lease_id, exc)
+
+    async def _model(self, name: str) -> ServedModel | None:
+        try:
+            model = await self.gw.catalog.get(name)
+        except STORE_ERRORS:
+            if self.gw.settings.redis_fail_open and name in self._known_models:
+                return self._known_models[name]
+            raise
+        if model is not None and self.gw.settings.redis_fail_open:
+            self._known_models[name] = model
+        return model
+
+    async def _route(self, request: RouteRequest) -> tuple[RouteDecision, dict[str, EngineRecord]]:
+        try:
+            routed = await self.gw.router.route(request)
+        except STORE_ERRORS:
+            if self.gw.settings.redis_fail_open and request.model in self._known_routes:
+                return self._known_routes[request.model]
+            raise
+        if self.gw.settings.redis_fail_open:
+            self._known_routes[request.model] = routed
+        return routed
 
     async def _admit(self, tenant: Tenant, reserve: int) -> Lease | Rejection | None:
         gw = self.gw
         try:
             return await gw.admission.admit(tenant.name, tenant.policy, reserve)
-        except Exception as exc:
-            from tessera.gateway.app import REDIS_ERRORS
-
-            if not isinstance(exc, REDIS_ERRORS) or not gw.settings.redis_fail_open:
+        except STORE_ERRORS:
+            if not gw.settings.redis_fail_open:
                 raise
             gw.metrics.fail_open(tenant.name)
             return None
@@ -119,21 +176,26 @@ class GenerationFlow:
         if gw.router.policy_name == "approx_prefix":
             prompt_text = model.tokenizer.decode(prompt_ids[:APPROX_PREFIX_CHARS // 2])
         with gw.tracer.start_as_current_span("route") as route_span:
-            decision, records = await gw.router.route(RouteRequest(
+            decision, records = await self._route(RouteRequest(
                 tenant=tenant.name, model=req.model, num_prompt_tokens=len(prompt_ids), block_hashes=hashes,
                 prompt_prefix=prompt_text, session_id=req.user,
             ))
             route_span.set_attributes({"tessera.route.reason": decision.reason,
-                                       "tessera.route.expected_cached_tokens": decision.expected_cached_tokens})
+                                       "tessera.route.expected_cached_tokens": decision.expected_cached_tokens,
+                                       # The chain's first block names the prefix in the controller's
+                                       # eviction spans (``tessera traces analyze`` joins on it).
+                                       "tessera.prefix_root": f"{hashes[0]:016x}" if hashes else "",
+                                       "tessera.prompt_blocks": len(hashes)})
         if not decision.ranked:
             raise APIError(503, f"No engine is serving {req.model!r} right now; retry shortly.",
                            "engine_unavailable", headers={"Retry-After": "2"})
         priority = tenant.policy.priority
-        if await _demoted(gw, tenant.name):
+        if await self._demoted(tenant.name):
             priority += DEMOTION_STEP
         body = {"request_id": request_id, "prompt_token_ids": prompt_ids, "max_tokens": max_tokens,
                 "temperature": req.temperature, "top_p": req.top_p, "seed": req.seed, "stop": req.stop_list,
-                "n": req.n, "cache_salt": salt, "priority": priority}
+                "n": req.n, "cache_salt": salt, "priority": priority,
+                "ignore_eos": req.ignore_eos}
         targets = [(eid, records[eid].url) for eid in decision.ranked]
         engine_headers = {"x-tessera-tenant": tenant.name, "x-request-id": request_id, **carrier}
         response_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
@@ -149,7 +211,7 @@ class GenerationFlow:
                 from opentelemetry.propagate import inject
 
                 inject(engine_headers)
-                stream = gw.engines.stream(targets, body, engine_headers, result)
+                stream = _first_token_event(gw.engines.stream(targets, body, engine_headers, result), span)
                 if req.stream:
                     await self._stream_out(chat, req, stream, send, receive, out_headers, response_id, created,
                                            len(prompt_ids), result)
@@ -168,6 +230,25 @@ class GenerationFlow:
                 "tessera.engine.final": result.engines_tried[-1] if result.engines_tried else "",
             })
             gw.metrics.completed(tenant.name, result.completion_tokens, time.monotonic() - t_start)
+
+    async def _all_engines_pressured(self, model: str) -> bool:
+        """True while the KV-eviction controller flags every live engine of the model (registry view, cached
+        for REGISTRY_CACHE_S); a registry that cannot be read sheds nothing."""
+        try:
+            records = await self.gw.router.engines(model)
+        except STORE_ERRORS:
+            return False
+        return bool(records) and all(r.under_pressure for r in records)
+
+    async def _demoted(self, tenant: str) -> bool:
+        from tessera.tenancy.demotion import is_demoted
+
+        try:
+            return await is_demoted(self.gw.redis, tenant)
+        except STORE_ERRORS:
+            if self.gw.settings.redis_fail_open:
+                return False
+            raise
 
     async def _collect(self, chat: bool, req: Any, stream: Any, send: Send, out_headers: list[tuple[bytes, bytes]],
                        response_id: str, created: int, num_prompt: int, result: StreamResult) -> None:
@@ -236,10 +317,6 @@ async def _wait_disconnect(receive: Receive) -> None:
         pass
 
 
-async def _demoted(gw: Gateway, tenant: str) -> bool:
-    from tessera.tenancy.demotion import is_demoted
-
-    return await is_demoted(gw.redis, tenant)
 
 
 def parse_request(chat: bool, raw: bytes) -> CompletionRequest | ChatCompletionRequest:
@@ -252,10 +329,7 @@ def parse_request(chat: bool, raw: bytes) -> CompletionRequest | ChatCompletionR
     try:
         return ChatCompletionRequest.model_validate(data) if chat else CompletionRequest.model_validate(data)
     except ValidationError as exc:
-        from tessera.gateway.app import validation_message
-
-        message, param = validation_message(exc)
-        raise bad_request(message, "invalid_value", param) from None
+        raise invalid_field(exc.errors()) from None  # type: ignore[arg-type]
 
 
 def tokenize(chat: bool, req: CompletionRequest | ChatCompletionRequest, model: ServedModel) -> list[int]:
@@ -264,7 +338,11 @@ def tokenize(chat: bool, req: CompletionRequest | ChatCompletionRequest, model: 
             messages = [{"role": m.role, "content": m.text()} for m in req.messages]
         except ValueError as exc:
             raise bad_request(str(exc), "unsupported_content", "messages") from None
-        ids = model.encode_chat(messages)
+        try:
+            ids = model.encode_chat(messages)
+        except jinja2.TemplateError as exc:
+            raise bad_request(f"The model's chat template rejects these messages: {exc}", "invalid_messages",
+                              "messages") from None
     elif isinstance(req.prompt, str):
         ids = model.encode(req.prompt)
     elif req.prompt and isinstance(req.prompt[0], str):
@@ -284,6 +362,9 @@ def check_limits(chat: bool, req: CompletionRequest | ChatCompletionRequest, ten
     policy = tenant.policy
     if req.n > policy.max_n:
         raise bad_request(f"n={req.n} exceeds your limit of {policy.max_n}.", "n_too_large", "n")
+    if req.n > 1 and req.temperature == 0.0:
+        raise bad_request("n > 1 needs temperature > 0: greedy decoding gives n identical choices.",
+                          "invalid_value", "n")
     if policy.max_prompt_tokens is not None and num_prompt > policy.max_prompt_tokens:
         raise bad_request(f"The prompt has {num_prompt} tokens; your limit is {policy.max_prompt_tokens}.",
                           "prompt_too_long", "prompt")
@@ -304,3 +385,17 @@ def check_limits(chat: bool, req: CompletionRequest | ChatCompletionRequest, ten
             f"max_tokens is {requested} ({num_prompt + requested} in all). Lower max_tokens or the prompt.",
             "context_length_exceeded", param)
     return requested
+
+
+async def _first_token_event(stream: AsyncIterator[Any], span: Span) -> AsyncIterator[Any]:
+    """Passes the engine stream through, marking the first delta on the ``gateway.request`` span (the
+    analyzer's TTFT as the gateway saw it)."""
+    first = True
+    try:
+        async for delta in stream:
+            if first:
+                span.add_event("first_token")
+                first = False
+            yield delta
+    finally:
+        await stream.aclose()  # type: ignore[attr-defined]

@@ -24,14 +24,18 @@ class _Common(BaseModel):
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    # The engine's transport carries 64-bit integers.
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
     user: str | None = Field(default=None, max_length=256)
+    ignore_eos: StrictBool = Field(default=False, description="vLLM extension: generate max_tokens tokens.")
 
     @field_validator("stop")
     @classmethod
     def _stop_limit(cls, value: str | list[str] | None) -> str | list[str] | None:
         if isinstance(value, list) and len(value) > 4:
             raise ValueError("at most 4 stop sequences")
+        if value == "" or (isinstance(value, list) and any(not s for s in value)):
+            raise ValueError("stop sequences must not be empty")
         return value
 
     @property

@@ -2,7 +2,11 @@
 
 Wire format (vLLM 0.32): multipart ``[topic, seq (8 bytes big-endian), msgpack(KVEventBatch)]``; events
 are tagged structs BlockStored / BlockRemoved / AllBlocksCleared. The decoder is vLLM's own struct types,
-so a format change in vLLM fails loudly here rather than silently mis-indexing.
+so a format change in vLLM fails loudly here rather than silently mis-indexing. ``seq`` counts published
+batches from 0 per engine, so a subscriber can tell when it missed some (see indexer.py).
+
+Only blocks in the engine's own KV cache (medium GPU, or unset) are decoded: blocks a connector offloads
+to CPU memory or storage are announced too, but a request does not hit them the way it hits the cache.
 """
 
 from __future__ import annotations
@@ -38,11 +42,17 @@ def _salt(extra: Any) -> str | None:
     return None
 
 
+# Media whose blocks a request's prefix-cache lookup finds directly (None: publisher did not say).
+CACHE_MEDIA = (None, "GPU")
+
+
 def decode_batch(seq: int, batch: Any) -> DecodedBatch:
     from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 
     out = DecodedBatch(seq=seq, ts=float(batch.ts))
     for event in batch.events:
+        if isinstance(event, BlockStored | BlockRemoved) and event.medium not in CACHE_MEDIA:
+            continue
         if isinstance(event, BlockStored):
             size = event.block_size
             extras = event.extra_keys or [None] * len(event.block_hashes)
@@ -60,21 +70,37 @@ def decode_batch(seq: int, batch: Any) -> DecodedBatch:
     return out
 
 
+class KVEventSubscriber:
+    """An async iterator of decoded batches from a ZMQ PUB endpoint. The SUB socket connects when the
+    subscriber is made, so batches published from then on queue up until iteration starts."""
+
+    def __init__(self, endpoint: str, topic: str = "") -> None:
+        import msgspec
+        import zmq
+        import zmq.asyncio
+        from vllm.distributed.kv_events import KVEventBatch
+
+        self._decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+        self._sock = zmq.asyncio.Context.instance().socket(zmq.SUB)
+        self._sock.setsockopt(zmq.SUBSCRIBE, topic.encode())
+        self._sock.connect(endpoint)
+
+    def __aiter__(self) -> KVEventSubscriber:
+        return self
+
+    async def __anext__(self) -> DecodedBatch:
+        _, seq_bytes, payload = await self._sock.recv_multipart()
+        return decode_batch(int.from_bytes(seq_bytes, "big"), self._decoder.decode(payload))
+
+    def close(self) -> None:
+        self._sock.close(linger=0)
+
+
 async def subscribe(endpoint: str, topic: str = "") -> AsyncIterator[DecodedBatch]:
     """Yields decoded batches from a ZMQ PUB endpoint until cancelled."""
-    import msgspec
-    import zmq
-    import zmq.asyncio
-    from vllm.distributed.kv_events import KVEventBatch
-
-    decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
-    ctx = zmq.asyncio.Context.instance()
-    sock = ctx.socket(zmq.SUB)
-    sock.setsockopt(zmq.SUBSCRIBE, topic.encode())
-    sock.connect(endpoint)
+    subscriber = KVEventSubscriber(endpoint, topic)
     try:
-        while True:
-            _, seq_bytes, payload = await sock.recv_multipart()
-            yield decode_batch(int.from_bytes(seq_bytes, "big"), decoder.decode(payload))
+        async for batch in subscriber:
+            yield batch
     finally:
-        sock.close(linger=0)
+        subscriber.close()

@@ -8,6 +8,7 @@ KV-eviction controller flags as under pressure always rank after the others.
 from __future__ import annotations
 
 import hashlib
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -100,43 +101,59 @@ def _session_affinity() -> PolicyFn:
 
 
 APPROX_CHUNK_CHARS = 128
+# Chunk keys one approx_prefix instance remembers (least recently used forgotten first): bounds its memory.
+APPROX_MAX_CHUNKS = 200_000
 
 
 @dataclass
 class _ApproxState:
-    owner: dict[bytes, str] = field(default_factory=dict)
+    # chained chunk digest -> engines this policy instance sent that prefix to, in LRU order.
+    senders: OrderedDict[bytes, set[str]] = field(default_factory=OrderedDict)
+
+    def remember(self, chain: list[bytes], engine_id: str) -> None:
+        for key in chain:
+            self.senders.setdefault(key, set()).add(engine_id)
+            self.senders.move_to_end(key)
+        while len(self.senders) > APPROX_MAX_CHUNKS:
+            self.senders.popitem(last=False)
+
+
+def _char_chunks(model: str, text: str) -> list[bytes]:
+    """Parent-chained digests of the text's whole 128-character chunks (a trie path, flattened)."""
+    digest = hashlib.blake2b(model.encode(), digest_size=16)
+    chain: list[bytes] = []
+    for start in range(0, len(text) - len(text) % APPROX_CHUNK_CHARS, APPROX_CHUNK_CHARS):
+        digest.update(text[start:start + APPROX_CHUNK_CHARS].encode())
+        chain.append(digest.copy().digest())
+    return chain
 
 
 @register("approx_prefix")
 def _approx_prefix() -> PolicyFn:
-    """Baseline like production-stack's prefix router: remembers where it *sent* each character-prefix
-    chunk, never learns that the engine evicted it."""
+    """Baseline like production-stack's prefix-aware router (``HashTrie``): remembers which engines it
+    *sent* each character-prefix chunk to, narrows to the engines sharing the longest remembered prefix,
+    and never learns that an engine evicted it. Its memory is per gateway process, as in production-stack.
+    Among the matching engines it takes the least loaded (production-stack picks one at random)."""
     state = _ApproxState()
 
     def policy(snapshot: RouteSnapshot, request: RouteRequest) -> RouteDecision:
         if (empty := _empty(snapshot)) is not None:
             return empty
-        live = {e.engine_id for e in snapshot.engines}
-        digest = hashlib.blake2b(request.model.encode(), digest_size=16)
-        chain: list[bytes] = []
-        text = request.prompt_prefix
-        for start in range(0, len(text) - len(text) % APPROX_CHUNK_CHARS, APPROX_CHUNK_CHARS):
-            digest.update(text[start:start + APPROX_CHUNK_CHARS].encode())
-            chain.append(digest.copy().digest())
-        best, matched = None, 0
-        for depth, key in enumerate(chain, start=1):
-            owner = state.owner.get(key)
-            if owner is None or owner not in live:
-                break
-            best, matched = owner, depth
-        order = _by_load(snapshot)
-        if best is not None:
-            order = [e for e in order if e.engine_id == best] + [e for e in order if e.engine_id != best]
-        chosen = order[0].engine_id
+        chain = _char_chunks(request.model, request.prompt_prefix)
+        candidates = {e.engine_id for e in snapshot.engines}
+        matched = 0
         for key in chain:
-            state.owner[key] = chosen
-        reason = f"approx_prefix matched_chunks={matched}" if best else "approx_prefix miss: least_loaded"
-        return RouteDecision(_pressure_last(order), reason)
+            holders = state.senders.get(key, set()) & candidates
+            if not holders:
+                break
+            candidates, matched = holders, matched + 1
+        order = _by_load(snapshot)
+        if matched:
+            order = sorted(order, key=lambda e: e.engine_id not in candidates)  # stable: load order kept
+        ranked = _pressure_last(order)
+        state.remember(chain, ranked[0])
+        reason = f"approx_prefix matched_chunks={matched}" if matched else "approx_prefix miss: least_loaded"
+        return RouteDecision(ranked, reason)
 
     return policy
 
@@ -153,6 +170,9 @@ TOKENS_PER_WAITING_REQUEST = 512
 
 @register("prefix_affinity")
 def _prefix_affinity() -> PolicyFn:
+    """Expected cached tokens (from the KV-event index) minus load priced in tokens; an engine over the
+    bounded-load limit gets no credit for its cache, so a hot prefix spills to a second engine."""
+
     def policy(snapshot: RouteSnapshot, request: RouteRequest) -> RouteDecision:
         if (empty := _empty(snapshot)) is not None:
             return empty
@@ -161,7 +181,12 @@ def _prefix_affinity() -> PolicyFn:
         bound = BOUND_FACTOR * mean + 1
 
         def cached_tokens(e: EngineView) -> int:
-            return snapshot.cached_prefix_blocks.get(e.engine_id, 0) * e.block_size
+            tokens = snapshot.cached_prefix_blocks.get(e.engine_id, 0) * e.block_size
+            if request.num_prompt_tokens > 0 and e.block_size > 0:
+                # vLLM recomputes at least the last prompt token, so a fully cached, block-aligned prompt
+                # still prefills its last block.
+                tokens = min(tokens, (request.num_prompt_tokens - 1) // e.block_size * e.block_size)
+            return tokens
 
         def score(e: EngineView) -> float:
             cached = cached_tokens(e) if loads[e.engine_id] < bound else 0
@@ -170,13 +195,16 @@ def _prefix_affinity() -> PolicyFn:
 
         order = sorted(snapshot.engines, key=lambda e: (e.under_pressure, -score(e), e.kv_cache_usage, e.engine_id))
         top = order[0]
-        best_cached = max(cached_tokens(e) for e in snapshot.engines)
+        holder = max(snapshot.engines, key=lambda e: (cached_tokens(e), -loads[e.engine_id]))
+        load = loads[top.engine_id]
         if cached_tokens(top) > 0:
-            reason = f"prefix_affinity cached_tokens={cached_tokens(top)} load={loads[top.engine_id]}"
-        elif best_cached > 0:
-            reason = f"prefix_affinity bounded_load: holder over {bound:.1f}, load={loads[top.engine_id]}"
+            reason = f"prefix_affinity cached_tokens={cached_tokens(top)} load={load}"
+        elif cached_tokens(holder) == 0:
+            reason = f"prefix_affinity miss: least_loaded load={load}"
+        elif loads[holder.engine_id] >= bound:
+            reason = f"prefix_affinity bounded_load: holder load {loads[holder.engine_id]} >= {bound:.1f}, load={load}"
         else:
-            reason = f"prefix_affinity miss: least_loaded load={loads[top.engine_id]}"
+            reason = f"prefix_affinity load outweighs {cached_tokens(holder)} cached tokens, load={load}"
         return RouteDecision(tuple(e.engine_id for e in order), reason, cached_tokens(top))
 
     return policy

@@ -1,42 +1,106 @@
 """Which engine holds which KV block, shared by every gateway through Redis and fed by the engines' own
 KV events, so it forgets a prefix the moment an engine evicts it.
 
-Layout:
-  tessera:pfx:<hash>          SET of engine ids holding the block (TTL refreshed on every store)
+Layout (block hashes are the 64-bit ints KV events carry, written in decimal):
+  tessera:pfx:<hash>          HASH engine_id -> copies of the block that engine holds (field absent = 0)
   tessera:pfx-engine:<id>     SET of hashes the engine holds (to drop them all on AllBlocksCleared / death)
+  tessera:pfx-engines         ZSET engine_id -> Redis time of the engine's last applied batch
 
-Invariant: after applying an engine's events in order, ``tessera:pfx:<h>`` contains the engine iff the
-engine's last event about ``h`` was BlockStored. A lookup walks the request's chain from the first block
-and returns, per live engine, the length of the longest chain prefix it holds — one Lua call, one round
-trip, whatever the chain length.
+Why copies and not a set: vLLM does not de-duplicate identical blocks (``BlockHashToBlockMap``, NOTE #1).
+Two requests that prefill the same prefix in the same step each cache a copy, each copy is announced by a
+BlockStored, and evicting one copy announces a BlockRemoved while the other copy still serves hits.
+
+Invariant (tests/unit/routing/test_prefix_index.py checks it exactly): after an engine's events are applied
+in order, the engine's field in ``tessera:pfx:<h>`` equals c(h), where c starts at 0, a store adds 1, a
+remove subtracts 1 but never goes below 0, and a clear resets every c to 0; the field is absent iff
+c(h) = 0, and ``h`` is in ``tessera:pfx-engine:<id>`` iff the field is present. Each batch is one Lua call,
+so a reader never sees half a batch.
+
+Lookup: walk the request's chain from its first block and return, per *live* engine, how many leading
+blocks of the chain it holds — what vLLM's ``find_longest_cache_hit`` would find there. One Lua call, one
+round trip, whatever the chain length; engines not passed in as live are ignored, so a dead engine's
+leftovers never attract a request even before they are swept.
+
+Nothing here expires by TTL: a hot system prompt stored once and reused for hours (reuse emits no event)
+must stay indexed. Leftovers of an engine that died without clearing are removed by ``sweep``.
+NOTE: the scripts touch keys they compute, so the index needs a single Redis (not Redis Cluster).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
+
 import redis.asyncio as aioredis
 
-# Garbage from engines that died without clearing expires after this long (live entries are refreshed).
-BLOCK_TTL_S = 3600
+BLOCK_PREFIX = "tessera:pfx:"
+ENGINE_BLOCKS_PREFIX = "tessera:pfx-engine:"
+ENGINES_KEY = "tessera:pfx-engines"
+# Blocks dropped per Lua call when clearing an engine: bounds how long one call blocks Redis (~1 ms).
+CLEAR_CHUNK = 2000
+# An engine absent from the registry is swept only once it has also applied nothing for this long, so a
+# replica whose heartbeat is merely late keeps its entries.
+SWEEP_GRACE_S = 30.0
+
+Op = tuple[str, int]
 
 
 def block_key(block_hash: int) -> str:
-    return f"tessera:pfx:{block_hash}"
+    return f"{BLOCK_PREFIX}{block_hash}"
 
 
 def engine_blocks_key(engine_id: str) -> str:
-    return f"tessera:pfx-engine:{engine_id}"
+    return f"{ENGINE_BLOCKS_PREFIX}{engine_id}"
 
+
+_APPLY_LUA = """
+local eid = ARGV[1]
+local eset = 'tessera:pfx-engine:' .. eid
+for i = 2, #ARGV - 1, 2 do
+  local op, h = ARGV[i], ARGV[i + 1]
+  local key = 'tessera:pfx:' .. h
+  if op == 's' then
+    redis.call('HINCRBY', key, eid, 1)
+    redis.call('SADD', eset, h)
+  else
+    local n = redis.call('HINCRBY', key, eid, -1)
+    if n <= 0 then
+      redis.call('HDEL', key, eid)
+      redis.call('SREM', eset, h)
+    end
+  end
+end
+redis.call('ZADD', 'tessera:pfx-engines', tonumber(redis.call('TIME')[1]), eid)
+return 1
+"""
+
+# ARGV: engine id, chunk size, grace seconds (negative: no grace check). Drops up to a chunk of the
+# engine's blocks; returns how many remain (0 = done), or -1 when the engine applied a batch within the
+# grace period (it is alive after all: keep its entries).
+_CLEAR_LUA = """
+local eid = ARGV[1]
+local grace = tonumber(ARGV[3])
+if grace >= 0 then
+  local last = redis.call('ZSCORE', 'tessera:pfx-engines', eid)
+  if last and tonumber(last) > tonumber(redis.call('TIME')[1]) - grace then return -1 end
+end
+local eset = 'tessera:pfx-engine:' .. eid
+local hashes = redis.call('SPOP', eset, tonumber(ARGV[2]))
+for _, h in ipairs(hashes) do redis.call('HDEL', 'tessera:pfx:' .. h, eid) end
+local left = redis.call('SCARD', eset)
+if left == 0 then redis.call('ZREM', 'tessera:pfx-engines', eid) end
+return left
+"""
 
 _LOOKUP_LUA = """
 local n = tonumber(ARGV[1])
-local depth, alive = {}, {}
-for i = 2, n + 1 do alive[ARGV[i]] = true; depth[ARGV[i]] = 0 end
+local depth = {}
+for i = 2, n + 1 do depth[ARGV[i]] = 0 end
 for j = n + 2, #ARGV do
   local level = j - n - 1
-  local holders = redis.call('SMEMBERS', 'tessera:pfx:' .. ARGV[j])
+  local holders = redis.call('HKEYS', 'tessera:pfx:' .. ARGV[j])
   local advanced = false
   for _, id in ipairs(holders) do
-    if alive[id] and depth[id] == level - 1 then depth[id] = level; advanced = true end
+    if depth[id] == level - 1 then depth[id] = level; advanced = true end
   end
   if not advanced then break end
 end
@@ -46,42 +110,83 @@ return out
 """
 
 
+def _encode(ops: Iterable[Op]) -> list[str]:
+    flat: list[str] = []
+    for op, h in ops:
+        if op not in ("store", "remove"):
+            raise ValueError(f"unknown index op {op!r}; valid: store, remove, clear")
+        flat += ["s" if op == "store" else "r", str(h)]
+    return flat
+
+
 class PrefixIndex:
+    """The Redis adapter. Engines write (``apply``), gateways read (``longest_prefixes``)."""
+
     def __init__(self, redis: aioredis.Redis) -> None:
         self._redis = redis
+        self._apply = redis.register_script(_APPLY_LUA)
+        self._clear = redis.register_script(_CLEAR_LUA)
         self._lookup = redis.register_script(_LOOKUP_LUA)
 
-    async def longest_prefixes(self, chain: tuple[int, ...], engine_ids: list[str]) -> dict[str, int]:
+    async def longest_prefixes(self, chain: Sequence[int], engine_ids: Sequence[str]) -> dict[str, int]:
+        """engine_id -> number of leading blocks of ``chain`` it holds, for the given (live) engines;
+        engines holding none are left out."""
         if not chain or not engine_ids:
             return {}
         flat = await self._lookup(keys=[], args=[len(engine_ids), *engine_ids, *chain])
-        return {flat[i].decode(): int(flat[i + 1]) for i in range(0, len(flat), 2)}
+        return {_text(flat[i]): int(flat[i + 1]) for i in range(0, len(flat), 2)}
 
-    async def apply(self, engine_id: str, ops: list[tuple[str, int]]) -> None:
+    async def apply(self, engine_id: str, ops: Sequence[Op]) -> None:
         """Applies an engine's events in order: ("store", h), ("remove", h) or ("clear", 0)."""
-        pipe = self._redis.pipeline(transaction=False)
-        for op, h in ops:
+        start = 0
+        for i, (op, _) in enumerate(ops):
             if op == "clear":
-                await pipe.execute()
+                await self._apply_run(engine_id, ops[start:i])
                 await self.clear_engine(engine_id)
-                pipe = self._redis.pipeline(transaction=False)
-            elif op == "remove":
-                pipe.srem(block_key(h), engine_id)
-                pipe.srem(engine_blocks_key(engine_id), h)
-            else:
-                pipe.sadd(block_key(h), engine_id)
-                pipe.expire(block_key(h), BLOCK_TTL_S)
-                pipe.sadd(engine_blocks_key(engine_id), h)
-                pipe.expire(engine_blocks_key(engine_id), BLOCK_TTL_S)
-        await pipe.execute()
+                start = i + 1
+        await self._apply_run(engine_id, ops[start:])
+
+    async def _apply_run(self, engine_id: str, ops: Sequence[Op]) -> None:
+        if ops:
+            await self._apply(keys=[], args=[engine_id, *_encode(ops)])
 
     async def clear_engine(self, engine_id: str) -> None:
-        hashes = await self._redis.smembers(engine_blocks_key(engine_id))
+        """Forgets every block of the engine (AllBlocksCleared, a gap in its events, or a clean shutdown)."""
+        await self._clear_chunks(engine_id, grace_s=-1.0)
+
+    async def _clear_chunks(self, engine_id: str, grace_s: float) -> bool:
+        while True:
+            left = int(await self._clear(keys=[], args=[engine_id, CLEAR_CHUNK, grace_s]))
+            if left <= 0:
+                return left == 0
+
+    async def sweep(self, live_engine_ids: Iterable[str], grace_s: float | None = None) -> list[str]:
+        """Drops the entries of engines that are not live and have applied nothing for ``grace_s``
+        (default ``SWEEP_GRACE_S``); returns the engines swept. Idempotent: gateways and engines may sweep
+        at the same time."""
+        grace_s = SWEEP_GRACE_S if grace_s is None else grace_s
+        live = set(live_engine_ids)
+        swept = []
+        for engine_id in await self.indexed_engines():
+            if engine_id not in live and await self._clear_chunks(engine_id, grace_s):
+                swept.append(engine_id)
+        return swept
+
+    async def blocks_of(self, engine_id: str) -> dict[int, int]:
+        """hash -> copies, for every block the index says the engine holds (tests and debugging)."""
+        hashes = [int(h) for h in await self._redis.smembers(engine_blocks_key(engine_id))]
+        if not hashes:
+            return {}
         pipe = self._redis.pipeline(transaction=False)
         for h in hashes:
-            pipe.srem(block_key(int(h)), engine_id)
-        pipe.delete(engine_blocks_key(engine_id))
-        await pipe.execute()
+            pipe.hget(block_key(h), engine_id)
+        counts = await pipe.execute()
+        return {h: int(c) for h, c in zip(hashes, counts, strict=True) if c is not None}
 
-    async def blocks_of(self, engine_id: str) -> set[int]:
-        return {int(h) for h in await self._redis.smembers(engine_blocks_key(engine_id))}
+    async def indexed_engines(self) -> list[str]:
+        """Engines with entries in the index (oldest last batch first)."""
+        return [_text(raw) for raw in await self._redis.zrange(ENGINES_KEY, 0, -1)]
+
+
+def _text(raw: object) -> str:
+    return raw.decode() if isinstance(raw, bytes) else str(raw)

@@ -1,50 +1,69 @@
 """The gateway-side adapter around the pure policies: reads the registry and prefix index from Redis,
-keeps this process's in-flight counts, and asks the configured policy for a ranking."""
+keeps this process's in-flight counts, and asks the configured policy for a ranking.
+
+Redis cost per request: one Lua call for the prefix lookup (only for policies that use it), plus the
+registry read, which is shared by all requests of a ``REGISTRY_CACHE_S`` window.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 from collections import defaultdict
 
 import redis.asyncio as aioredis
+from redis.exceptions import RedisError
 
 from tessera.engine.registry import EngineRecord, EngineRegistry
 from tessera.routing.policies import make_policy
+from tessera.routing.prefix_index import PrefixIndex
 from tessera.routing.snapshot import EngineView, RouteDecision, RouteRequest, RouteSnapshot
+
+logger = logging.getLogger(__name__)
 
 # Engine load changes fast, but heartbeats are once a second: re-reading the registry more often than
 # this only costs Redis round trips on the request path.
 REGISTRY_CACHE_S = 0.25
+# How often one gateway process garbage-collects index entries of engines that left the registry.
+SWEEP_INTERVAL_S = 30.0
+# Policies that read the prefix index; the others skip the lookup round trip.
+INDEX_POLICIES = frozenset({"prefix_affinity"})
+
+
+def engine_view(record: EngineRecord) -> EngineView:
+    return EngineView(record.engine_id, record.url, record.num_running, record.num_waiting, record.kv_cache_usage,
+                      record.num_gpu_blocks, record.block_size, record.under_pressure)
 
 
 class Router:
-    def __init__(self, redis: aioredis.Redis, policy_name: str, prefix_index: object | None = None) -> None:
+    def __init__(self, redis: aioredis.Redis, policy_name: str, prefix_index: PrefixIndex | None = None) -> None:
         self._registry = EngineRegistry(redis)
         self.policy_name = policy_name
         self._policy = make_policy(policy_name)
-        self._prefix_index = prefix_index
+        self._prefix_index = prefix_index if policy_name in INDEX_POLICIES else None
+        self._sweeper = prefix_index
         self._engines: list[EngineRecord] = []
         self._read_at = 0.0
+        self._swept_at = time.monotonic()
+        self._sweep_task: asyncio.Task[None] | None = None
         self.in_flight: dict[str, int] = defaultdict(int)
 
     async def engines(self, model: str) -> list[EngineRecord]:
-        if time.monotonic() - self._read_at > REGISTRY_CACHE_S:
+        now = time.monotonic()
+        if now - self._read_at > REGISTRY_CACHE_S:
             self._engines = await self._registry.live_engines()
             self._read_at = time.monotonic()
+            if now - self._swept_at > SWEEP_INTERVAL_S:
+                self._start_sweep()
         return [e for e in self._engines if e.model == model]
 
     async def route(self, request: RouteRequest) -> tuple[RouteDecision, dict[str, EngineRecord]]:
         records = await self.engines(request.model)
-        views = tuple(
-            EngineView(r.engine_id, r.url, r.num_running, r.num_waiting, r.kv_cache_usage, r.num_gpu_blocks,
-                       r.block_size, r.under_pressure)
-            for r in records
-        )
+        views = tuple(engine_view(r) for r in records)
         cached: dict[str, int] = {}
         if self._prefix_index is not None and request.block_hashes and views:
-            cached = await self._prefix_index.longest_prefixes(  # type: ignore[attr-defined]
-                request.block_hashes, [v.engine_id for v in views]
-            )
+            cached = await self._prefix_index.longest_prefixes(request.block_hashes, [v.engine_id for v in views])
         snapshot = RouteSnapshot(views, cached, dict(self.in_flight))
         return self._policy(snapshot, request), {r.engine_id: r for r in records}
 
@@ -55,3 +74,21 @@ class Router:
         self.in_flight[engine_id] -= 1
         if self.in_flight[engine_id] <= 0:
             del self.in_flight[engine_id]
+
+    def _start_sweep(self) -> None:
+        # Off the request path: the sweep may walk a dead engine's whole block set.
+        self._swept_at = time.monotonic()
+        if self._sweeper is None or (self._sweep_task is not None and not self._sweep_task.done()):
+            return
+        self._sweep_task = asyncio.get_running_loop().create_task(
+            self._sweep(self._sweeper, [e.engine_id for e in self._engines]))
+
+    @staticmethod
+    async def _sweep(index: PrefixIndex, live_ids: list[str]) -> None:
+        try:
+            swept = await index.sweep(live_ids)
+        except (RedisError, OSError) as exc:
+            logger.warning("prefix index sweep failed: %s", exc)
+            return
+        if swept:
+            logger.info("dropped the prefix index entries of departed engines %s", swept)

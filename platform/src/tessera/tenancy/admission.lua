@@ -7,7 +7,7 @@
 -- KEYS[4] leases     ZSET  lease_id -> lease expiry (s)          concurrency; expired leases are freed
 -- KEYS[5] budget     STRING tokens charged this budget period
 -- ARGV: rpm_limit tpm_limit conc_limit budget_limit reserve_tokens lease_id lease_ttl_s budget_ttl_s
---       (a limit of 0 means unlimited)
+--       (a limit of 0 means unlimited; lease_ttl_s may be fractional)
 -- Returns {1, now_ms} when admitted, or {0, limit_name, retry_after_ms, current, limit} when rejected.
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
@@ -51,6 +51,7 @@ if conc_limit > 0 then
 end
 if budget_limit > 0 then
   local used = tonumber(redis.call('GET', KEYS[5]) or '0')
+  if reserve > budget_limit then return {0, 'token_budget', 0, reserve, budget_limit} end
   if used + reserve > budget_limit then
     local ttl = redis.call('TTL', KEYS[5])
     if ttl < 0 then ttl = budget_ttl end
@@ -67,7 +68,7 @@ redis.call('HSET', KEYS[3], lease_id, reserve)
 redis.call('HINCRBY', KEYS[3], '_total', reserve)
 redis.call('EXPIRE', KEYS[3], window + 1)
 redis.call('ZADD', KEYS[4], now + lease_ttl, lease_id)
-redis.call('EXPIRE', KEYS[4], lease_ttl + 1)
+redis.call('EXPIRE', KEYS[4], math.ceil(lease_ttl) + 1)
 redis.call('INCRBY', KEYS[5], reserve)
 if redis.call('TTL', KEYS[5]) < 0 then redis.call('EXPIRE', KEYS[5], budget_ttl) end
 return {1, math.floor(now * 1000)}

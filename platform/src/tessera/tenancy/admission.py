@@ -1,16 +1,18 @@
 """Admission: requests/min, tokens/min, concurrency and budget in one atomic Lua call on Redis.
 
-Invariants (tested exactly in tests/integration/test_admission.py):
+Invariants (tested exactly in tests/integration/tenancy/test_admission.py):
 - Across any number of gateway processes, at most ``requests_per_minute`` requests are admitted in any
   sliding 60 s window of Redis time, and at most ``max_concurrent_requests`` hold an unexpired lease.
 - Tokens/min and budget are charged ``prompt + max_tokens`` at admission and corrected to the actual
-  usage by ``finish``; a failed request is charged what it really consumed (possibly 0).
+  usage by ``finish``; a failed request is charged what it really consumed (possibly 0). Since actual
+  usage never exceeds the reservation, the charged total never exceeds the limit.
 - Every key written has a TTL: a gateway that dies mid-request leaks nothing past the lease TTL.
+- ``finish`` counts a lease once, however often it is retried.
 """
 
 from __future__ import annotations
 
-import calendar
+import math
 import uuid
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -18,43 +20,39 @@ from importlib import resources
 
 import redis.asyncio as aioredis
 
+from tessera.tenancy.periods import PERIODS, USAGE_RETENTION_S, check_period, period_window
 from tessera.tenancy.policy import TenantPolicy
 
-LEASE_TTL_S = 30
-USAGE_TTL_S = 400 * 86400
+LEASE_TTL_S = 30.0
+# A finished lease's marker outlives every retry of its finish (see ``billing.FinishQueue``).
+FINISH_MARKER_TTL_S = 600
 
 
 def _lua(name: str) -> str:
     return resources.files("tessera.tenancy").joinpath(name).read_text()
 
 
-def budget_period_id(period: str, now: datetime) -> tuple[str, int]:
-    """The period's id and the seconds until it ends (the budget key's TTL)."""
-    if period == "hour":
-        end = now.replace(minute=0, second=0, microsecond=0).timestamp() + 3600
-        return now.strftime("%Y-%m-%dT%H"), int(end - now.timestamp()) + 1
-    if period == "day":
-        end = now.replace(hour=0, minute=0, second=0, microsecond=0).timestamp() + 86400
-        return now.strftime("%Y-%m-%d"), int(end - now.timestamp()) + 1
-    if period == "month":
-        days = calendar.monthrange(now.year, now.month)[1]
-        start = now.replace(day=1, hour=0, minute=0, second=0, microsecond=0).timestamp()
-        return now.strftime("%Y-%m"), int(start + days * 86400 - now.timestamp()) + 1
-    raise ValueError(f"unknown budget period {period!r}: use hour, day or month")
-
-
 def usage_key(tenant: str, period_id: str) -> str:
     return f"tessera:usage:{tenant}:{period_id}"
 
 
-def limiter_keys(tenant: str, budget_period: str) -> list[str]:
+def limiter_keys(tenant: str, budget_period_id: str) -> list[str]:
+    """KEYS[1..5] of admission.lua; every ``tessera:rl:*`` key has a TTL."""
     return [
         f"tessera:rl:{tenant}:rpm",
         f"tessera:rl:{tenant}:tpm",
         f"tessera:rl:{tenant}:tpm-tokens",
         f"tessera:rl:{tenant}:leases",
-        f"tessera:rl:{tenant}:budget:{budget_period}",
+        f"tessera:rl:{tenant}:budget:{budget_period_id}",
     ]
+
+
+def leases_key(tenant: str) -> str:
+    return f"tessera:rl:{tenant}:leases"
+
+
+def finish_marker_key(tenant: str, lease_id: str) -> str:
+    return f"tessera:rl:{tenant}:done:{lease_id}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,7 +61,6 @@ class Lease:
     tenant: str
     reserved_tokens: int
     keys: tuple[str, ...]
-    usage_key: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,15 +72,25 @@ class Rejection:
 
     @property
     def message(self) -> str:
-        if self.limit == "tokens_per_minute" and self.current > self.maximum:
+        if self.limit in ("tokens_per_minute", "token_budget") and self.current > self.maximum:
             return (f"Request needs {self.current} tokens (prompt + max_tokens) but the tenant's "
-                    f"tokens_per_minute limit is {self.maximum}: lower max_tokens.")
+                    f"{self.limit} limit is {self.maximum}: lower max_tokens.")
         return (f"Rate limit exceeded: {self.limit} is {self.maximum} (currently {self.current}); "
                 f"retry after {self.retry_after_s} s.")
 
 
+def rejection_from_script(result: list[object]) -> Rejection:
+    """Decodes ``{0, limit_name, retry_after_ms, current, limit}`` from admission.lua."""
+    limit = result[1].decode() if isinstance(result[1], bytes) else str(result[1])
+    retry_ms = int(result[2])  # type: ignore[call-overload]
+    return Rejection(limit, max(1, math.ceil(retry_ms / 1000)) if retry_ms > 0 else 0,
+                     int(result[3]), int(result[4]))  # type: ignore[call-overload]
+
+
 class Admission:
-    def __init__(self, redis: aioredis.Redis, lease_ttl_s: int = LEASE_TTL_S) -> None:
+    def __init__(self, redis: aioredis.Redis, lease_ttl_s: float = LEASE_TTL_S) -> None:
+        if lease_ttl_s <= 0:
+            raise ValueError(f"lease_ttl_s must be positive, got {lease_ttl_s}")
         self._redis = redis
         self.lease_ttl_s = lease_ttl_s
         self._admit = redis.register_script(_lua("admission.lua"))
@@ -91,7 +98,7 @@ class Admission:
         self._renew = redis.register_script(_lua("renew.lua"))
 
     async def admit(self, tenant: str, policy: TenantPolicy, reserve_tokens: int) -> Lease | Rejection:
-        period_id, budget_ttl = budget_period_id(policy.budget_period, datetime.now(UTC))
+        period_id, budget_ttl = period_window(policy.budget_period, datetime.now(UTC))
         keys = limiter_keys(tenant, period_id)
         lease_id = uuid.uuid4().hex
         result = await self._admit(
@@ -108,24 +115,35 @@ class Admission:
             ],
         )
         if int(result[0]) == 1:
-            return Lease(lease_id, tenant, reserve_tokens, tuple(keys), usage_key(tenant, period_id))
-        limit = result[1].decode() if isinstance(result[1], bytes) else str(result[1])
-        retry_ms = int(result[2])
-        return Rejection(limit, max(1, -(-retry_ms // 1000)) if retry_ms else 0, int(result[3]), int(result[4]))
+            return Lease(lease_id, tenant, reserve_tokens, tuple(keys))
+        return rejection_from_script(result)
 
     async def renew(self, lease: Lease) -> bool:
+        """Extends the lease by the TTL; False when it is already gone."""
         return bool(await self._renew(keys=[lease.keys[3]], args=[lease.lease_id, self.lease_ttl_s]))
 
-    async def finish(self, lease: Lease, prompt_tokens: int, completion_tokens: int) -> None:
-        await self._finish(
-            keys=[*lease.keys, lease.usage_key],
+    async def finish(self, lease: Lease, prompt_tokens: int, completion_tokens: int,
+                     now: datetime | None = None) -> bool:
+        """Charges actual usage, frees the lease, adds to the usage of each period; False if already done."""
+        when = now or datetime.now(UTC)
+        usage_keys = [usage_key(lease.tenant, period_window(p, when)[0]) for p in PERIODS]
+        done = await self._finish(
+            keys=[*lease.keys, *usage_keys, finish_marker_key(lease.tenant, lease.lease_id)],
             args=[lease.lease_id, lease.reserved_tokens, prompt_tokens + completion_tokens, prompt_tokens,
-                  completion_tokens, USAGE_TTL_S],
+                  completion_tokens, *(USAGE_RETENTION_S[p] for p in PERIODS), FINISH_MARKER_TTL_S],
         )
+        return bool(done)
 
-    async def usage(self, tenant: str, period: str, when: datetime | None = None) -> dict[str, int]:
-        period_id, _ = budget_period_id(period, when or datetime.now(UTC))
+    async def usage(self, tenant: str, period: str, when: datetime | None = None) -> dict[str, int | str]:
+        """Requests and tokens of the tenant in the period containing ``when`` (default: now)."""
+        period_id, _ = period_window(check_period(period), when or datetime.now(UTC))
         raw = await self._redis.hgetall(usage_key(tenant, period_id))
-        usage = {(k.decode() if isinstance(k, bytes) else k): int(v) for k, v in raw.items()}
-        return {"requests": 0, "prompt_tokens": 0, "completion_tokens": 0, **usage, "period": period_id}  # type: ignore[dict-item]
+        counts = {(k.decode() if isinstance(k, bytes) else str(k)): int(v) for k, v in raw.items()}
+        prompt, completion = counts.get("prompt_tokens", 0), counts.get("completion_tokens", 0)
+        return {"period": period, "period_id": period_id, "requests": counts.get("requests", 0),
+                "prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
+    async def in_flight(self, tenant: str) -> int:
+        """Unexpired concurrency leases of the tenant (Redis's clock)."""
+        now_s, now_us = await self._redis.time()
+        return int(await self._redis.zcount(leases_key(tenant), f"({now_s + now_us / 1e6}", "+inf"))

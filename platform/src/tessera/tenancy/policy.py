@@ -4,7 +4,8 @@ quota the KV-eviction controller enforces. Stored in Redis as JSON; every change
 from __future__ import annotations
 
 import re
-from typing import Literal
+from collections.abc import Mapping
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic.alias_generators import to_camel
@@ -59,6 +60,22 @@ class TenantPolicy(BaseModel):
 
     def allows_model(self, model: str) -> bool:
         return self.allowed_models is None or model in self.allowed_models
+
+    def updated(self, changes: Mapping[str, Any]) -> TenantPolicy:
+        """This policy with some fields changed; keys may be field names or their camelCase aliases.
+        Raises ``ValueError`` for an unknown field, pydantic's ``ValidationError`` for a bad value."""
+        names: dict[str, str] = {}
+        for name, info in type(self).model_fields.items():
+            names[name] = name
+            if info.alias:
+                names[info.alias] = name
+        unknown = sorted(k for k in changes if k not in names)
+        if unknown:
+            raise ValueError(f"unknown policy field(s) {', '.join(unknown)}; valid: "
+                             f"{', '.join(type(self).model_fields)}")
+        data = self.model_dump()
+        data.update({names[k]: v for k, v in changes.items()})
+        return type(self).model_validate(data)
 
 
 def validate_tenant_name(name: str) -> str:

@@ -1,0 +1,94 @@
+"""The KV-eviction controller: one control loop per engine (see docs/tracing.md).
+
+``ledger`` keeps per-tenant KV blocks from the engine's own KV events, ``policy`` decides (a pure function
+over a snapshot), ``loop`` is the I/O around them, ``controller`` finds the engines, ``metrics`` and
+``spans`` are what it reports. Entry point: ``tessera-kvcontrol``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import signal
+from collections.abc import Sequence
+
+from .controller import KVController, run_forever
+from .ledger import UNKNOWN, UNSALTED, Eviction, KVLedger, LedgerUpdate
+from .policy import (
+    Abort,
+    Action,
+    ClearPressure,
+    ControlSnapshot,
+    Demote,
+    InFlightRequest,
+    PolicyConfig,
+    Restore,
+    SetPressure,
+    TenantUsage,
+    decide,
+)
+from .settings import KVControlSettings
+
+__all__ = [
+    "UNKNOWN",
+    "UNSALTED",
+    "Abort",
+    "Action",
+    "ClearPressure",
+    "ControlSnapshot",
+    "Demote",
+    "Eviction",
+    "InFlightRequest",
+    "KVControlSettings",
+    "KVController",
+    "KVLedger",
+    "LedgerUpdate",
+    "PolicyConfig",
+    "Restore",
+    "SetPressure",
+    "TenantUsage",
+    "decide",
+    "main",
+]
+
+
+def _parse(argv: Sequence[str] | None) -> KVControlSettings:
+    parser = argparse.ArgumentParser(prog="tessera-kvcontrol", description=__doc__.splitlines()[0])
+    parser.add_argument("--redis-url", help="Redis URL (default: TESSERA_REDIS_URL)")
+    parser.add_argument("--metrics-port", type=int, help="Prometheus port (default 9400; 0: none)")
+    parser.add_argument("--poll-interval", type=float, help="seconds between polls of each engine")
+    parser.add_argument("--model", help="control only the engines serving this model")
+    parser.add_argument("--policy", help="PolicyConfig as JSON, e.g. '{\"highWatermark\": 0.85}'")
+    parser.add_argument("--observe-only", action="store_true", default=None, help="ledger and spans, no actions")
+    args = parser.parse_args(argv)
+    overrides = {
+        "redis_url": args.redis_url, "kvcontrol_metrics_port": args.metrics_port,
+        "kvcontrol_poll_interval_s": args.poll_interval, "kvcontrol_model": args.model,
+        "kvcontrol_policy": json.loads(args.policy) if args.policy else None,
+        "kvcontrol_observe_only": args.observe_only,
+    }
+    return KVControlSettings(**{k: v for k, v in overrides.items() if v is not None})
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Entry point ``tessera-kvcontrol``: runs until SIGTERM/SIGINT, then releases every flag it holds."""
+    settings = _parse(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    async def _run() -> None:
+        task = asyncio.create_task(run_forever(settings))
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, task.cancel)
+        try:
+            await task
+        except asyncio.CancelledError:
+            pass
+        finally:
+            from tessera.telemetry.tracing import flush_tracing
+
+            flush_tracing()
+
+    asyncio.run(_run())

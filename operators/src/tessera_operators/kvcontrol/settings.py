@@ -1,0 +1,38 @@
+"""The controller's environment settings: the shared ``TESSERA_*`` ones plus ``TESSERA_KVCONTROL_*``."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from tessera.settings import TesseraSettings
+
+from .policy import PolicyConfig
+
+
+class KVControlSettings(TesseraSettings):
+    """Set by the Helm chart's kvcontrol Deployment (templates/kvcontrol.yaml) or by command-line flags."""
+
+    kvcontrol_metrics_port: int = Field(
+        default=9400, ge=0, le=65535, description="Port of the Prometheus /metrics endpoint (0: do not serve)."
+    )
+    kvcontrol_poll_interval_s: float = Field(
+        default=0.2, gt=0.0, description="How often each loop polls its engine's /stats and /requests and decides."
+    )
+    kvcontrol_discovery_interval_s: float = Field(
+        default=1.0, gt=0.0, description="How often the registry is read for engines that came or went."
+    )
+    kvcontrol_tenant_refresh_s: float = Field(
+        default=2.0, gt=0.0, description="How often tenants (cache salts, KV quotas) are re-read from Redis."
+    )
+    kvcontrol_flag_ttl_s: int = Field(
+        default=3, ge=1,
+        description="TTL of the demotion and pressure flags, seconds; refreshed while they hold, so a dead "
+        "controller cannot leave a tenant demoted or an engine flagged.",
+    )
+    kvcontrol_observe_only: bool = Field(
+        default=False, description="Keep the ledger, metrics and eviction spans, but take no action."
+    )
+    kvcontrol_model: str | None = Field(default=None, description="Control only the engines serving this model.")
+    kvcontrol_policy: PolicyConfig = Field(
+        default_factory=PolicyConfig, description="Watermarks and levers, as JSON (see policy.PolicyConfig)."
+    )

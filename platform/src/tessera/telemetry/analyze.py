@@ -1,0 +1,191 @@
+"""``tessera traces analyze``: which requests are in the tail, and why.
+
+1. Load every span of a run directory (or one JSONL file) and rebuild request timelines (timeline.py).
+2. Select the requests at or above the ``percentile`` of TTFT or E2E — per tenant by default (each tenant's
+   own tail: a victim's p99 is not the noisy tenant's p99), or over all requests with ``scope="all"``.
+3. Compare each selected request with its tenant's typical request (medians of the tenant's requests below
+   the threshold) and attribute the excess to causes from the evidence in the spans (causes.py).
+4. Tabulate per cause and per tenant; the JSON form has every selected request with its shares.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter, defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+
+from tessera.telemetry.causes import CAUSES, UNEXPLAINED, Attribution, Baseline, EvictionIndex, attribute, phases_of
+from tessera.telemetry.spanfile import SpanRecord, load_spans
+from tessera.telemetry.timeline import RequestTimeline, build_evictions, build_timelines
+
+Metric = Literal["ttft", "e2e"]
+Scope = Literal["tenant", "all"]
+MIN_BASELINE_REQUESTS = 3
+
+
+@dataclass(frozen=True, slots=True)
+class AnalysisOptions:
+    percentile: float = 99.0
+    metric: Metric = "ttft"
+    scope: Scope = "tenant"
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.percentile <= 100.0:
+            raise ValueError(f"percentile={self.percentile} must be within [0, 100]")
+        if self.metric not in ("ttft", "e2e"):
+            raise ValueError(f"unknown metric {self.metric!r}; valid: ttft, e2e")
+        if self.scope not in ("tenant", "all"):
+            raise ValueError(f"unknown scope {self.scope!r}; valid: tenant, all")
+
+
+@dataclass(slots=True)
+class Report:
+    options: AnalysisOptions
+    num_spans: int
+    num_requests: int
+    num_without_token: int
+    num_evictions: int
+    thresholds_s: dict[str, float]
+    attributions: list[Attribution] = field(default_factory=list)
+
+    def by_cause(self) -> list[dict[str, Any]]:
+        primary = Counter(a.primary for a in self.attributions)
+        seconds: dict[str, float] = defaultdict(float)
+        for a in self.attributions:
+            for cause, value in a.causes.items():
+                seconds[cause] += value
+        total = len(self.attributions) or 1
+        rows = []
+        for cause in (*CAUSES, UNEXPLAINED):
+            if primary.get(cause) or seconds.get(cause):
+                rows.append({"cause": cause, "requests": primary.get(cause, 0),
+                             "share": primary.get(cause, 0) / total, "excess_s": seconds.get(cause, 0.0)})
+        return sorted(rows, key=lambda r: (-r["requests"], -r["excess_s"]))
+
+    def by_tenant(self, timelines: Sequence[RequestTimeline] | None = None) -> list[dict[str, Any]]:
+        rows = []
+        grouped: dict[str, list[Attribution]] = defaultdict(list)
+        for a in self.attributions:
+            grouped[a.timeline.tenant].append(a)
+        for tenant in sorted(grouped):
+            selected = grouped[tenant]
+            causes = Counter(a.primary for a in selected)
+            top, top_n = causes.most_common(1)[0]
+            rows.append({"tenant": tenant, "selected": len(selected),
+                         "threshold_s": self.thresholds_s.get(tenant, self.thresholds_s.get("*", 0.0)),
+                         "max_s": max(a.metric_s for a in selected), "top_cause": top,
+                         "top_cause_share": top_n / len(selected), "causes": dict(causes)})
+        return rows
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "options": {"percentile": self.options.percentile, "metric": self.options.metric,
+                        "scope": self.options.scope},
+            "num_spans": self.num_spans, "num_requests": self.num_requests,
+            "num_without_token": self.num_without_token, "num_evictions": self.num_evictions,
+            "thresholds_s": self.thresholds_s, "by_cause": self.by_cause(), "by_tenant": self.by_tenant(),
+            "requests": [
+                {"request_id": a.timeline.request_id, "trace_id": a.timeline.trace_id, "tenant": a.timeline.tenant,
+                 "engine": a.timeline.engine, f"{self.options.metric}_s": a.metric_s, "primary_cause": a.primary,
+                 "causes_s": a.causes, "evidence": a.evidence}
+                for a in sorted(self.attributions, key=lambda a: -a.metric_s)
+            ],
+        }
+
+
+def analyze(paths: Iterable[Path], options: AnalysisOptions | None = None) -> Report:
+    return analyze_spans(load_spans(paths), options or AnalysisOptions())
+
+
+def analyze_spans(spans: Sequence[SpanRecord], options: AnalysisOptions) -> Report:
+    timelines = build_timelines(spans)
+    evictions = build_evictions(spans)
+    served = [t for t in timelines if t.metric(options.metric) is not None and phases_of(t) is not None]
+    groups: dict[str, list[RequestTimeline]] = defaultdict(list)
+    for t in served:
+        groups[t.tenant if options.scope == "tenant" else "*"].append(t)
+    thresholds: dict[str, float] = {}
+    selected: list[RequestTimeline] = []
+    rest: dict[str, list[RequestTimeline]] = defaultdict(list)
+    for key, members in groups.items():
+        values = np.asarray([t.metric(options.metric) for t in members], dtype=float)
+        threshold = float(np.percentile(values, options.percentile))
+        thresholds[key] = threshold
+        for t in members:
+            value = t.metric(options.metric)
+            assert value is not None
+            (selected if value >= threshold else rest[t.tenant]).append(t)
+    baselines = _baselines(rest, served)
+    index = EvictionIndex(evictions)
+    previous = _previous_arrivals(served)
+    report = Report(options, len(spans), len(served), len(timelines) - len(served), len(evictions), thresholds)
+    for t in selected:
+        attribution = attribute(t, options.metric, baselines.get(t.tenant, baselines["*"]), index,
+                                previous.get(t.span_id))
+        if attribution is not None:
+            report.attributions.append(attribution)
+    return report
+
+
+def _baselines(rest: dict[str, list[RequestTimeline]], served: Sequence[RequestTimeline]) -> dict[str, Baseline]:
+    def phases(ts: Iterable[RequestTimeline]) -> list[Any]:
+        return [p for p in (phases_of(t) for t in ts) if p is not None]
+
+    everyone_else = [t for ts in rest.values() for t in ts] or list(served)
+    out = {"*": Baseline.of(phases(everyone_else))}
+    for tenant, members in rest.items():
+        if len(members) >= MIN_BASELINE_REQUESTS:
+            out[tenant] = Baseline.of(phases(members))
+    return out
+
+
+def _previous_arrivals(served: Sequence[RequestTimeline]) -> dict[str, int]:
+    """For each request: when the previous request with the same prefix arrived at the same engine."""
+    keyed: dict[tuple[str, str], list[tuple[int, str]]] = defaultdict(list)
+    for t in served:
+        attempt = next((a for a in t.attempts if a.first_token_ns), None)
+        if attempt is not None and t.prefix_root:
+            keyed[(attempt.engine, t.prefix_root)].append((attempt.arrival_ns, t.span_id))
+    previous: dict[str, int] = {}
+    for rows in keyed.values():
+        rows.sort()
+        for (before, _), (_, span_id) in itertools.pairwise(rows):
+            previous[span_id] = before
+    return previous
+
+
+def render(report: Report) -> str:
+    """Plain-text tables: per cause, per tenant, and the slowest selected requests."""
+    o = report.options
+    lines = [f"{report.num_requests} requests ({report.num_without_token} without a first token), "
+             f"{report.num_evictions} eviction records; {len(report.attributions)} at or above "
+             f"p{o.percentile:g} of {o.metric.upper()} ({'per tenant' if o.scope == 'tenant' else 'all requests'})",
+             ""]
+    cause_rows = [[r["cause"], r["requests"], f"{r['share']:.0%}", f"{r['excess_s']:.3f}"] for r in report.by_cause()]
+    lines += _table(["cause", "requests", "share", "excess_s"], cause_rows)
+    lines.append("")
+    lines += _table(["tenant", "selected", f"p{o.percentile:g}_s", "max_s", "top cause", "share"],
+                    [[r["tenant"], r["selected"], f"{r['threshold_s']:.3f}", f"{r['max_s']:.3f}", r["top_cause"],
+                      f"{r['top_cause_share']:.0%}"] for r in report.by_tenant()])
+    lines.append("")
+    slowest = sorted(report.attributions, key=lambda a: -a.metric_s)[:10]
+    lines += _table(["request", "tenant", "engine", f"{o.metric}_s", "primary cause", "evidence"],
+                    [[a.timeline.request_id, a.timeline.tenant, a.timeline.engine, f"{a.metric_s:.3f}", a.primary,
+                      a.evidence.get(a.primary, "")[:90]] for a in slowest])
+    return "\n".join(lines)
+
+
+def _table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[str]:
+    cells = [[str(v) for v in row] for row in rows]
+    widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
+    out = ["  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True))]
+    out.append("  ".join("-" * w for w in widths))
+    out += ["  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)) for row in cells]
+    if not cells:
+        out.append("(none)")
+    return out

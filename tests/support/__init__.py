@@ -1,0 +1,1 @@
+"""Helpers the test directories share (real processes, never fakes)."""

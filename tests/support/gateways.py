@@ -1,0 +1,124 @@
+"""Real gateway processes for tests: ``uvicorn tessera.gateway.app:create_app --factory`` on free ports.
+
+Each gateway is its own process group (``start_new_session``), so ``kill()`` (SIGKILL) and ``stop()``
+(SIGTERM, then SIGKILL) reach exactly the processes this helper started.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+HEALTH_TIMEOUT_S = 90.0
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass
+class GatewayProcess:
+    """One gateway process (``workers`` uvicorn workers) listening on ``port``."""
+
+    port: int
+    process: subprocess.Popen[bytes]
+    log_path: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def kill(self) -> None:
+        """SIGKILL: no lifespan shutdown, no finish, no lease release (a crashed gateway)."""
+        if self.alive():
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait(timeout=10)
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        if not self.alive():
+            return
+        os.killpg(self.process.pid, signal.SIGTERM)
+        try:
+            self.process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.kill()
+
+    def log_tail(self, num_chars: int = 4000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-num_chars:]
+        except FileNotFoundError:
+            return ""
+
+    def wait_healthy(self, timeout_s: float = HEALTH_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if not self.alive():
+                raise RuntimeError(f"gateway on port {self.port} exited with {self.process.returncode}:\n"
+                                   f"{self.log_tail()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        self.kill()
+        raise TimeoutError(f"gateway on port {self.port} not healthy after {timeout_s} s:\n{self.log_tail()}")
+
+
+def spawn_gateway(redis_url: str, log_dir: Path, env: Mapping[str, str] | None = None, workers: int = 1,
+                  port: int | None = None) -> GatewayProcess:
+    """Starts one gateway process; call ``wait_healthy()`` before using it."""
+    port = port or free_port()
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log_path = log_dir / f"gateway-{port}.log"
+    full_env = {**os.environ, "TESSERA_REDIS_URL": redis_url, "TESSERA_TRACE_EXPORTER": "none", **(env or {})}
+    cmd = [sys.executable, "-m", "uvicorn", "tessera.gateway.app:create_app", "--factory",
+           "--host", "127.0.0.1", "--port", str(port), "--workers", str(workers),
+           "--loop", "uvloop", "--http", "httptools", "--no-access-log", "--log-level", "warning"]
+    with open(log_path, "ab") as log:
+        process = subprocess.Popen(cmd, env=full_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    return GatewayProcess(port, process, log_path)
+
+
+def start_gateways(num: int, redis_url: str, log_dir: Path, env: Mapping[str, str] | None = None,
+                   workers: int = 1) -> list[GatewayProcess]:
+    """Starts ``num`` gateway processes at once and waits until each answers /health."""
+    gateways = [spawn_gateway(redis_url, log_dir, env, workers) for _ in range(num)]
+    try:
+        for gateway in gateways:
+            gateway.wait_healthy()
+    except BaseException:
+        for gateway in gateways:
+            gateway.stop()
+        raise
+    return gateways
+
+
+@contextmanager
+def running_gateways(num: int, redis_url: str, log_dir: Path, env: Mapping[str, str] | None = None,
+                     workers: int = 1) -> Iterator[list[GatewayProcess]]:
+    gateways = start_gateways(num, redis_url, log_dir, env, workers)
+    try:
+        yield gateways
+    finally:
+        for gateway in gateways:
+            gateway.stop()

@@ -1,0 +1,121 @@
+"""More hand-made snapshots: ties, dead engines and the bounded-load rule, for the policies the issue names
+(the basics are in tests/unit/platform/test_policies.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tessera.routing.policies import APPROX_CHUNK_CHARS, make_policy, policy_names
+from tessera.routing.snapshot import EngineView, RouteRequest, RouteSnapshot
+
+
+def engine(engine_id: str, running: int = 0, waiting: int = 0, kv: float = 0.0, pressure: bool = False,
+           block_size: int = 32) -> EngineView:
+    return EngineView(engine_id, f"http://{engine_id}", running, waiting, kv, 1000, block_size, pressure)
+
+
+REQ = RouteRequest(tenant="t", model="m", num_prompt_tokens=1000, block_hashes=tuple(range(31)))
+
+
+@pytest.mark.parametrize("name", policy_names())
+def test_an_engine_missing_from_the_snapshot_is_never_ranked(name: str) -> None:
+    # The router passes live engines only; a dead engine's index entries must not leak into the ranking.
+    snap = RouteSnapshot((engine("a"), engine("b")), cached_prefix_blocks={"dead": 31}, local_in_flight={"dead": 4})
+    decision = make_policy(name)(snap, RouteRequest("t", "m", 1000, REQ.block_hashes, "x" * 300, "s"))
+    assert sorted(decision.ranked) == ["a", "b"]
+    assert decision.expected_cached_tokens == 0
+
+
+def test_prefix_affinity_tie_between_holders_goes_to_the_less_loaded_then_kv_then_id() -> None:
+    policy = make_policy("prefix_affinity")
+    cached = {"a": 10, "b": 10, "c": 10}
+    snap = RouteSnapshot((engine("a", 1), engine("b", 0, kv=0.5), engine("c", 0, kv=0.1)), cached)
+    assert policy(snap, REQ).ranked == ("c", "b", "a")
+    snap = RouteSnapshot((engine("b"), engine("a")), {"a": 3, "b": 3})
+    assert policy(snap, REQ).ranked == ("a", "b")
+
+
+def test_prefix_affinity_prefers_the_longer_cached_prefix() -> None:
+    policy = make_policy("prefix_affinity")
+    snap = RouteSnapshot((engine("a"), engine("b"), engine("c")), {"a": 4, "b": 20})
+    decision = policy(snap, REQ)
+    assert decision.ranked[:2] == ("b", "a") and decision.expected_cached_tokens == 640
+
+
+def test_prefix_affinity_counts_at_most_what_vllm_can_reuse() -> None:
+    # A 320-token prompt fully cached: vLLM recomputes the last token, so the last block is prefilled again.
+    policy = make_policy("prefix_affinity")
+    req = RouteRequest("t", "m", 320, tuple(range(10)))
+    decision = policy(RouteSnapshot((engine("a"),), {"a": 10}), req)
+    assert decision.expected_cached_tokens == 288
+
+
+def test_bounded_load_spills_a_hot_prefix_and_takes_it_back_when_load_evens_out() -> None:
+    policy = make_policy("prefix_affinity")
+    hot = {"a": 31}
+    # loads 4, 0, 0: mean 1.33, bound 2.67: a is over it and gets no credit for its cache.
+    spilled = policy(RouteSnapshot((engine("a", 4), engine("b"), engine("c")), hot), REQ)
+    assert spilled.ranked[0] in ("b", "c") and "bounded_load" in spilled.reason
+    assert spilled.expected_cached_tokens == 0
+    # loads 2, 2, 1: mean 1.67, bound 3.08: a is under it again and its 992 cached tokens win.
+    back = policy(RouteSnapshot((engine("a", 2), engine("b", 2), engine("c", 1)), hot), REQ)
+    assert back.ranked[0] == "a" and back.expected_cached_tokens == 992
+
+
+def test_bounded_load_uses_this_gateways_in_flight_count_when_heartbeats_lag() -> None:
+    policy = make_policy("prefix_affinity")
+    snap = RouteSnapshot((engine("a"), engine("b"), engine("c")), {"a": 31}, local_in_flight={"a": 5})
+    assert policy(snap, REQ).ranked[0] != "a"
+
+
+def test_prefix_affinity_waiting_requests_outweigh_a_short_cached_prefix() -> None:
+    policy = make_policy("prefix_affinity")
+    snap = RouteSnapshot((engine("a", 1, waiting=1), engine("b", 1)), {"a": 2})
+    decision = policy(snap, REQ)
+    assert decision.ranked[0] == "b" and "load outweighs 64 cached tokens" in decision.reason
+
+
+def test_round_robin_skips_a_dead_engine_without_losing_its_turn_order() -> None:
+    policy = make_policy("round_robin")
+    full = RouteSnapshot((engine("a"), engine("b"), engine("c")))
+    assert policy(full, REQ).ranked[0] == "a"
+    without_b = RouteSnapshot((engine("a"), engine("c")))
+    assert {policy(without_b, REQ).ranked[0] for _ in range(2)} == {"a", "c"}
+
+
+def test_session_affinity_without_a_session_is_least_loaded_with_ties_by_id() -> None:
+    policy = make_policy("session_affinity")
+    snap = RouteSnapshot((engine("b"), engine("a"), engine("c", 1)))
+    assert policy(snap, RouteRequest("t", "m", 10)).ranked == ("a", "b", "c")
+
+
+def text_with_chunks(n: int, tag: str = "p") -> str:
+    return "".join(f"{tag}{i:0{APPROX_CHUNK_CHARS - len(tag)}d}" for i in range(n))
+
+
+def test_approx_prefix_narrows_to_the_engines_sharing_the_longest_prefix() -> None:
+    policy = make_policy("approx_prefix")
+    snap = RouteSnapshot((engine("a"), engine("b"), engine("c")))
+    shared, tail_a, tail_b = text_with_chunks(3), text_with_chunks(2, "x"), text_with_chunks(2, "y")
+    first = policy(snap, RouteRequest("t", "m", 10, prompt_prefix=shared + tail_a)).ranked[0]
+    # The same shared part with another tail: least loaded among the engines that were sent `shared`.
+    busy = RouteSnapshot(tuple(engine(e.engine_id, 3 if e.engine_id == first else 0) for e in snap.engines))
+    second = policy(busy, RouteRequest("t", "m", 10, prompt_prefix=shared + tail_b))
+    assert second.ranked[0] == first and "matched_chunks=3" in second.reason
+
+
+def test_approx_prefix_keeps_sending_to_an_engine_after_it_evicted_the_prefix() -> None:
+    # The baseline's defining weakness: it only knows where it sent a prefix, never what was evicted.
+    policy = make_policy("approx_prefix")
+    req = RouteRequest("t", "m", 10, prompt_prefix=text_with_chunks(4))
+    first = policy(RouteSnapshot((engine("a"), engine("b"))), req).ranked[0]
+    evicted = RouteSnapshot((engine("a", kv=1.0), engine("b", kv=1.0)), cached_prefix_blocks={})
+    assert policy(evicted, req).ranked[0] == first
+
+
+def test_approx_prefix_ignores_a_partial_chunk() -> None:
+    policy = make_policy("approx_prefix")
+    req = RouteRequest("t", "m", 10, prompt_prefix="x" * (APPROX_CHUNK_CHARS - 1))
+    snap = RouteSnapshot((engine("a"), engine("b", 1)))
+    assert "miss" in policy(snap, req).reason
+    assert "miss" in policy(snap, req).reason

@@ -1,0 +1,134 @@
+"""The Router adapter on a Redis of its own (so its command counts are exact): registry + index → policy,
+one Lua round trip per request for the prefix lookup, dead engines out of the ranking and the index."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+import redis.asyncio as aioredis
+
+from tessera.engine.registry import EngineRecord, EngineRegistry
+from tessera.redis_conn import EmbeddedRedis, connect
+from tessera.routing import router as router_module
+from tessera.routing.prefix_index import PrefixIndex
+from tessera.routing.router import Router
+from tessera.routing.snapshot import RouteRequest
+
+MODEL = "m"
+
+
+@pytest.fixture(scope="module")
+def own_redis() -> Iterator[EmbeddedRedis]:
+    server = EmbeddedRedis().start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+async def redis(own_redis: EmbeddedRedis) -> AsyncIterator[aioredis.Redis]:
+    client = connect(own_redis.url, timeout_s=5.0)
+    await client.flushall()
+    yield client
+    await client.aclose()
+
+
+async def register(redis: aioredis.Redis, *engine_ids: str, model: str = MODEL) -> None:
+    registry = EngineRegistry(redis)
+    for engine_id in engine_ids:
+        await registry.heartbeat(EngineRecord(engine_id, f"http://{engine_id}", model, 32, 100, 2048))
+
+
+def chain(n: int, seed: int = 0) -> tuple[int, ...]:
+    rng = random.Random(seed)
+    return tuple(rng.getrandbits(64) for _ in range(n))
+
+
+def request(hashes: tuple[int, ...]) -> RouteRequest:
+    return RouteRequest(tenant="t", model=MODEL, num_prompt_tokens=32 * len(hashes) + 7, block_hashes=hashes)
+
+
+async def commands_served(redis: aioredis.Redis) -> dict[str, int]:
+    """Calls per command since the server started, as sent by clients (Redis also counts the commands a
+    Lua script runs; the lookup script only runs HKEYS, so that one is left out)."""
+    stats = await redis.info("commandstats")
+    return {k.removeprefix("cmdstat_"): int(v["calls"]) for k, v in stats.items()
+            if k not in ("cmdstat_info", "cmdstat_hkeys")}
+
+
+def delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    return {k: n - before.get(k, 0) for k, n in after.items() if n != before.get(k, 0)}
+
+
+async def test_routes_to_the_engine_holding_the_prefix(redis: aioredis.Redis) -> None:
+    await register(redis, "a", "b", "c")
+    index = PrefixIndex(redis)
+    hashes = chain(6)
+    await index.apply("b", [("store", h) for h in hashes[:5]])
+    await index.apply("c", [("store", h) for h in hashes[:2]])
+    decision, records = await Router(redis, "prefix_affinity", index).route(request(hashes))
+    assert decision.ranked[0] == "b" and decision.expected_cached_tokens == 160
+    assert "cached_tokens=160" in decision.reason
+    assert set(decision.ranked) == set(records) == {"a", "b", "c"}
+
+
+async def test_one_redis_call_per_request_for_the_prefix_lookup(redis: aioredis.Redis) -> None:
+    await register(redis, "a", "b")
+    index = PrefixIndex(redis)
+    router = Router(redis, "prefix_affinity", index)
+    await router.route(request(chain(4)))  # reads the registry and loads the scripts
+    before = await commands_served(redis)
+    for seed in range(10):
+        await router.route(request(chain(32, seed)))
+    # Ten routes inside one registry-cache window: ten round trips (the EVALSHA lookups), nothing else.
+    assert delta(before, await commands_served(redis)) == {"evalsha": 10}
+
+
+async def test_policies_without_the_index_make_no_lookup(redis: aioredis.Redis) -> None:
+    await register(redis, "a", "b")
+    router = Router(redis, "round_robin", PrefixIndex(redis))
+    await router.route(request(chain(4)))
+    before = await commands_served(redis)
+    for _ in range(5):
+        await router.route(request(chain(4)))
+    assert delta(before, await commands_served(redis)) == {}
+
+
+async def test_engines_of_other_models_and_departed_engines_are_not_ranked(redis: aioredis.Redis) -> None:
+    await register(redis, "a", "b")
+    await register(redis, "x", model="other")
+    index = PrefixIndex(redis)
+    hashes = chain(3)
+    await index.apply("gone", [("store", h) for h in hashes])  # an engine no longer in the registry
+    decision, _ = await Router(redis, "prefix_affinity", index).route(request(hashes))
+    assert sorted(decision.ranked) == ["a", "b"] and "miss" in decision.reason
+    await EngineRegistry(redis).deregister("b")
+    decision, _ = await Router(redis, "prefix_affinity", index).route(request(hashes))
+    assert decision.ranked == ("a",)
+
+
+async def test_the_router_sweeps_departed_engines_out_of_the_index(
+        redis: aioredis.Redis, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(router_module, "SWEEP_INTERVAL_S", 0.0)
+    monkeypatch.setattr(router_module, "REGISTRY_CACHE_S", 0.0)
+    await register(redis, "a")
+    index = PrefixIndex(redis)
+    hashes = chain(3)
+    await index.apply("a", [("store", h) for h in hashes])
+    await index.apply("gone", [("store", h) for h in hashes])
+    monkeypatch.setattr("tessera.routing.prefix_index.SWEEP_GRACE_S", 0.0)
+    router = Router(redis, "prefix_affinity", index)
+    await router.route(request(hashes))
+    for _ in range(50):
+        if await index.blocks_of("gone") == {}:
+            break
+        await asyncio.sleep(0.05)
+    assert await index.blocks_of("gone") == {}
+    assert await index.blocks_of("a") == {h: 1 for h in hashes}
+
+
+async def test_empty_fleet_routes_nowhere(redis: aioredis.Redis) -> None:
+    decision, records = await Router(redis, "prefix_affinity", PrefixIndex(redis)).route(request(chain(2)))
+    assert decision.ranked == () and records == {}
