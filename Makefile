@@ -63,7 +63,9 @@ bench-routing: install
 bench-kvcontrol: install
 	$(BIN)/python bench/bench_kvcontrol.py
 
+# GuideLLM lives in its own environment: it is only a baseline for the load generator's benchmark.
 bench-loadgen: install
+	test -x .venv-bench/bin/guidellm || { $(PYTHON) -m venv .venv-bench && .venv-bench/bin/pip install --quiet guidellm==0.8.1; }
 	$(BIN)/python bench/bench_loadgen.py
 
 helm-check: install

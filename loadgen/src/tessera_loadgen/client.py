@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import email.utils
+import math
 import random
 import ssl
 import time
@@ -220,6 +221,7 @@ class _Call:
         "on_done",
         "record",
         "retry_after",
+        "retry_at",
         "status",
         "text_parts",
         "timer",
@@ -245,6 +247,7 @@ class _Call:
         self.deadline = _perf_counter() + client.timeout_s
         self.finished = False
         self.attempts = 0
+        self.retry_at = 0.0
         self.connection: Connection | None = None
         self._reset()
 
@@ -429,13 +432,20 @@ class _Call:
                 record.retry_wait_s += wait
                 self.connection = None
                 self._reset()
+                self.retry_at = now + wait
                 asyncio.get_running_loop().call_later(wait, self._resend)
                 return
         self._fail(http_error_kind(429), self._error_message(), now)
 
     def _resend(self) -> None:
-        if not self.finished:
-            self.client.pool.request(self.data, self)
+        if self.finished:
+            return
+        remaining = self.retry_at - _perf_counter()
+        if remaining > 0:
+            # NOTE: event-loop timers can fire up to a millisecond early, and Retry-After is a lower bound.
+            asyncio.get_running_loop().call_later(math.ceil(remaining * 1000) / 1000, self._resend)
+            return
+        self.client.pool.request(self.data, self)
 
     def _error_message(self) -> str:
         body = self.buf[:_MAX_ERROR_BODY]

@@ -109,7 +109,7 @@ TIMER_RESOLUTION_S = 0.001
 
 
 def _timer_delay(delay_s: float) -> float:
-    """A timer delay that never fires before ``delay_s`` has passed: rounded up to a whole millisecond.
+    """``delay_s`` rounded up to a whole millisecond, so the timer is never rounded down to zero.
 
     NOTE: a sub-millisecond delay would round to 0 and the loop would spin until the arrival is due,
     burning a core that the server under test may need; waking up to a millisecond late instead bounds

@@ -73,6 +73,21 @@ async def cancel(*tasks: asyncio.Task[Any]) -> None:
             await task
 
 
+async def indexed(stack: KVStack, tenant: str, tokens: list[int], engine_id: str) -> bool:
+    """Whether the shared prefix index (fed by the engines' KV events) has the prompt's blocks on the engine."""
+    from tessera.routing.hashing import block_hash_chain
+    from tessera.routing.prefix_index import PrefixIndex
+
+    redis = connect(stack.options.redis_url, timeout_s=5)
+    try:
+        salt = (await TenantStore(redis).require_tenant(tenant)).cache_salt
+        chain = block_hash_chain(tokens, 32, salt)
+        held = await PrefixIndex(redis).longest_prefixes(chain, list(stack.engine_urls))
+        return held.get(engine_id, 0) == len(chain)
+    finally:
+        await redis.aclose()
+
+
 def spans_of(stack: KVStack, trace_id: str | None = None) -> list[SpanRecord]:
     spans = load_spans([stack.options.run_dir / "traces"])
     return [s for s in spans if trace_id is None or s.trace_id == trace_id]
@@ -131,20 +146,29 @@ async def test_pressure_flag_steers_routing_and_sheds_batch_admission(act_stack:
     async with new_client() as client:
         warm = await complete(client, stack.gateway_url, key, stack.model, [*shared, 1, 2], 2)
         home = warm.engine
+        await wait_for(lambda: indexed(stack, "act-press", shared, home), 10, "the prefix index to learn it")
         again = await complete(client, stack.gateway_url, key, stack.model, [*shared, 3, 4], 2)
         assert again.engine == home, "prefix affinity should keep the prefix on its engine"
         # A long request on the prefix's engine fills >= 15 % of its KV: the controller flags it.
         long_home = asyncio.create_task(complete(client, stack.gateway_url, key, stack.model, [*shared, 5], 900))
+
+        async def running(engine_id: str, n: int) -> bool:
+            return [e for e, _ in await in_flight(stack, "act-press")].count(engine_id) == n
+
+        await wait_for(lambda: running(home, 1), 30, f"the long request on {home}")
         await wait_for(lambda: redis_exists(stack, pressure_key(home)), 30, f"the pressure flag of {home}")
         await asyncio.sleep(0.5)  # the gateway re-reads the registry every 250 ms
+        assert await redis_exists(stack, pressure_key(home))  # held while the long request holds its blocks
         steered = await complete(client, stack.gateway_url, key, stack.model, [*shared, 6, 7], 2)
         (other,) = set(stack.engine_urls) - {home}
         assert steered.status == 200 and steered.engine == other
         # Both engines flagged: batch-class requests are shed at admission with Retry-After, others admitted.
         long_other = asyncio.create_task(
             complete(client, stack.gateway_url, key, stack.model, prompt(512, 11), 900))
+        await wait_for(lambda: running(other, 1), 30, f"the long request on {other}")
         await wait_for(lambda: redis_exists(stack, pressure_key(other)), 30, f"the pressure flag of {other}")
         await asyncio.sleep(0.5)
+        assert all([await redis_exists(stack, pressure_key(e)) for e in stack.engine_urls])
         shed = await complete(client, stack.gateway_url, batch_key, stack.model, prompt(32, 12), 2)
         assert shed.status == 503 and shed.retry_after == "1"
         assert orjson.loads(shed.error)["error"]["code"] == "engine_under_pressure"

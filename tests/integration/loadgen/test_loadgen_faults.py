@@ -46,7 +46,7 @@ def test_429_retry_after_respected(mock_server: Callable[..., str]) -> None:
         assert r.retry_wait_s == pytest.approx(r.num_429 * 0.02)
         if r.num_429:
             assert r.t_send is not None and r.t_send_first is not None
-            assert r.t_send - r.t_send_first >= r.retry_wait_s - 0.002
+            assert r.t_send - r.t_send_first >= r.retry_wait_s  # Retry-After is never cut short
 
 
 def test_429_counted_and_moved_on(mock_server: Callable[..., str]) -> None:

@@ -212,7 +212,10 @@ async def test_429_with_retry_after_is_respected_then_succeeds(clock: FakeClock)
     assert done == []
     assert record.num_429 == 1 and record.num_429_retry_after == 1
     assert record.retry_wait_s == pytest.approx(0.01)
-    await asyncio.sleep(0.05)
+    await asyncio.sleep(0.03)
+    assert resent == [], "not before Retry-After has passed on the client's clock"
+    clock.now = 100.011
+    await asyncio.sleep(0.03)
     assert resent == [b"POST ..."]
     call.on_sent(101.0, FakeConnection())  # type: ignore[arg-type]
     call.on_headers(200, SSE)

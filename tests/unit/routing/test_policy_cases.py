@@ -26,13 +26,23 @@ def test_an_engine_missing_from_the_snapshot_is_never_ranked(name: str) -> None:
     assert decision.expected_cached_tokens == 0
 
 
-def test_prefix_affinity_tie_between_holders_goes_to_the_less_loaded_then_kv_then_id() -> None:
-    policy = make_policy("prefix_affinity")
+def test_prefix_affinity_equal_holders_go_to_the_less_loaded_then_one_winner_per_prefix() -> None:
     cached = {"a": 10, "b": 10, "c": 10}
     snap = RouteSnapshot((engine("a", 1), engine("b", 0, kv=0.5), engine("c", 0, kv=0.1)), cached)
-    assert policy(snap, REQ).ranked == ("c", "b", "a")
-    snap = RouteSnapshot((engine("b"), engine("a")), {"a": 3, "b": 3})
-    assert policy(snap, REQ).ranked == ("a", "b")
+    first = make_policy("prefix_affinity")(snap, REQ).ranked
+    assert first[-1] == "a"
+    # A tie between b and c is decided by the prefix itself: every gateway (policy instance) agrees.
+    assert all(make_policy("prefix_affinity")(snap, REQ).ranked == first for _ in range(3))
+
+
+def test_prefix_affinity_spreads_new_prefixes_over_an_idle_fleet() -> None:
+    policy = make_policy("prefix_affinity")
+    snap = RouteSnapshot((engine("a"), engine("b"), engine("c")))
+    winners = [policy(snap, RouteRequest("t", "m", 1000, (h, h + 1))).ranked[0] for h in range(0, 600, 10)]
+    assert {w: winners.count(w) for w in "abc"}.keys() == {"a", "b", "c"}
+    assert min(winners.count(w) for w in "abc") >= 10  # 60 prefixes: no engine is left out
+    # ...while requests sharing a first block agree on their engine before the index has heard of it.
+    assert len({policy(snap, RouteRequest("t", "m", 1000, (7, tail))).ranked[0] for tail in range(20)}) == 1
 
 
 def test_prefix_affinity_prefers_the_longer_cached_prefix() -> None:

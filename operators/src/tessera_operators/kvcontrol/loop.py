@@ -208,8 +208,10 @@ class EngineControlLoop:
         # vLLM's usage excludes its one reserved null block.
         usable = max(1, int(stats["num_gpu_blocks"]) - 1)
         free = round(usable * (1.0 - float(stats["kv_cache_usage"])))
-        if not entries and not stats["num_running"] and not stats["num_waiting"]:
-            free = usable  # NOTE: the last stats of a step that finished everything may still count blocks
+        if not entries:
+            # NOTE: vLLM reports stats per step, so an idle engine's /stats still shows its last busy step.
+            # The host serves every request the engine has; with none in flight no block is held.
+            free = usable
         state = EngineState(usable, free, int(stats["num_running"]), int(stats["num_waiting"]))
         self.state = state
         return state

@@ -108,17 +108,16 @@ class GenerationFlow:
         admission_s = time.monotonic() - t_admit
         span.set_attribute("tessera.admission_wait_s", admission_s)
         result = StreamResult()
-        keeper = asyncio.ensure_future(self._keep_lease(lease)) if lease is not None else None
+        keeper = None if lease.detached else asyncio.ensure_future(self._keep_lease(lease))
         try:
             await self._serve(chat, req, tenant, model, prompt_ids, max_tokens, request_id, trace_carrier,
                               span, send, receive, result, lease, t_start)
         finally:
             if keeper is not None:
                 keeper.cancel()
-            if lease is not None:
-                # Bill at least what was generated, also when the client went away mid-stream; when Redis
-                # does not answer, the finish waits in the queue (usage is never lost).
-                await self.finishes.finish(lease, len(prompt_ids), result.completion_tokens)
+            # Bill at least what was generated, also when the client went away mid-stream; when Redis
+            # does not answer, the finish waits in the queue (usage is never lost).
+            await self.finishes.finish(lease, len(prompt_ids), result.completion_tokens)
 
     async def _keep_lease(self, lease: Lease) -> None:
         """Renews the concurrency lease every third of its TTL while the request runs (long streams keep
@@ -155,7 +154,7 @@ class GenerationFlow:
             self._known_routes[request.model] = routed
         return routed
 
-    async def _admit(self, tenant: Tenant, reserve: int) -> Lease | Rejection | None:
+    async def _admit(self, tenant: Tenant, reserve: int) -> Lease | Rejection:
         gw = self.gw
         try:
             return await gw.admission.admit(tenant.name, tenant.policy, reserve)
@@ -163,7 +162,7 @@ class GenerationFlow:
             if not gw.settings.redis_fail_open:
                 raise
             gw.metrics.fail_open(tenant.name)
-            return None
+            return gw.admission.detached_lease(tenant.name, tenant.policy)
 
     async def _serve(self, chat: bool, req: CompletionRequest | ChatCompletionRequest, tenant: Tenant,
                      model: ServedModel, prompt_ids: list[int], max_tokens: int, request_id: str,

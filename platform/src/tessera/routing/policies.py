@@ -8,9 +8,11 @@ KV-eviction controller flags as under pressure always rank after the others.
 from __future__ import annotations
 
 import hashlib
+import random
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 from tessera.routing.snapshot import EngineView, RouteDecision, RouteRequest, RouteSnapshot
 
@@ -109,6 +111,8 @@ APPROX_MAX_CHUNKS = 200_000
 class _ApproxState:
     # chained chunk digest -> engines this policy instance sent that prefix to, in LRU order.
     senders: OrderedDict[bytes, set[str]] = field(default_factory=OrderedDict)
+    # Breaks ties at random like production-stack (seeded: a run is reproducible).
+    rng: random.Random = field(default_factory=lambda: random.Random(0))
 
     def remember(self, chain: list[bytes], engine_id: str) -> None:
         for key in chain:
@@ -133,7 +137,8 @@ def _approx_prefix() -> PolicyFn:
     """Baseline like production-stack's prefix-aware router (``HashTrie``): remembers which engines it
     *sent* each character-prefix chunk to, narrows to the engines sharing the longest remembered prefix,
     and never learns that an engine evicted it. Its memory is per gateway process, as in production-stack.
-    Among the matching engines it takes the least loaded (production-stack picks one at random)."""
+    Among the matching engines (all engines on a miss) it takes the least loaded, ties at random
+    (production-stack picks at random without looking at load)."""
     state = _ApproxState()
 
     def policy(snapshot: RouteSnapshot, request: RouteRequest) -> RouteDecision:
@@ -147,9 +152,9 @@ def _approx_prefix() -> PolicyFn:
             if not holders:
                 break
             candidates, matched = holders, matched + 1
-        order = _by_load(snapshot)
-        if matched:
-            order = sorted(order, key=lambda e: e.engine_id not in candidates)  # stable: load order kept
+        shuffled = list(snapshot.engines)
+        state.rng.shuffle(shuffled)
+        order = sorted(shuffled, key=lambda e: (e.engine_id not in candidates, _load(e, snapshot)))
         ranked = _pressure_last(order)
         state.remember(chain, ranked[0])
         reason = f"approx_prefix matched_chunks={matched}" if matched else "approx_prefix miss: least_loaded"
@@ -168,6 +173,22 @@ TOKENS_PER_RUNNING_REQUEST = 64
 TOKENS_PER_WAITING_REQUEST = 512
 
 
+_MASK64 = (1 << 64) - 1
+
+
+@lru_cache(maxsize=4096)
+def _engine_salt(engine_id: str) -> int:
+    return int.from_bytes(hashlib.blake2b(engine_id.encode(), digest_size=8).digest(), "big")
+
+
+def _tie_rank(key: int, engine_id: str) -> int:
+    """Rendezvous weight of (key, engine): splitmix64 of the two, the same in every gateway process."""
+    z = (key ^ _engine_salt(engine_id)) + 0x9E3779B97F4A7C15 & _MASK64
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9 & _MASK64
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EB & _MASK64
+    return z ^ (z >> 31)
+
+
 @register("prefix_affinity")
 def _prefix_affinity() -> PolicyFn:
     """Expected cached tokens (from the KV-event index) minus load priced in tokens; an engine over the
@@ -176,35 +197,33 @@ def _prefix_affinity() -> PolicyFn:
     def policy(snapshot: RouteSnapshot, request: RouteRequest) -> RouteDecision:
         if (empty := _empty(snapshot)) is not None:
             return empty
-        loads = {e.engine_id: _load(e, snapshot) for e in snapshot.engines}
-        mean = sum(loads.values()) / len(loads)
-        bound = BOUND_FACTOR * mean + 1
-
-        def cached_tokens(e: EngineView) -> int:
-            tokens = snapshot.cached_prefix_blocks.get(e.engine_id, 0) * e.block_size
-            if request.num_prompt_tokens > 0 and e.block_size > 0:
-                # vLLM recomputes at least the last prompt token, so a fully cached, block-aligned prompt
-                # still prefills its last block.
-                tokens = min(tokens, (request.num_prompt_tokens - 1) // e.block_size * e.block_size)
-            return tokens
-
-        def score(e: EngineView) -> float:
-            cached = cached_tokens(e) if loads[e.engine_id] < bound else 0
-            return (cached - TOKENS_PER_RUNNING_REQUEST * loads[e.engine_id]
-                    - TOKENS_PER_WAITING_REQUEST * e.num_waiting)
-
-        order = sorted(snapshot.engines, key=lambda e: (e.under_pressure, -score(e), e.kv_cache_usage, e.engine_id))
-        top = order[0]
-        holder = max(snapshot.engines, key=lambda e: (cached_tokens(e), -loads[e.engine_id]))
-        load = loads[top.engine_id]
-        if cached_tokens(top) > 0:
-            reason = f"prefix_affinity cached_tokens={cached_tokens(top)} load={load}"
-        elif cached_tokens(holder) == 0:
-            reason = f"prefix_affinity miss: least_loaded load={load}"
-        elif loads[holder.engine_id] >= bound:
-            reason = f"prefix_affinity bounded_load: holder load {loads[holder.engine_id]} >= {bound:.1f}, load={load}"
+        engines = snapshot.engines
+        loads = [_load(e, snapshot) for e in engines]
+        bound = BOUND_FACTOR * sum(loads) / len(loads) + 1
+        # vLLM recomputes at least the last prompt token, so a fully cached, block-aligned prompt still
+        # prefills its last block: credit at most what it can reuse.
+        reusable = max(request.num_prompt_tokens - 1, 0)
+        cached = [min(snapshot.cached_prefix_blocks.get(e.engine_id, 0) * e.block_size,
+                      reusable // e.block_size * e.block_size if e.block_size > 0 else 0) for e in engines]
+        # Equal scores (typically: nobody holds the prefix and loads tie) go to the prefix's rendezvous
+        # winner, so distinct prefixes spread over the fleet and every gateway places a new prefix on the
+        # same engine before the index has heard of it.
+        key = request.block_hashes[0] if request.block_hashes else _engine_salt(request.session_id or request.tenant)
+        ranked = sorted(range(len(engines)), key=lambda i: (
+            engines[i].under_pressure,
+            -((cached[i] if loads[i] < bound else 0) - TOKENS_PER_RUNNING_REQUEST * loads[i]
+              - TOKENS_PER_WAITING_REQUEST * engines[i].num_waiting),
+            -_tie_rank(key, engines[i].engine_id)))
+        top = ranked[0]
+        holder = max(range(len(engines)), key=lambda i: (cached[i], -loads[i]))
+        if cached[top] > 0:
+            reason = f"prefix_affinity cached_tokens={cached[top]} load={loads[top]}"
+        elif cached[holder] == 0:
+            reason = f"prefix_affinity miss: least_loaded load={loads[top]}"
+        elif loads[holder] >= bound:
+            reason = f"prefix_affinity bounded_load: holder load {loads[holder]} >= {bound:.1f}, load={loads[top]}"
         else:
-            reason = f"prefix_affinity load outweighs {cached_tokens(holder)} cached tokens, load={load}"
-        return RouteDecision(tuple(e.engine_id for e in order), reason, cached_tokens(top))
+            reason = f"prefix_affinity load outweighs {cached[holder]} cached tokens, load={loads[top]}"
+        return RouteDecision(tuple(engines[i].engine_id for i in ranked), reason, cached[top])
 
     return policy

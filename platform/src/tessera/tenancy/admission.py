@@ -57,10 +57,14 @@ def finish_marker_key(tenant: str, lease_id: str) -> str:
 
 @dataclass(frozen=True, slots=True)
 class Lease:
+    """An admitted request. ``detached``: admitted without Redis (fail-open), so nothing is held or reserved;
+    its finish still charges the budget and the usage once Redis answers."""
+
     lease_id: str
     tenant: str
     reserved_tokens: int
     keys: tuple[str, ...]
+    detached: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,6 +121,11 @@ class Admission:
         if int(result[0]) == 1:
             return Lease(lease_id, tenant, reserve_tokens, tuple(keys))
         return rejection_from_script(result)
+
+    def detached_lease(self, tenant: str, policy: TenantPolicy) -> Lease:
+        """The lease of a request admitted while Redis is unreachable (fail-open mode)."""
+        period_id, _ = period_window(policy.budget_period, datetime.now(UTC))
+        return Lease(uuid.uuid4().hex, tenant, 0, tuple(limiter_keys(tenant, period_id)), detached=True)
 
     async def renew(self, lease: Lease) -> bool:
         """Extends the lease by the TTL; False when it is already gone."""

@@ -1,0 +1,108 @@
+"""Redis faults with real gateway processes: stopped Redis → 503 within 250 ms and never a 500 (fail
+closed), or served and counted (fail open); Redis back on the same port → enforcement resumes by itself
+(redis-py reconnects), and usage of requests served during the outage is recorded.
+
+The package Redis persists to an append-only file, so the restart keeps tenants, keys and limiter state,
+as a production Redis with persistence does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from support.gateways import GatewayProcess, start_gateways
+from support.probe import run_probe
+
+from tessera.engine.host import EngineHost
+
+from .conftest import GATEWAY_ENV, RestartableRedis, TenantHandle, completion_body, create_tenant, post_all
+
+FAIL_CLOSED_LATENCY_S = 0.25
+RESUME_WITHIN_S = 10.0
+
+
+@pytest.fixture
+def fail_open_gateway(tenancy_redis: RestartableRedis, tenancy_engine: EngineHost,
+                      tmp_path: Path) -> Iterator[GatewayProcess]:
+    (gateway,) = start_gateways(1, tenancy_redis.url, tmp_path, {**GATEWAY_ENV, "TESSERA_REDIS_FAIL_OPEN": "1"})
+    yield gateway
+    gateway.stop()
+
+
+def fail_open_count(gateway: GatewayProcess, tenant: TenantHandle) -> float:
+    for line in httpx.get(f"{gateway.url}/metrics", timeout=10).text.splitlines():
+        if line.startswith("tessera_gateway_fail_open_total{") and f'tenant="{tenant.name}"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def usage_requests(gateway: GatewayProcess, tenant: TenantHandle) -> int:
+    response = httpx.get(f"{gateway.url}/v1/usage", params={"period": "day"}, headers=tenant.headers, timeout=10)
+    return int(response.json()["requests"]) if response.status_code == 200 else -1
+
+
+async def test_redis_outage_and_recovery(tenancy_redis: RestartableRedis, gateways: list[GatewayProcess],
+                                         fail_open_gateway: GatewayProcess) -> None:
+    urls = [g.url for g in gateways]
+    limited = create_tenant(gateways[0], {"requestsPerMinute": 5})
+    unlimited = create_tenant(gateways[0])
+    before = await post_all(urls, "/v1/completions", limited, [completion_body()] * 6)
+    assert sorted(r.status_code for r in before) == [200] * 5 + [429]
+    # The fail-open gateway has served this tenant once: it knows the key, the model and a route.
+    warm = httpx.post(f"{fail_open_gateway.url}/v1/completions", json=completion_body(), headers=unlimited.headers,
+                      timeout=60)
+    assert warm.status_code == 200, warm.text
+
+    tenancy_redis.stop()
+    try:
+        # Fail closed: one request at a time from a separate process, each timed on its own.
+        outage = run_probe([f"{u}/v1/completions" for u in urls], limited.headers, completion_body(),
+                           duration_s=3.0, interval_s=0.02)
+        assert len(outage) >= 10
+        assert all(r.status == 503 and r.code == "store_unavailable" for r in outage), \
+            {(r.status, r.code) for r in outage}
+        slowest = max(r.latency_s for r in outage)
+        assert slowest <= FAIL_CLOSED_LATENCY_S, f"slowest 503 took {slowest * 1000:.0f} ms"
+        # An uncached key is not let in either, also by a fail-open gateway: no auth without Redis.
+        stranger = httpx.post(f"{fail_open_gateway.url}/v1/completions", json=completion_body(),
+                              headers={"authorization": "Bearer tsk-0123456789ab-unknown"}, timeout=10)
+        assert stranger.status_code == 503
+
+        # Fail open: a known tenant is served by the real engine and counted.
+        served = httpx.post(f"{fail_open_gateway.url}/v1/completions", json=completion_body(max_tokens=4),
+                            headers=unlimited.headers, timeout=60)
+        assert served.status_code == 200, served.text
+        assert served.json()["usage"]["completion_tokens"] == 4
+        assert fail_open_count(fail_open_gateway, unlimited) == 1.0
+    finally:
+        tenancy_redis.start()
+        restarted_at = time.monotonic()
+
+    # Enforcement resumes on both gateways by itself: the minute's 5 requests are still on record.
+    pending = set(urls)
+    statuses: list[int] = []
+    async with httpx.AsyncClient(timeout=30) as client:
+        while pending:
+            assert time.monotonic() - restarted_at < RESUME_WITHIN_S, f"no enforcement yet on {pending}: {statuses}"
+            for url in sorted(pending):
+                response = await client.post(f"{url}/v1/completions", json=completion_body(), headers=limited.headers)
+                statuses.append(response.status_code)
+                assert response.status_code in (429, 503), response.text
+                if response.status_code == 429 and response.json()["error"]["code"] == "requests_per_minute":
+                    pending.discard(url)
+            await asyncio.sleep(0.1)
+        assert 500 not in statuses
+        # And serving resumes for everyone else.
+        served_again = await post_all(urls, "/v1/completions", unlimited, [completion_body()] * 2)
+        assert [r.status_code for r in served_again] == [200, 200]
+
+    # The request served during the outage is billed once Redis is back (warm-up + outage + 2 = 4).
+    deadline = time.monotonic() + 15
+    while usage_requests(gateways[0], unlimited) < 4 and time.monotonic() < deadline:
+        await asyncio.sleep(0.25)
+    assert usage_requests(gateways[0], unlimited) == 4
