@@ -32,7 +32,9 @@ ONLY_DEMOTION = {"enablePressure": False, "enableAbort": False}
 
 @pytest.fixture(scope="module")
 def act_stack(make_stack: Any) -> KVStack:
-    return make_stack("act", num_engines=2)
+    # One token per step (no speculative decoding) and room for 2,000-token sequences: requests that live
+    # for seconds, long enough to observe and act on while they run.
+    return make_stack("act", num_engines=2, speculative=None, max_model_len=2000)
 
 
 def prompt(n: int, seed: int) -> list[int]:
@@ -40,13 +42,18 @@ def prompt(n: int, seed: int) -> list[int]:
     return [rng.randrange(10, 700) for _ in range(n)]
 
 
-async def wait_for(check: Callable[[], Awaitable[bool]], timeout_s: float, what: str) -> None:
+async def wait_for(check: Callable[[], Awaitable[bool]], timeout_s: float, what: str,
+                   stack: KVStack | None = None) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if await check():
             return
         await asyncio.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
+    state = ""
+    if stack is not None and stack.controller is not None:
+        state = "\n".join(line for line in httpx.get(stack.metrics_url, timeout=5).text.splitlines()
+                          if line.startswith(("tessera_kv", "tessera_engine")) and not line.endswith(" 0.0"))
+    raise AssertionError(f"timed out waiting for {what}\n{state}")
 
 
 async def redis_exists(stack: KVStack, key: str) -> bool:
@@ -100,11 +107,11 @@ async def test_over_quota_tenant_is_demoted_and_restored(act_stack: KVStack) -> 
     hog = await stack.create_tenant("act-hog", kv_quota=0.1)  # 6 of 63 blocks
     calm = await stack.create_tenant("act-calm")
     async with new_client() as client:
-        first = asyncio.create_task(complete(client, stack.gateway_url, hog, stack.model, prompt(640, 1), 600))
-        await wait_for(lambda: redis_exists(stack, demoted_key("act-hog")), 30, "the demotion flag")
+        first = asyncio.create_task(complete(client, stack.gateway_url, hog, stack.model, prompt(640, 1), 1300))
+        await wait_for(lambda: redis_exists(stack, demoted_key("act-hog")), 30, "the demotion flag", stack)
         # New requests of the demoted tenant carry the lower priority; another tenant's do not.
-        second = asyncio.create_task(complete(client, stack.gateway_url, hog, stack.model, prompt(64, 2), 600))
-        other = asyncio.create_task(complete(client, stack.gateway_url, calm, stack.model, prompt(64, 3), 600))
+        second = asyncio.create_task(complete(client, stack.gateway_url, hog, stack.model, prompt(64, 2), 1300))
+        other = asyncio.create_task(complete(client, stack.gateway_url, calm, stack.model, prompt(64, 3), 1300))
 
         async def both_running() -> bool:
             return len(await in_flight(stack, "act-hog")) == 2 and len(await in_flight(stack, "act-calm")) == 1
@@ -138,7 +145,8 @@ async def test_over_quota_tenant_is_demoted_and_restored(act_stack: KVStack) -> 
 async def test_pressure_flag_steers_routing_and_sheds_batch_admission(act_stack: KVStack) -> None:
     stack = act_stack
     stack.wait_idle()
-    stack.start_controller(policy={"highWatermark": 0.15, "lowWatermark": 0.05, "enableDemotion": False,
+    # Short requests stay under the high watermark (17 of 63 blocks); a 1,112-token prompt is over it.
+    stack.start_controller(policy={"highWatermark": 0.5, "lowWatermark": 0.3, "enableDemotion": False,
                                    "enableAbort": False})
     key = await stack.create_tenant("act-press")
     batch_key = await stack.create_tenant("act-batch", priority_class="batch")
@@ -149,8 +157,9 @@ async def test_pressure_flag_steers_routing_and_sheds_batch_admission(act_stack:
         await wait_for(lambda: indexed(stack, "act-press", shared, home), 10, "the prefix index to learn it")
         again = await complete(client, stack.gateway_url, key, stack.model, [*shared, 3, 4], 2)
         assert again.engine == home, "prefix affinity should keep the prefix on its engine"
-        # A long request on the prefix's engine fills >= 15 % of its KV: the controller flags it.
-        long_home = asyncio.create_task(complete(client, stack.gateway_url, key, stack.model, [*shared, 5], 900))
+        # A long request on the prefix's engine fills over half of its KV: the controller flags it.
+        long_home = asyncio.create_task(
+            complete(client, stack.gateway_url, key, stack.model, [*shared, *prompt(600, 14)], 880))
 
         async def running(engine_id: str, n: int) -> bool:
             return [e for e, _ in await in_flight(stack, "act-press")].count(engine_id) == n
@@ -164,7 +173,7 @@ async def test_pressure_flag_steers_routing_and_sheds_batch_admission(act_stack:
         assert steered.status == 200 and steered.engine == other
         # Both engines flagged: batch-class requests are shed at admission with Retry-After, others admitted.
         long_other = asyncio.create_task(
-            complete(client, stack.gateway_url, key, stack.model, prompt(512, 11), 900))
+            complete(client, stack.gateway_url, key, stack.model, prompt(1112, 11), 880))
         await wait_for(lambda: running(other, 1), 30, f"the long request on {other}")
         await wait_for(lambda: redis_exists(stack, pressure_key(other)), 30, f"the pressure flag of {other}")
         await asyncio.sleep(0.5)
@@ -194,7 +203,7 @@ async def test_abort_is_retried_elsewhere_once_billed_once_streamed_and_traced(a
     bulk = await stack.create_tenant("act-bulk", priority_class="low")
     trace_id = f"{random.getrandbits(128):032x}"
     traceparent = f"00-{trace_id}-{random.getrandbits(64):016x}-01"
-    bulk_prompt, max_tokens = prompt(700, 20), 400
+    bulk_prompt, max_tokens = prompt(700, 20), 1300
     async with new_client() as client:
         stream = asyncio.create_task(complete(client, stack.gateway_url, bulk, stack.model, bulk_prompt, max_tokens,
                                               headers={"traceparent": traceparent}))

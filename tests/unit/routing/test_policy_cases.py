@@ -3,6 +3,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 
 from tessera.routing.policies import APPROX_CHUNK_CHARS, make_policy, policy_names
@@ -129,3 +133,11 @@ def test_approx_prefix_ignores_a_partial_chunk() -> None:
     snap = RouteSnapshot((engine("a"), engine("b", 1)))
     assert "miss" in policy(snap, req).reason
     assert "miss" in policy(snap, req).reason
+
+
+def test_the_tie_break_is_the_same_in_every_gateway_process() -> None:
+    # Gateway processes run with different string-hash seeds; the prefix's engine must not depend on it.
+    code = "from tessera.routing.policies import _tie_rank; print(_tie_rank(12345, 'engine-a'))"
+    outputs = {subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONHASHSEED": seed},
+                              capture_output=True, text=True, check=True).stdout for seed in ("1", "2")}
+    assert len(outputs) == 1

@@ -197,7 +197,10 @@ class EngineControlLoop:
             return await resp.json()
 
     async def poll(self) -> EngineState:
+        t0 = time.monotonic()
         stats, entries = await asyncio.gather(self._get("/stats"), self._get("/requests"))
+        if time.monotonic() - t0 > 0.05:
+            logger.info("DBG slow poll %s %.3f", self.engine_id, time.monotonic() - t0)
         now = time.time()
         self.requests = {
             e["request_id"]: InFlightRequest(e["request_id"], e.get("tenant", ""), int(e.get("priority", 0)),
@@ -223,6 +226,8 @@ class EngineControlLoop:
         if self.ctx.observe_only:
             return []
         snapshot = await self.snapshot(state)
+        if snapshot.requests or snapshot.tenants:
+            logger.info("DBG %s %s %s %s", self.engine_id, state, [(t.tenant, t.num_blocks, t.quota_blocks, t.num_in_flight) for t in snapshot.tenants], len(snapshot.requests))
         actions = decide(snapshot, self.ctx.policy)
         for action in actions:
             await self.apply(action, snapshot)

@@ -407,6 +407,10 @@ class EngineHost:
                     finish[str(completion.index)] = completion.finish_reason
             if lines:
                 await send({"type": "http.response.body", "body": b"\n".join(lines) + b"\n", "more_body": True})
+            # NOTE: neither vLLM's output queue nor a non-full socket buffer suspends this coroutine, so a
+            # stream would hold the event loop for its whole length and starve /stats, /requests and /abort
+            # (the KV-eviction controller's view of the engine): give the loop a turn after every step.
+            await asyncio.sleep(0)
         if entry.abort_reason is not None and (final is None or not final.finished or
                                                all(v in (None, "abort") for v in finish.values())):
             tail = {"error": f"request aborted by the engine: {entry.abort_reason}", "status": 503,

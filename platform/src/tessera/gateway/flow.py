@@ -333,10 +333,13 @@ def parse_request(chat: bool, raw: bytes) -> CompletionRequest | ChatCompletionR
 
 def tokenize(chat: bool, req: CompletionRequest | ChatCompletionRequest, model: ServedModel) -> list[int]:
     if isinstance(req, ChatCompletionRequest):
-        try:
-            messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-        except ValueError as exc:
-            raise bad_request(str(exc), "unsupported_content", "messages") from None
+        messages = []
+        for i, message in enumerate(req.messages):
+            try:
+                messages.append({"role": message.role, "content": message.text()})
+            except ValueError as exc:
+                param = f"messages[{i}].content"
+                raise bad_request(f"Invalid request: {param}: {exc}", "unsupported_content", param) from None
         try:
             ids = model.encode_chat(messages)
         except jinja2.TemplateError as exc:

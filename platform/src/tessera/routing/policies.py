@@ -173,20 +173,15 @@ TOKENS_PER_RUNNING_REQUEST = 64
 TOKENS_PER_WAITING_REQUEST = 512
 
 
-_MASK64 = (1 << 64) - 1
-
-
 @lru_cache(maxsize=4096)
 def _engine_salt(engine_id: str) -> int:
     return int.from_bytes(hashlib.blake2b(engine_id.encode(), digest_size=8).digest(), "big")
 
 
 def _tie_rank(key: int, engine_id: str) -> int:
-    """Rendezvous weight of (key, engine): splitmix64 of the two, the same in every gateway process."""
-    z = (key ^ _engine_salt(engine_id)) + 0x9E3779B97F4A7C15 & _MASK64
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9 & _MASK64
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EB & _MASK64
-    return z ^ (z >> 31)
+    """Rendezvous weight of (key, engine), the same in every gateway process: CPython hashes tuples of
+    ints without the per-process string-hash seed."""
+    return hash((key, _engine_salt(engine_id)))
 
 
 @register("prefix_affinity")

@@ -1,0 +1,174 @@
+"""Every input limit, through a real gateway process, answered before any engine work with an OpenAI
+error body: 413, 400 naming the field, 404 unknown model, 403 model not allowed, 401 without a key.
+A tenant sees only its own models and its own usage."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+from support.gateways import GatewayProcess
+
+from tessera.engine.host import EngineHost
+from tessera.engine.registry import ModelInfo, register_model
+from tessera.redis_conn import connect
+
+from .conftest import MODEL, RestartableRedis, TenantHandle, completion_body, create_tenant, error_of
+
+OTHER_MODEL = "tenancy-other"
+
+
+@pytest.fixture(scope="module")
+async def other_model(tenancy_redis: RestartableRedis, tenancy_engine: EngineHost) -> None:
+    """A second catalog entry (what an engine of another model registers), so /v1/models can be filtered."""
+    redis = connect(tenancy_redis.url, timeout_s=5.0)
+    try:
+        await register_model(redis, ModelInfo(OTHER_MODEL, tenancy_engine.config.tokenizer_path, 1024, 32))
+    finally:
+        await redis.aclose()
+
+
+@pytest.fixture(scope="module")
+def tenant(gateways: list[GatewayProcess]) -> TenantHandle:
+    return create_tenant(gateways[0], {"maxTokensCap": 16, "maxPromptTokens": 64, "maxN": 2,
+                                       "allowedModels": [MODEL]}, prefix="limits")
+
+
+@pytest.fixture(scope="module")
+def client(gateways: list[GatewayProcess]) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=gateways[1].url, timeout=30) as c:
+        yield c
+
+
+def post(client: httpx.Client, tenant: TenantHandle, body: Any, path: str = "/v1/completions") -> httpx.Response:
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return client.post(path, content=content, headers={**tenant.headers, "content-type": "application/json"})
+
+
+def test_body_over_the_limit_is_413(client: httpx.Client, tenant: TenantHandle) -> None:
+    huge = json.dumps(completion_body(prompt="x" * 1_100_000)).encode()
+    response = post(client, tenant, huge)
+    assert response.status_code == 413 and error_of(response)["code"] == "body_too_large"
+
+
+def test_body_over_the_limit_without_content_length_is_413(client: httpx.Client, tenant: TenantHandle) -> None:
+    def chunks() -> Iterator[bytes]:
+        for _ in range(20):
+            yield b" " * 65536  # 1.25 MiB of whitespace, streamed chunked
+    response = client.post("/v1/completions", content=chunks(), headers=tenant.headers)
+    assert response.status_code == 413
+
+
+def test_a_body_over_the_limit_is_refused_even_without_a_key(client: httpx.Client) -> None:
+    response = client.post("/v1/completions", content=b"{" + b" " * 1_100_000 + b"}")
+    assert response.status_code == 413
+
+
+@pytest.mark.parametrize("fields, code, param", [
+    ({"max_tokens": 17}, "max_tokens_too_large", "max_tokens"),
+    ({"n": 3, "temperature": 1.0}, "n_too_large", "n"),
+    ({"prompt": list(range(100, 165))}, "prompt_too_long", "prompt"),
+])
+def test_tenant_caps_are_400(client: httpx.Client, tenant: TenantHandle, fields: dict[str, Any], code: str,
+                             param: str) -> None:
+    response = post(client, tenant, completion_body(**fields))
+    assert response.status_code == 400
+    error = error_of(response)
+    assert (error["code"], error["param"], error["type"]) == (code, param, "invalid_request_error")
+
+
+def test_prompt_over_the_model_context_is_400(gateways: list[GatewayProcess]) -> None:
+    roomy = create_tenant(gateways[0], {"maxTokensCap": 4096}, prefix="ctx")
+    with httpx.Client(base_url=gateways[0].url, timeout=30) as c:
+        too_long = post(c, roomy, completion_body(prompt=[7] * 4096))
+        too_much = post(c, roomy, completion_body(prompt=[7] * 4000, max_tokens=100))
+    assert too_long.status_code == 400 and error_of(too_long)["code"] == "context_length_exceeded"
+    assert too_much.status_code == 400 and error_of(too_much)["param"] == "max_tokens"
+
+
+@pytest.mark.parametrize("raw", [b"{", b"not json", b"[1, 2]", b"", b'{"model": "m",}'])
+def test_malformed_json_is_400(client: httpx.Client, tenant: TenantHandle, raw: bytes) -> None:
+    response = post(client, tenant, raw)
+    assert response.status_code == 400 and error_of(response)["code"] == "invalid_json"
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/completions", completion_body(max_tokens="many"), "max_tokens"),
+    ("/v1/completions", completion_body(prompt={"text": "hi"}), "prompt"),
+    ("/v1/completions", completion_body(stream="yes"), "stream"),
+    ("/v1/completions", completion_body(temperature=[1]), "temperature"),
+    ("/v1/completions", {"prompt": "hi"}, "model"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": 7}]}, "messages[0].content"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "nobody", "content": "x"}]},
+     "messages[0].role"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user",
+                                                             "content": [{"type": "image_url"}]}]},
+     "messages[0].content"),
+])
+def test_wrong_types_are_400_naming_the_field(client: httpx.Client, tenant: TenantHandle, path: str,
+                                              body: dict[str, Any], param: str) -> None:
+    response = post(client, tenant, body, path)
+    assert response.status_code == 400, response.text
+    error = error_of(response)
+    assert error["param"] == param and param in error["message"]
+
+
+def test_unknown_model_is_404(client: httpx.Client, tenant: TenantHandle) -> None:
+    response = post(client, tenant, {**completion_body(), "model": "no-such-model"})
+    assert response.status_code == 404
+    assert (error_of(response)["code"], error_of(response)["param"]) == ("model_not_found", "model")
+
+
+def test_model_not_allowed_is_403(client: httpx.Client, tenant: TenantHandle, other_model: None) -> None:
+    response = post(client, tenant, {**completion_body(), "model": OTHER_MODEL})
+    assert response.status_code == 403
+    assert error_of(response)["code"] == "model_not_allowed"
+
+
+@pytest.mark.parametrize("headers", [{}, {"authorization": "Bearer tsk-0123456789ab-nope"},
+                                     {"authorization": "Basic Zm9vOmJhcg=="}, {"authorization": "Bearer"}])
+def test_no_valid_key_is_401_for_every_route(client: httpx.Client, headers: dict[str, str]) -> None:
+    for method, path in [("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("GET", "/v1/models"),
+                         ("GET", "/v1/usage")]:
+        response = client.request(method, path, json=completion_body(), headers=headers)
+        assert response.status_code == 401, (method, path)
+        assert error_of(response)["type"] == "authentication_error"
+
+
+def test_a_tenant_sees_only_its_own_models(client: httpx.Client, tenant: TenantHandle, other_model: None,
+                                           gateways: list[GatewayProcess]) -> None:
+    unrestricted = create_tenant(gateways[0], prefix="all-models")
+    mine = client.get("/v1/models", headers=tenant.headers).json()
+    everything = client.get("/v1/models", headers=unrestricted.headers).json()
+    assert [m["id"] for m in mine["data"]] == [MODEL]
+    assert {MODEL, OTHER_MODEL} <= {m["id"] for m in everything["data"]}
+
+
+def test_a_tenant_sees_only_its_own_usage(client: httpx.Client, gateways: list[GatewayProcess]) -> None:
+    first, second = create_tenant(gateways[0], prefix="usage-a"), create_tenant(gateways[0], prefix="usage-b")
+    for _ in range(2):
+        assert post(client, first, completion_body(max_tokens=2)).status_code == 200
+    assert post(client, second, completion_body(max_tokens=3)).status_code == 200
+    # A query naming another tenant changes nothing: the key decides whose usage this is.
+    mine = client.get("/v1/usage", params={"period": "hour", "tenant": second.name}, headers=first.headers)
+    theirs = client.get("/v1/usage", params={"period": "hour"}, headers=second.headers)
+    assert mine.status_code == 200 and theirs.status_code == 200
+    assert (mine.json()["tenant"], mine.json()["requests"], mine.json()["completion_tokens"]) == (first.name, 2, 4)
+    assert (theirs.json()["tenant"], theirs.json()["requests"], theirs.json()["completion_tokens"]) == (
+        second.name, 1, 3)
+    bad = client.get("/v1/usage", params={"period": "week"}, headers=first.headers)
+    assert bad.status_code == 400 and error_of(bad)["param"] == "period"
+
+
+def test_rejected_requests_never_reach_the_engine(client: httpx.Client, tenancy_engine: EngineHost,
+                                                  gateways: list[GatewayProcess]) -> None:
+    quiet = create_tenant(gateways[0], {"maxTokensCap": 1}, prefix="quiet")
+    before = httpx.get(f"{tenancy_engine.url}/stats").json()
+    for body in [completion_body(max_tokens=5), completion_body(prompt=5), {**completion_body(), "model": "x"}]:
+        assert post(client, quiet, body).status_code in (400, 404)
+    after = httpx.get(f"{tenancy_engine.url}/stats").json()
+    # Every scheduled prompt is looked up in the prefix cache: no lookup, no engine work.
+    assert after["prefix_queries"] == before["prefix_queries"]
