@@ -47,7 +47,10 @@ SYSTEM_TOKENS = 1024
 SUFFIX_TOKENS = (32, 160)
 USERS_PER_PROMPT = 4
 MAX_TOKENS = 4
-NUM_REQUESTS = 300
+NUM_REQUESTS = 160  # per round
+# Two rounds, the second in reverse policy order: a machine whose background load drifts (this one is
+# shared) then weighs on every policy alike. Each round replays the same sequence from cold caches.
+ROUNDS = 2
 RATE_PER_S = 6.0
 GATEWAY_WORKERS = 2
 SEED = 2024
@@ -158,10 +161,10 @@ async def measure_prefill(hosts: list[Any]) -> float:
 
 
 async def reset_caches(hosts: list[Any], redis_url: str) -> None:
+    import aiohttp
+
     from tessera.redis_conn import connect
     from tessera.routing.prefix_index import PrefixIndex
-
-    import aiohttp
 
     for host in hosts:
         assert on_engine_loop(host, host.engine.reset_prefix_cache()), "reset_prefix_cache refused"
@@ -267,15 +270,18 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
 
-def summarize(requests: list[Request], outcomes: list[Outcome]) -> dict[str, Any]:
+def summarize(rounds: list[tuple[list[Request], list[Outcome]]]) -> dict[str, Any]:
+    outcomes = [o for _, outs in rounds for o in outs]
     prompt_tokens = sum(o.prompt_tokens for o in outcomes)
     cached = sum(o.cached for o in outcomes)
-    ideal = sum(r.ideal_cached for r in requests)
+    ideal = sum(r.ideal_cached for reqs, _ in rounds for r in reqs)
     ttft = [o.ttft_s for o in outcomes]
-    makespan = max(o.done_s for o in outcomes) - requests[0].arrival_s
+    makespan = sum(max(o.done_s for o in outs) - reqs[0].arrival_s for reqs, outs in rounds)
     per_engine: dict[str, int] = {}
-    for o in outcomes:
-        per_engine[o.engine_id] = per_engine.get(o.engine_id, 0) + 1
+    for _, outs in rounds:
+        for rank, (_, n) in enumerate(sorted(_per_engine(outs).items(), key=lambda kv: -kv[1])):
+            per_engine[str(rank)] = per_engine.get(str(rank), 0) + n
+    slowest = sorted(outcomes, key=lambda o: -o.ttft_s)[:5]
     return {
         "hit_rate": cached / prompt_tokens,
         "ideal_hit_rate": ideal / prompt_tokens,
@@ -283,12 +289,22 @@ def summarize(requests: list[Request], outcomes: list[Outcome]) -> dict[str, Any
         "ttft_p50_ms": percentile(ttft, 50) * 1e3,
         "ttft_p99_ms": percentile(ttft, 99) * 1e3,
         "ttft_mean_ms": statistics.fmean(ttft) * 1e3,
+        "ttft_p99_ms_per_round": [percentile([o.ttft_s for o in outs], 99) * 1e3 for _, outs in rounds],
         "throughput_rps": len(outcomes) / makespan,
         "output_tokens_per_s": sum(o.output_tokens for o in outcomes) / makespan,
         "prefill_tokens_computed": prompt_tokens - cached,
-        "requests_per_engine": sorted(per_engine.values(), reverse=True),
+        # Busiest engine first, summed over rounds (engine ids are the same, their roles are not).
+        "requests_per_engine": list(per_engine.values()),
         "route_reasons": _reason_counts(outcomes),
+        "slowest": [{"ttft_ms": round(o.ttft_s * 1e3), "cached": o.cached, "reason": o.reason} for o in slowest],
     }
+
+
+def _per_engine(outcomes: list[Outcome]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for o in outcomes:
+        counts[o.engine_id] = counts.get(o.engine_id, 0) + 1
+    return counts
 
 
 def _reason_counts(outcomes: list[Outcome]) -> dict[str, int]:
@@ -390,8 +406,9 @@ async def routing_cost(redis_url: str, num_engines: int = 64, num_blocks: int = 
 def print_table(result: dict[str, Any]) -> None:
     print(f"\nprefill of a 1,000-token prompt (engine-measured, idle engine): "
           f"{result['prefill_1000_tokens_ms']:.0f} ms")
-    print(f"{NUM_REQUESTS} requests, Poisson {RATE_PER_S}/s, {NUM_TENANTS} tenants x {PROMPTS_PER_TENANT} system "
-          f"prompts of {SYSTEM_TOKENS} tokens, {NUM_ENGINES} engines x {NUM_GPU_BLOCKS} KV blocks of {BLOCK}\n")
+    print(f"{ROUNDS} rounds x {NUM_REQUESTS} requests, Poisson {RATE_PER_S}/s, {NUM_TENANTS} tenants x "
+          f"{PROMPTS_PER_TENANT} system prompts of {SYSTEM_TOKENS} tokens, {NUM_ENGINES} engines x "
+          f"{NUM_GPU_BLOCKS} KV blocks of {BLOCK}\n")
     head = f"{'policy':<17}{'hit rate':>9}{'ideal':>7}{'of ideal':>9}{'TTFT p50':>10}{'TTFT p99':>10}{'req/s':>7}" \
            f"{'prefill tok':>12}  per engine"
     print(head)
@@ -418,16 +435,18 @@ def goals(policies: dict[str, dict[str, Any]]) -> dict[str, bool]:
 
 
 async def run_all(hosts: list[Any], redis_url: str, requests: list[Request]) -> dict[str, dict[str, Any]]:
-    results = {}
-    for name in POLICIES:
-        await reset_caches(hosts, redis_url)
-        t = time.monotonic()
-        outcomes = await run_policy(name, requests, redis_url)
-        results[name] = summarize(requests, outcomes)
-        s = results[name]
-        print(f"  {name:<17} hit {s['hit_rate']:.1%} (ideal {s['ideal_hit_rate']:.1%})  TTFT p50 "
-              f"{s['ttft_p50_ms']:.0f} ms p99 {s['ttft_p99_ms']:.0f} ms  [{time.monotonic() - t:.0f} s]", flush=True)
-    return results
+    rounds: dict[str, list[tuple[list[Request], list[Outcome]]]] = {name: [] for name in POLICIES}
+    for round_index in range(ROUNDS):
+        for name in POLICIES if round_index % 2 == 0 else POLICIES[::-1]:
+            await reset_caches(hosts, redis_url)
+            t = time.monotonic()
+            outcomes = await run_policy(name, requests, redis_url)
+            rounds[name].append((requests, outcomes))
+            s = summarize([(requests, outcomes)])
+            print(f"  round {round_index + 1} {name:<17} hit {s['hit_rate']:.1%} (ideal {s['ideal_hit_rate']:.1%})  "
+                  f"TTFT p50 {s['ttft_p50_ms']:.0f} ms p99 {s['ttft_p99_ms']:.0f} ms  [{time.monotonic() - t:.0f} s]",
+                  flush=True)
+    return {name: summarize(rounds[name]) for name in POLICIES}
 
 
 def main() -> None:
@@ -443,6 +462,7 @@ def main() -> None:
     from tessera.redis_conn import EmbeddedRedis
 
     started = time.monotonic()
+    load_before = os.getloadavg()[0]  # the machine is shared: say how busy it was
     ensure_model()
     redis = EmbeddedRedis().start()
     hosts: list[Any] = []
@@ -463,18 +483,23 @@ def main() -> None:
                   "gateway_workers_simulated": GATEWAY_WORKERS, "kv_blocks_per_engine": NUM_GPU_BLOCKS,
                   "block_size": BLOCK, "tenants": NUM_TENANTS, "system_prompts_per_tenant": PROMPTS_PER_TENANT,
                   "system_prompt_tokens": SYSTEM_TOKENS, "suffix_tokens": list(SUFFIX_TOKENS),
-                  "max_tokens": MAX_TOKENS, "requests": NUM_REQUESTS, "poisson_rate_per_s": RATE_PER_S,
+                  "max_tokens": MAX_TOKENS, "requests_per_round": NUM_REQUESTS, "rounds": ROUNDS,
+                  "poisson_rate_per_s": RATE_PER_S,
                   "model": {"hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 3}},
         "prefill_1000_tokens_ms": prefill_s * 1e3,
         "policies": policies,
         "routing_cost": cost,
         "goals": goals(policies),
         "wall_s": time.monotonic() - started,
+        "machine": {"cpus": os.cpu_count(), "load_average_1m_before": load_before,
+                    "load_average_1m_after": os.getloadavg()[0]},
     }
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(result, indent=2))
     print_table(result)
-    print(f"\nresults: {RESULTS}  ({result['wall_s']:.0f} s)")
+    machine = result["machine"]
+    print(f"\nresults: {RESULTS}  ({result['wall_s']:.0f} s; {machine['cpus']} CPUs, load average "
+          f"{machine['load_average_1m_before']:.1f} before, {machine['load_average_1m_after']:.1f} after)")
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -211,8 +211,10 @@ class Completion:
 
 
 async def complete(client: httpx.AsyncClient, base_url: str, key: str, model: str, prompt: Sequence[int],
-                   max_tokens: int, headers: dict[str, str] | None = None, **extra: Any) -> Completion:
-    """One streamed completion; TTFT is the first SSE data line, E2E the end of the stream."""
+                   max_tokens: int, headers: dict[str, str] | None = None,
+                   on_first_token: Callable[[], Awaitable[Any]] | None = None, **extra: Any) -> Completion:
+    """One streamed completion; TTFT is the first SSE data line, E2E the end of the stream.
+    ``on_first_token`` runs once the first token arrived (the request is then running on its engine)."""
     body = {"model": model, "prompt": list(prompt), "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
             "stream_options": {"include_usage": True}, "ignore_eos": True, **extra}
     start = time.monotonic()
@@ -227,13 +229,17 @@ async def complete(client: httpx.AsyncClient, base_url: str, key: str, model: st
             return Completion(resp.status_code, None, time.monotonic() - start, "", {}, "",
                               resp.headers.get("x-request-id", ""), raw.decode(errors="replace"),
                               resp.headers.get("retry-after"), start)
-        async for line in resp.aiter_lines():
-            if not line.startswith("data: "):
+        async for line in _sse_lines(resp):
+            # Buffered lines do not suspend the iteration: yield, or a long stream starves every other task.
+            await asyncio.sleep(0)
+            if not line.startswith(b"data: "):
                 continue
             if ttft is None:
                 ttft = time.monotonic() - start
+                if on_first_token is not None:
+                    await on_first_token()
             data = line[6:]
-            if data == "[DONE]":
+            if data == b"[DONE]":
                 break
             chunk = orjson.loads(data)
             if "error" in chunk:
@@ -246,6 +252,18 @@ async def complete(client: httpx.AsyncClient, base_url: str, key: str, model: st
     return Completion(200, ttft, time.monotonic() - start, "".join(texts), usage,
                       resp.headers.get("x-tessera-engine", ""), resp.headers.get("x-request-id", ""), error,
                       sent_at=start)
+
+
+async def _sse_lines(resp: httpx.Response) -> AsyncIterator[bytes]:
+    """Lines split on b"\\n" only: JSON text may hold U+2028 and friends, which ``aiter_lines`` splits on."""
+    buffer = b""
+    async for chunk in resp.aiter_bytes():
+        buffer += chunk
+        *lines, buffer = buffer.split(b"\n")
+        for line in lines:
+            yield line.rstrip(b"\r")
+    if buffer:
+        yield buffer
 
 
 def new_client() -> httpx.AsyncClient:

@@ -32,9 +32,9 @@ ONLY_DEMOTION = {"enablePressure": False, "enableAbort": False}
 
 @pytest.fixture(scope="module")
 def act_stack(make_stack: Any) -> KVStack:
-    # One token per step (no speculative decoding) and room for 2,000-token sequences: requests that live
-    # for seconds, long enough to observe and act on while they run.
-    return make_stack("act", num_engines=2, speculative=None, max_model_len=2000)
+    # 128 blocks (4,064 tokens) per engine and one token per step (no speculative decoding): a request can
+    # run long enough to be seen and acted on, and a few of them still exhaust the cache.
+    return make_stack("act", num_engines=2, num_gpu_blocks_override=128, max_model_len=4000, speculative=None)
 
 
 def prompt(n: int, seed: int) -> list[int]:
@@ -43,12 +43,12 @@ def prompt(n: int, seed: int) -> list[int]:
 
 
 async def wait_for(check: Callable[[], Awaitable[bool]], timeout_s: float, what: str,
-                   stack: KVStack | None = None) -> None:
+                   stack: KVStack | None = None, every_s: float = 0.05) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if await check():
             return
-        await asyncio.sleep(0.1)
+        await asyncio.sleep(every_s)
     state = ""
     if stack is not None and stack.controller is not None:
         state = "\n".join(line for line in httpx.get(stack.metrics_url, timeout=5).text.splitlines()
@@ -103,23 +103,17 @@ def spans_of(stack: KVStack, trace_id: str | None = None) -> list[SpanRecord]:
 async def test_over_quota_tenant_is_demoted_and_restored(act_stack: KVStack) -> None:
     stack = act_stack
     stack.wait_idle()
-    stack.start_controller(policy=ONLY_DEMOTION)
-    hog = await stack.create_tenant("act-hog", kv_quota=0.1)  # 6 of 63 blocks
+    stack.start_controller(policy=ONLY_DEMOTION, poll_interval_s=0.05)
+    hog = await stack.create_tenant("act-hog", kv_quota=0.1)  # 12 of 127 blocks
     calm = await stack.create_tenant("act-calm")
     async with new_client() as client:
-        first = asyncio.create_task(complete(client, stack.gateway_url, hog, stack.model, prompt(640, 1), 1300))
+        first = await complete(client, stack.gateway_url, hog, stack.model, prompt(640, 1), 200)
+        assert first.status == 200
         await wait_for(lambda: redis_exists(stack, demoted_key("act-hog")), 30, "the demotion flag", stack)
+        await asyncio.sleep(0.6)  # a gateway caches a tenant's demotion state for half a second
         # New requests of the demoted tenant carry the lower priority; another tenant's do not.
-        second = asyncio.create_task(complete(client, stack.gateway_url, hog, stack.model, prompt(64, 2), 1300))
-        other = asyncio.create_task(complete(client, stack.gateway_url, calm, stack.model, prompt(64, 3), 1300))
-
-        async def both_running() -> bool:
-            return len(await in_flight(stack, "act-hog")) == 2 and len(await in_flight(stack, "act-calm")) == 1
-
-        await wait_for(both_running, 30, "the demoted request to run")
-        priorities = sorted(e["priority"] for _, e in await in_flight(stack, "act-hog"))
-        assert priorities == [PRIORITY_VALUES["normal"], PRIORITY_VALUES["normal"] + DEMOTION_STEP]
-        assert [e["priority"] for _, e in await in_flight(stack, "act-calm")] == [PRIORITY_VALUES["normal"]]
+        demoted = await complete(client, stack.gateway_url, hog, stack.model, prompt(64, 2), 20)
+        other = await complete(client, stack.gateway_url, calm, stack.model, prompt(64, 3), 20)
         # An operator raises the quota: the controller restores the tenant within a few polls.
         redis = connect(stack.options.redis_url, timeout_s=5)
         await TenantStore(redis).set_policy("act-hog", TenantPolicy(kv_quota=1.0))
@@ -128,116 +122,157 @@ async def test_over_quota_tenant_is_demoted_and_restored(act_stack: KVStack) -> 
         async def restored() -> bool:
             return not await redis_exists(stack, demoted_key("act-hog"))
 
-        await wait_for(restored, 30, "the demotion flag to be cleared")
-        await cancel(first, second, other)
-    assert stack.metric("tessera_kvcontrol_actions_total", action="demote", tenant="act-hog") >= 1
-    assert stack.metric("tessera_kvcontrol_actions_total", action="restore", tenant="act-hog") >= 1
-    await asyncio.sleep(1.5)
-    demote = next(s for s in spans_of(stack) if s.name == "kvcontrol.demote" and s.attr("tessera.tenant") == "act-hog")
-    assert demote.attr("tessera.kv.blocks") > demote.attr("tessera.kv.quota_blocks") == 6
-    assert demote.attr("tessera.kv.free_blocks_after") is not None
-    # The demotion links to the hog's request that was running, whose trace holds gateway and engine spans.
-    assert demote.links
-    linked = spans_of(stack, demote.links[0][0])
-    assert {"gateway.request", "engine.generate"} <= {s.name for s in linked}
+        await wait_for(restored, 30, "the demotion flag to be cleared", stack)
+        await asyncio.sleep(0.6)
+        after = await complete(client, stack.gateway_url, hog, stack.model, prompt(64, 4), 20)
+    assert stack.metric("tessera_kvcontrol_actions_total", action="demote", tenant="act-hog") == 1
+    assert stack.metric("tessera_kvcontrol_actions_total", action="restore", tenant="act-hog") == 1
+    await asyncio.sleep(1.5)  # span export
+    spans = spans_of(stack)
+
+    def engine_priority(request_id: str) -> int:
+        return int(next(s.attr("tessera.priority") for s in spans
+                        if s.name == "engine.generate" and s.attr("tessera.request_id") == request_id))
+
+    normal = PRIORITY_VALUES["normal"]
+    assert engine_priority(first.request_id) == normal
+    assert engine_priority(demoted.request_id) == normal + DEMOTION_STEP
+    assert engine_priority(other.request_id) == normal
+    assert engine_priority(after.request_id) == normal
+    demote = next(s for s in spans if s.name == "kvcontrol.demote")
+    assert demote.attr("tessera.tenant") == "act-hog" and demote.attr("tessera.engine") in stack.engine_urls
+    assert demote.attr("tessera.kv.blocks") > demote.attr("tessera.kv.quota_blocks") == 12
+    assert demote.attr("tessera.kv.free_blocks_before") >= 0 and demote.attr("tessera.kv.free_blocks_after") >= 0
+    assert str(demote.attr("tessera.cause")).startswith("over_kv_quota")
+    for trace_id, _ in demote.links:  # the hog's requests the controller saw running, if it saw any
+        assert {"gateway.request", "engine.generate"} <= {s.name for s in spans if s.trace_id == trace_id}
+
+
+class Loader:
+    """Keeps an engine's KV more than half full: ``concurrency`` loops of direct ``/generate`` calls with a
+    1,400-token prompt (44 of 127 blocks) and 300 output tokens each, until stopped."""
+
+    def __init__(self, url: str, tenant: str, concurrency: int = 3) -> None:
+        self.url, self.tenant = url, tenant
+        self.stop = asyncio.Event()
+        self.tasks = [asyncio.create_task(self._loop(i)) for i in range(concurrency)]
+
+    async def _loop(self, i: int) -> None:
+        async with httpx.AsyncClient(timeout=120) as client:
+            n = 0
+            while not self.stop.is_set():
+                n += 1
+                body = {"request_id": f"{self.tenant}-{i}-{n}-{random.getrandbits(32)}",
+                        "prompt_token_ids": prompt(1400, n * 10 + i), "max_tokens": 300 + 70 * i, "ignore_eos": True,
+                        "cache_salt": self.tenant}
+                async with client.stream("POST", f"{self.url}/generate", json=body,
+                                         headers={"x-tessera-tenant": self.tenant}) as resp:
+                    async for _ in resp.aiter_lines():
+                        pass
+
+    async def close(self) -> None:
+        self.stop.set()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
 
 
 async def test_pressure_flag_steers_routing_and_sheds_batch_admission(act_stack: KVStack) -> None:
     stack = act_stack
     stack.wait_idle()
-    # Short requests stay under the high watermark (17 of 63 blocks); a 1,112-token prompt is over it.
-    stack.start_controller(policy={"highWatermark": 0.5, "lowWatermark": 0.3, "enableDemotion": False,
-                                   "enableAbort": False})
+    # A short request holds 17 of 127 blocks: under the high watermark. The loaders hold more than half, and
+    # never less than a tenth while they run.
+    stack.start_controller(policy={"highWatermark": 0.5, "lowWatermark": 0.1, "enableDemotion": False,
+                                   "enableAbort": False}, poll_interval_s=0.05)
     key = await stack.create_tenant("act-press")
     batch_key = await stack.create_tenant("act-batch", priority_class="batch")
     shared = prompt(512, 10)
-    async with new_client() as client:
-        warm = await complete(client, stack.gateway_url, key, stack.model, [*shared, 1, 2], 2)
-        home = warm.engine
-        await wait_for(lambda: indexed(stack, "act-press", shared, home), 10, "the prefix index to learn it")
-        again = await complete(client, stack.gateway_url, key, stack.model, [*shared, 3, 4], 2)
-        assert again.engine == home, "prefix affinity should keep the prefix on its engine"
-        # A long request on the prefix's engine fills over half of its KV: the controller flags it.
-        long_home = asyncio.create_task(
-            complete(client, stack.gateway_url, key, stack.model, [*shared, *prompt(600, 14)], 880))
-
-        async def running(engine_id: str, n: int) -> bool:
-            return [e for e, _ in await in_flight(stack, "act-press")].count(engine_id) == n
-
-        await wait_for(lambda: running(home, 1), 30, f"the long request on {home}")
-        await wait_for(lambda: redis_exists(stack, pressure_key(home)), 30, f"the pressure flag of {home}")
-        await asyncio.sleep(0.5)  # the gateway re-reads the registry every 250 ms
-        assert await redis_exists(stack, pressure_key(home))  # held while the long request holds its blocks
-        steered = await complete(client, stack.gateway_url, key, stack.model, [*shared, 6, 7], 2)
-        (other,) = set(stack.engine_urls) - {home}
-        assert steered.status == 200 and steered.engine == other
-        # Both engines flagged: batch-class requests are shed at admission with Retry-After, others admitted.
-        long_other = asyncio.create_task(
-            complete(client, stack.gateway_url, key, stack.model, prompt(1112, 11), 880))
-        await wait_for(lambda: running(other, 1), 30, f"the long request on {other}")
-        await wait_for(lambda: redis_exists(stack, pressure_key(other)), 30, f"the pressure flag of {other}")
-        await asyncio.sleep(0.5)
-        assert all([await redis_exists(stack, pressure_key(e)) for e in stack.engine_urls])
-        shed = await complete(client, stack.gateway_url, batch_key, stack.model, prompt(32, 12), 2)
-        assert shed.status == 503 and shed.retry_after == "1"
-        assert orjson.loads(shed.error)["error"]["code"] == "engine_under_pressure"
-        admitted = await complete(client, stack.gateway_url, key, stack.model, prompt(32, 13), 2)
-        assert admitted.status == 200
-        await cancel(long_home, long_other)
+    loaders: list[Loader] = []
+    try:
+        async with new_client() as client:
+            warm = await complete(client, stack.gateway_url, key, stack.model, [*shared, 1, 2], 2)
+            home = warm.engine
+            (other,) = set(stack.engine_urls) - {home}
+            await wait_for(lambda: indexed(stack, "act-press", shared, home), 10, "the prefix index to learn it")
+            again = await complete(client, stack.gateway_url, key, stack.model, [*shared, 3, 4], 2)
+            assert again.engine == home, "prefix affinity keeps the prefix on its engine"
+            # Load on the prefix's engine: the controller flags it, and routing sends the prefix elsewhere.
+            loaders.append(Loader(stack.engine_urls[home], "act-load"))
+            await wait_for(lambda: redis_exists(stack, pressure_key(home)), 30, f"the pressure flag of {home}", stack)
+            await asyncio.sleep(0.5)  # the gateway re-reads the registry every 250 ms
+            assert await redis_exists(stack, pressure_key(home))  # held while the load holds the blocks
+            steered = await complete(client, stack.gateway_url, key, stack.model, [*shared, 6, 7], 2)
+            assert steered.status == 200 and steered.engine == other
+            # Both engines flagged: batch-class requests are shed at admission with Retry-After, others admitted.
+            loaders.append(Loader(stack.engine_urls[other], "act-load"))
+            await wait_for(lambda: redis_exists(stack, pressure_key(other)), 30, f"the pressure flag of {other}",
+                           stack)
+            await asyncio.sleep(0.5)
+            assert all([await redis_exists(stack, pressure_key(e)) for e in stack.engine_urls])
+            shed = await complete(client, stack.gateway_url, batch_key, stack.model, prompt(32, 12), 2)
+            assert shed.status == 503 and shed.retry_after == "1"
+            assert orjson.loads(shed.error)["error"]["code"] == "engine_under_pressure"
+            admitted = await complete(client, stack.gateway_url, key, stack.model, prompt(32, 13), 2)
+            assert admitted.status == 200
+    finally:
+        for loader in loaders:
+            await loader.close()
     stack.wait_idle()
-    # Idle engines are under the low watermark: the controller clears both flags.
 
-    async def cleared() -> bool:
+    async def cleared() -> bool:  # idle engines are under the low watermark
         return not any([await redis_exists(stack, pressure_key(e)) for e in stack.engine_urls])
 
-    await wait_for(cleared, 30, "the pressure flags to clear")
+    await wait_for(cleared, 30, "the pressure flags to clear", stack)
     assert stack.metric("tessera_kvcontrol_actions_total", action="pressure_set") >= 2
     assert stack.metric("tessera_kvcontrol_actions_total", action="pressure_clear") >= 2
+    assert stack.metric("tessera_engine_kv_pressure") == 0
 
 
 async def test_abort_is_retried_elsewhere_once_billed_once_streamed_and_traced(act_stack: KVStack) -> None:
     stack = act_stack
     stack.wait_idle()
-    stack.start_controller(policy={"enableDemotion": False, "enablePressure": False, "abortFreeBlocks": 64,
-                                   "abortMinAgeS": 0.3, "abortCooldownS": 60})
+    stack.start_controller(policy={"enableDemotion": False, "enablePressure": False, "abortFreeBlocks": 128,
+                                   "abortMinAgeS": 0.0, "abortCooldownS": 60}, poll_interval_s=0.05)
     bulk = await stack.create_tenant("act-bulk", priority_class="low")
+    shared = prompt(640, 20)
+    bulk_prompt, max_tokens = [*shared, *prompt(60, 21)], 3200
     trace_id = f"{random.getrandbits(128):032x}"
     traceparent = f"00-{trace_id}-{random.getrandbits(64):016x}-01"
-    bulk_prompt, max_tokens = prompt(700, 20), 1300
     async with new_client() as client:
-        stream = asyncio.create_task(complete(client, stack.gateway_url, bulk, stack.model, bulk_prompt, max_tokens,
-                                              headers={"traceparent": traceparent}))
+        warm = await complete(client, stack.gateway_url, bulk, stack.model, [*shared, 1], 1)
+        engine = warm.engine
+        await wait_for(lambda: indexed(stack, "act-bulk", shared, engine), 10, "the prefix index to learn it")
+        gold: list[asyncio.Task[httpx.Response]] = []
 
-        async def bulk_running() -> bool:
-            return bool(await in_flight(stack, "act-bulk"))
+        async def block_the_engine() -> None:
+            # A critical request that cannot fit beside the running bulk request (113 of 127 blocks) waits on
+            # its engine: the controller's cue. Sent once the bulk request streams, so it is running there.
+            gold.append(asyncio.create_task(client.post(
+                f"{stack.engine_urls[engine]}/generate", headers={"x-tessera-tenant": "act-gold"},
+                json={"request_id": "gold-1", "prompt_token_ids": prompt(3600, 22), "max_tokens": 1, "priority": 0,
+                      "cache_salt": "act-gold"})))
 
-        await wait_for(bulk_running, 60, "the bulk request to start")
-        ((engine, entry),) = await in_flight(stack, "act-bulk")
-        assert entry["priority"] == PRIORITY_VALUES["low"] and entry["traceparent"].split("-")[1] == trace_id
-        # A critical request that does not fit next to it waits on the same engine: the controller's cue.
-        gold = asyncio.create_task(client.post(
-            f"{stack.engine_urls[engine]}/generate", headers={"x-tessera-tenant": "act-gold"},
-            json={"request_id": "gold-1", "prompt_token_ids": prompt(1400, 21), "max_tokens": 1, "priority": 0,
-                  "cache_salt": "act-gold"}))
-        result = await asyncio.wait_for(stream, 300)
-        await gold
+        result = await asyncio.wait_for(
+            complete(client, stack.gateway_url, bulk, stack.model, bulk_prompt, max_tokens,
+                     headers={"traceparent": traceparent}, on_first_token=block_the_engine), 300)
+        assert (await gold[0]).status_code == 200
     assert result.status == 200 and not result.error, result.error
     assert result.usage["completion_tokens"] == max_tokens and result.usage["prompt_tokens"] == len(bulk_prompt)
     assert result.engine == engine  # the stream started there, then moved
-    # Billed once: one request, the prompt once, every generated token once.
+    # Billed once: one request (plus the warm-up), the prompt once, every generated token once.
     usage = httpx.get(f"{stack.gateway_url}/admin/tenants/act-bulk/usage?period=month",
                       headers={"authorization": f"Bearer {ADMIN_TOKEN}"}, timeout=10).json()
-    assert (usage["requests"], usage["prompt_tokens"], usage["completion_tokens"]) == (1, 700, max_tokens)
+    assert (usage["requests"], usage["prompt_tokens"], usage["completion_tokens"]) == (
+        2, len(shared) + 1 + len(bulk_prompt), 1 + max_tokens)
     assert stack.metric("tessera_kvcontrol_actions_total", action="abort", tenant="act-bulk") == 1
 
     await asyncio.sleep(1.5)  # span export
     spans = spans_of(stack, trace_id)
-    names = [s.name for s in spans]
-    assert {"gateway.request", "admission", "route", "engine.call", "kvcontrol.abort"} <= set(names)
+    names = {s.name for s in spans}
+    assert {"gateway.request", "admission", "route", "engine.call", "engine.generate", "kvcontrol.abort"} <= names
     attempts = sorted((s for s in spans if s.name == "engine.generate"), key=lambda s: s.start_ns)
-    assert [s.attr("tessera.engine") for s in attempts] == [engine, *(set(stack.engine_urls) - {engine})]
+    (other,) = set(stack.engine_urls) - {engine}
+    assert [s.attr("tessera.engine") for s in attempts] == [engine, other]
     first, second = attempts
-    assert first.attr("tessera.aborted", "").startswith("kv_exhausted")
+    assert str(first.attr("tessera.aborted", "")).startswith("kv_exhausted")
     generated = int(first.attr("gen_ai.usage.output_tokens"))
     assert 0 < generated < max_tokens
     # Streamed once: the continuation starts from prompt + what was streamed and only makes up the rest.
@@ -246,8 +281,9 @@ async def test_abort_is_retried_elsewhere_once_billed_once_streamed_and_traced(a
     abort = next(s for s in spans if s.name == "kvcontrol.abort")
     assert abort.parent_span_id == first.span_id and (trace_id, first.span_id) in abort.links
     assert abort.attr("tessera.tenant") == "act-bulk" and abort.attr("tessera.abort.result") == "aborted"
-    services = {s.service for s in spans}
-    assert {"tessera-gateway", "tessera-engine", "tessera-kvcontrol"} <= services
+    assert abort.attr("tessera.request_id") == first.attr("tessera.request_id")
+    assert first.attr("tessera.priority") == PRIORITY_VALUES["low"]
+    assert {"tessera-gateway", "tessera-engine", "tessera-kvcontrol"} <= {s.service for s in spans}
     gateway = next(s for s in spans if s.name == "gateway.request")
-    assert gateway.parent_span_id is not None  # a child of the client's span
+    assert gateway.parent_span_id is not None  # a child of the client's own span
     assert gateway.attr("tessera.retries") == 1

@@ -46,6 +46,13 @@ def test_owner_is_the_salt_on_the_chain_root_and_children_inherit_it() -> None:
     assert (eviction.owner, eviction.root, eviction.depth) == ("salt-a", 100, 4)
 
 
+def test_last_store_time_per_tenant() -> None:
+    ledger = KVLedger()
+    ledger.apply(batch(0, ("store", 1, None, "salt-a")))
+    ledger.apply(batch(5, ("store", 2, None, "salt-b"), ("store", 3, 1, None)))
+    assert ledger.last_store_by_tenant(SALTS) == {"alice": 1005.0, "bob": 1005.0}
+
+
 def test_copies_are_counted_and_removed_one_at_a_time() -> None:
     ledger = KVLedger()
     # Two requests prefill the same salted block in one step: vLLM caches two copies.

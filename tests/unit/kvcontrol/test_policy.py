@@ -30,11 +30,14 @@ def snapshot(free: int = 50, total: int = 100, **overrides: object) -> ControlSn
     return dataclasses.replace(base, **overrides)  # type: ignore[arg-type]
 
 
-def test_over_quota_tenant_with_requests_is_demoted_and_an_idle_one_is_not() -> None:
+def test_over_quota_tenant_that_is_active_is_demoted_and_an_idle_one_is_not() -> None:
     tenants = (TenantUsage("noisy", 60, 50, 2, False), TenantUsage("idle", 80, 50, 0, False),
-               TenantUsage("calm", 20, 50, 1, False))
+               TenantUsage("calm", 20, 50, 1, False), TenantUsage("stale", 90, 50, 0, False, 30.0),
+               TenantUsage("recent", 70, 50, 0, False, 2.0))
     actions = decide(snapshot(tenants=tenants), CONFIG)
-    assert actions == [Demote("noisy", 60, 50, "over_kv_quota: 60 > 50 blocks")]
+    # "recent" has nothing in flight at this poll but stored blocks 2 s ago: its requests are short.
+    assert actions == [Demote("noisy", 60, 50, "over_kv_quota: 60 > 50 blocks"),
+                       Demote("recent", 70, 50, "over_kv_quota: 70 > 50 blocks")]
 
 
 def test_restore_has_hysteresis() -> None:
@@ -48,7 +51,9 @@ def test_restore_has_hysteresis() -> None:
 def test_pressure_flag_between_the_watermarks() -> None:
     assert decide(snapshot(free=10), CONFIG) == [SetPressure(0.9, "kv_usage 0.90 >= high_watermark 0.9")]
     assert decide(snapshot(free=20, under_pressure=True), CONFIG) == []  # 0.8: stays set
-    (clear,) = decide(snapshot(free=30, under_pressure=True), CONFIG)
+    # Below the low watermark, the flag clears only once it has stayed there for pressure_hold_s.
+    assert decide(snapshot(free=30, under_pressure=True, seconds_below_low=0.2), CONFIG) == []
+    (clear,) = decide(snapshot(free=30, under_pressure=True, seconds_below_low=1.0), CONFIG)
     assert isinstance(clear, ClearPressure)
     assert decide(snapshot(free=20), CONFIG) == []  # 0.8 and not set: stays clear
 

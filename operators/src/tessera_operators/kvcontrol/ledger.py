@@ -85,6 +85,8 @@ class KVLedger:
         self._blocks: dict[int, _Block] = {}
         self._forgotten: OrderedDict[int, tuple[str, int, int]] = OrderedDict()
         self.blocks_by_owner: Counter[str] = Counter()
+        # When each owner last stored a block (the batch's engine wall-clock time): who is active here.
+        self.last_store_ts: dict[str, float] = {}
         self.num_blocks = 0
         self.num_unknown_removals = 0
         self.num_missed_batches = 0
@@ -102,6 +104,13 @@ class KVLedger:
 
     def resident_hashes(self, owner: str | None = None) -> set[int]:
         return {h for h, b in self._blocks.items() if owner is None or b.owner == owner}
+
+    def last_store_by_tenant(self, salt_to_tenant: Mapping[str, str]) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for owner, ts in self.last_store_ts.items():
+            tenant = tenant_of(owner, salt_to_tenant)
+            out[tenant] = max(ts, out.get(tenant, ts))
+        return out
 
     def owner_blocks(self, salt_to_tenant: Mapping[str, str]) -> dict[str, int]:
         """Blocks per tenant name (salts without a tenant keep a ``salt:<prefix>`` label)."""
@@ -127,6 +136,7 @@ class KVLedger:
                 assert h == block_hash, "stored_blocks must follow the store ops one to one"
                 owner = self._store(h, parent, salt)
                 update.stored[owner] += 1
+                self.last_store_ts[owner] = batch.ts
                 self._flush(pending, owner, update, batch.ts)
             elif op == "remove":
                 removed = self._remove(block_hash)

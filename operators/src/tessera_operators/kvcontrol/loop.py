@@ -82,9 +82,12 @@ class EngineControlLoop:
         self.tracer = trace.get_tracer("tessera.kvcontrol")
         self.state: EngineState | None = None
         self.requests: dict[str, InFlightRequest] = {}
+        # Requests seen in a poll within the policy's active window (a demotion links to them).
+        self.recent: dict[str, tuple[InFlightRequest, float]] = {}
         self.under_pressure = False
         self.demoting: set[str] = set()
         self._last_abort: float | None = None
+        self._below_low_since: float | None = None
         self._flags_refreshed = 0.0
         self._pending_evictions: list[tuple[LedgerUpdate, int | None, dict[str, list[str]]]] = []
         self._open_spans: list[Any] = []
@@ -197,10 +200,7 @@ class EngineControlLoop:
             return await resp.json()
 
     async def poll(self) -> EngineState:
-        t0 = time.monotonic()
         stats, entries = await asyncio.gather(self._get("/stats"), self._get("/requests"))
-        if time.monotonic() - t0 > 0.05:
-            logger.info("DBG slow poll %s %.3f", self.engine_id, time.monotonic() - t0)
         now = time.time()
         self.requests = {
             e["request_id"]: InFlightRequest(e["request_id"], e.get("tenant", ""), int(e.get("priority", 0)),
@@ -208,6 +208,10 @@ class EngineControlLoop:
                                              e.get("traceparent", "") or "")
             for e in entries if not e.get("abort_reason")
         }
+        seen = time.monotonic()
+        self.recent.update({rid: (req, seen) for rid, req in self.requests.items()})
+        for rid in [r for r, (_, t) in self.recent.items() if seen - t > self.ctx.policy.active_window_s]:
+            del self.recent[rid]
         # vLLM's usage excludes its one reserved null block.
         usable = max(1, int(stats["num_gpu_blocks"]) - 1)
         free = round(usable * (1.0 - float(stats["kv_cache_usage"])))
@@ -226,8 +230,6 @@ class EngineControlLoop:
         if self.ctx.observe_only:
             return []
         snapshot = await self.snapshot(state)
-        if snapshot.requests or snapshot.tenants:
-            logger.info("DBG %s %s %s %s", self.engine_id, state, [(t.tenant, t.num_blocks, t.quota_blocks, t.num_in_flight) for t in snapshot.tenants], len(snapshot.requests))
         actions = decide(snapshot, self.ctx.policy)
         for action in actions:
             await self.apply(action, snapshot)
@@ -252,21 +254,32 @@ class EngineControlLoop:
         m.set_tenant_blocks(self.engine_id, self.ledger.owner_blocks(self.ctx.tenants.salt_to_tenant))
 
     async def snapshot(self, state: EngineState) -> ControlSnapshot:
-        blocks = self.ledger.owner_blocks(self.ctx.tenants.salt_to_tenant)
+        salts = self.ctx.tenants.salt_to_tenant
+        blocks = self.ledger.owner_blocks(salts)
+        last_store = self.ledger.last_store_by_tenant(salts)
         in_flight = Counter(r.tenant for r in self.requests.values())
+        now = time.time()
         usages = []
         for tenant in sorted(set(blocks) | set(in_flight) | self.demoting):
             quota = self.ctx.tenants.quota_blocks(tenant, state.num_gpu_blocks)
             if quota is not None:
+                since = now - last_store[tenant] if tenant in last_store else None
                 usages.append(TenantUsage(tenant, blocks.get(tenant, 0), quota, in_flight.get(tenant, 0),
-                                          tenant in self.demoting))
+                                          tenant in self.demoting, since))
         relief = 0
         if state.num_free_blocks <= self.ctx.policy.abort_free_blocks and state.num_waiting:
             relief = await self._relief_engines()
-        since = None if self._last_abort is None else time.monotonic() - self._last_abort
+        mono = time.monotonic()
+        since = None if self._last_abort is None else mono - self._last_abort
+        usage = 1.0 - state.num_free_blocks / state.num_gpu_blocks
+        if usage > self.ctx.policy.low_watermark:
+            self._below_low_since = None
+        elif self._below_low_since is None:
+            self._below_low_since = mono
+        below = 0.0 if self._below_low_since is None else mono - self._below_low_since
         return ControlSnapshot(self.engine_id, state.num_gpu_blocks, state.num_free_blocks, state.num_running,
                                state.num_waiting, self.under_pressure, tuple(usages),
-                               tuple(self.requests.values()), relief, since)
+                               tuple(self.requests.values()), relief, since, below)
 
     async def _relief_engines(self) -> int:
         live = await self._registry.live_engines()
@@ -286,7 +299,7 @@ class EngineControlLoop:
         if isinstance(action, Demote | Restore):
             tenant = action.tenant
             attributes.update({"tessera.kv.blocks": action.num_blocks, "tessera.kv.quota_blocks": action.quota_blocks})
-            traceparents = [r.traceparent for r in self.requests.values() if r.tenant == tenant]
+            traceparents = [r.traceparent for r, _ in self.recent.values() if r.tenant == tenant]
             if isinstance(action, Demote):
                 self.ctx.demotions.demote(tenant, self.engine_id)
                 self.demoting.add(tenant)

@@ -3,10 +3,12 @@
 Levers, mildest first:
 
 1. **Demote** a tenant that holds more of this engine's KV blocks than its quota (``kv_quota`` x blocks)
-   while it has requests here: the gateway adds ``DEMOTION_STEP`` to the priority of its new requests, so
+   while it is active here (a request in flight, or blocks stored within ``active_window_s``: requests
+   can finish between two polls): the gateway adds ``DEMOTION_STEP`` to the priority of its new requests, so
    vLLM's priority scheduler serves everyone else first and preempts the demoted tenant first. Restored
    once its blocks fall to ``restore_fraction`` of the quota (hysteresis, so the flag does not flap).
-2. **Pressure flag** when the engine's KV usage reaches ``high_watermark``; cleared at ``low_watermark``.
+2. **Pressure flag** when the engine's KV usage reaches ``high_watermark``; cleared once usage has stayed at
+   or below ``low_watermark`` for ``pressure_hold_s`` (an engine between two requests is not relieved).
    Routing ranks flagged engines last; the gateway sheds low/batch-class requests with 503 + Retry-After
    while *every* engine of the model is flagged (see docs/tracing.md, "What the controller does").
 3. **Abort**, the last resort: when free blocks are at most ``abort_free_blocks``, requests are waiting, a
@@ -38,9 +40,17 @@ class PolicyConfig(BaseModel):
     low_watermark: float = Field(
         default=0.70, ge=0.0, lt=1.0, description="KV usage at or below which the pressure flag is cleared."
     )
+    active_window_s: float = Field(
+        default=10.0, ge=0.0,
+        description="A tenant that stored blocks this recently counts as active (may be demoted) even with no "
+        "request in flight at the poll.",
+    )
     restore_fraction: float = Field(
         default=0.8, gt=0.0, le=1.0,
         description="A demoted tenant is restored when its blocks fall to this share of its quota.",
+    )
+    pressure_hold_s: float = Field(
+        default=1.0, ge=0.0, description="How long usage must stay at or below low_watermark before the flag clears."
     )
     enable_demotion: bool = Field(default=True, description="Demote over-quota tenants.")
     enable_pressure: bool = Field(default=True, description="Set the engine's pressure flag.")
@@ -67,6 +77,10 @@ class TenantUsage:
     quota_blocks: int
     num_in_flight: int
     demoted: bool  # demoted because of *this* engine
+    seconds_since_store: float | None = None  # since the tenant last stored a block here (None: never)
+
+    def active(self, window_s: float) -> bool:
+        return self.num_in_flight > 0 or (self.seconds_since_store is not None and self.seconds_since_store <= window_s)
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +105,8 @@ class ControlSnapshot:
     # Live engines serving the same model, other than this one, without the pressure flag.
     num_relief_engines: int
     seconds_since_abort: float | None
+    # How long usage has stayed at or below the low watermark without a break (0: it is above now).
+    seconds_below_low: float = 0.0
 
     @property
     def usage(self) -> float:
@@ -158,7 +174,7 @@ def decide(snapshot: ControlSnapshot, config: PolicyConfig) -> list[Action]:
 def _quota_actions(snapshot: ControlSnapshot, config: PolicyConfig) -> list[Action]:
     actions: list[Action] = []
     for usage in snapshot.tenants:
-        if not usage.demoted and usage.num_in_flight > 0 and usage.num_blocks > usage.quota_blocks:
+        if not usage.demoted and usage.active(config.active_window_s) and usage.num_blocks > usage.quota_blocks:
             actions.append(Demote(usage.tenant, usage.num_blocks, usage.quota_blocks,
                                   f"over_kv_quota: {usage.num_blocks} > {usage.quota_blocks} blocks"))
         elif usage.demoted and usage.num_blocks <= config.restore_fraction * usage.quota_blocks:
@@ -172,8 +188,10 @@ def _pressure_actions(snapshot: ControlSnapshot, config: PolicyConfig) -> list[A
     usage = snapshot.usage
     if not snapshot.under_pressure and usage >= config.high_watermark:
         return [SetPressure(usage, f"kv_usage {usage:.2f} >= high_watermark {config.high_watermark:g}")]
-    if snapshot.under_pressure and usage <= config.low_watermark:
-        return [ClearPressure(usage, f"kv_usage {usage:.2f} <= low_watermark {config.low_watermark:g}")]
+    if snapshot.under_pressure and usage <= config.low_watermark and \
+            snapshot.seconds_below_low >= config.pressure_hold_s:
+        return [ClearPressure(usage, f"kv_usage {usage:.2f} <= low_watermark {config.low_watermark:g} "
+                                     f"for {snapshot.seconds_below_low:.1f} s")]
     return []
 
 

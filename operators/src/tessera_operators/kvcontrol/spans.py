@@ -16,9 +16,9 @@ An eviction span carries one ``evicted_prefix`` event per chain it touched: ``te
 ``tessera.kv.depth_min``/``depth_max`` (block positions in the chain, 0 = first) and ``tessera.kv.blocks``.
 
 Links point at the spans of the requests involved: for an eviction the in-flight requests of the tenants
-whose blocks replaced the evicted ones, for a demotion that tenant's in-flight requests, for the pressure
-flag every in-flight request on the engine. An abort is a *child* of the aborted request's
-``engine.generate`` span, so it appears in that request's own trace.
+whose blocks replaced the evicted ones, for a demotion that tenant's requests seen in flight within the
+policy's active window, for the pressure flag every in-flight request on the engine. An abort is a *child*
+of the aborted request's ``engine.generate`` span, so it appears in that request's own trace.
 """
 
 from __future__ import annotations

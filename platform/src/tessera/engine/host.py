@@ -176,7 +176,10 @@ class EngineHost:
         finally:
             self._ready.set()
             if self.engine is not None:
-                self.engine.shutdown()
+                # Inside the loop: vLLM closes its asyncio ZMQ sockets only from a running loop (from outside
+                # it schedules the close on this loop, which never runs again), and a ZMQ context with open
+                # sockets hangs the process when it is garbage-collected.
+                loop.run_until_complete(_shutdown_engine(self.engine))
             loop.close()
 
     async def _serve(self) -> None:
@@ -448,6 +451,10 @@ def record_engine_span(span: Any, stats: RequestStats, abort_reason: str | None)
     if abort_reason:
         span.set_attribute("tessera.aborted", abort_reason)
         span.add_event("aborted", attributes={"tessera.cause": abort_reason})
+
+
+async def _shutdown_engine(engine: Any) -> None:
+    engine.shutdown()
 
 
 async def _wait_disconnect(receive: Receive) -> None:

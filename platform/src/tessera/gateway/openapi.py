@@ -43,7 +43,7 @@ def openapi_document() -> dict[str, Any]:
                          "responses": _responses("completion (JSON, or SSE when stream=true)")}}
 
     return {
-        "openapi": "3.0.3",
+        "openapi": "3.1.0",  # pydantic writes JSON Schema 2020-12 (numeric exclusiveMinimum, "null" types)
         "info": {"title": "Tessera gateway", "version": "1"},
         "paths": {
             "/v1/completions": post("CompletionRequest", "Text completion"),
