@@ -1,31 +1,33 @@
 """Benchmark: the noisy-neighbour scenario with the KV-eviction controller off and on, in one run.
 
 One engine replica (real vLLM, CPU build) with a tiny KV cache (64 blocks x 32 tokens), one gateway
-process, two tenants of the same priority class and KV quota (half the cache each):
+process, the controller process, and two tenants of the same priority class and KV quota (half the cache):
 
-- ``noisy`` floods long prompts: a closed loop of ``--noisy-concurrency`` requests, each 1,024 fresh
-  tokens (32 blocks) and 32 output tokens, so its requests alone want several times the cache;
-- ``victim`` repeats a cached prefix: Poisson arrivals at ``--victim-rate``/s, a 512-token prefix shared
-  by all its requests plus 8 fresh tokens, 8 output tokens.
+- ``noisy`` floods long prompts: a closed loop of ``--noisy-concurrency`` requests, each 1,024 fresh tokens
+  (32 blocks) and 16 output tokens, so its requests alone want more than the whole cache;
+- ``victim`` repeats a cached prefix: Poisson arrivals at ``--victim-rate``/s, a 512-token prefix shared by
+  all its requests plus 8 fresh tokens, 8 output tokens.
 
-"off" runs the controller observe-only (its ledger and eviction spans, no action), so both modes count
-evictions the same way; "on" lets it act (demotion, pressure flag; the last-resort abort needs a second
-engine to continue on, so it cannot fire here). Each mode runs ``--duration`` s after a ``--warmup`` s
-that is not measured, on the same engine and gateway.
+"off" runs the controller observe-only (ledger and eviction spans, no action), so both modes count
+evictions the same way; "on" lets it act (demotion and the pressure flag; the last-resort abort needs a
+second engine to continue on, so it cannot fire with one). The modes alternate over ``--rounds`` rounds
+(off, on, off, on, ...) on the same engine and gateway, each ``--warmup`` s unmeasured then ``--duration``
+s measured, so a change in the machine's background load hits both modes alike.
 
-Reported per mode: the victim's p50/p99 TTFT and E2E (client-side, streamed), the noisy tenant's
-throughput (completed output tokens/s), evictions per tenant (the controller's counter of blocks evicted,
-by owner) and preemptions per tenant (sum of the engine's per-request preemption counts, from the engine
-spans), and the controller's actions. Goal: victim p99 TTFT on <= 0.5 x off, noisy throughput on >= 0.8 x
-off. Results: bench/results/kvcontrol.json and a table.
+Reported per mode (all rounds pooled): the victim's p50/p99 TTFT and E2E (client-side, streamed), the
+noisy tenant's throughput (tokens and requests completed per measured second), evictions per tenant (the
+controller's eviction spans: blocks by owner), preemptions per tenant (the engines' per-request counts),
+and the controller's actions. Goal: victim p99 TTFT on <= 0.5 x off; noisy throughput on >= 0.8 x off.
+Results: bench/results/kvcontrol.json and a table.
 
-Usage: ``.venv/bin/python bench/bench_kvcontrol.py [--duration 60] [--warmup 10]``
+Usage: ``.venv/bin/python bench/bench_kvcontrol.py [--rounds 3] [--duration 40] [--warmup 5]``
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import random
 import sys
 import tempfile
@@ -46,6 +48,7 @@ VICTIM_OUTPUT_TOKENS = 8
 NOISY_PROMPT_TOKENS = 1024
 NOISY_OUTPUT_TOKENS = 16
 VOCAB = (10, 700)  # token ids the small model's tokenizer knows
+MODES = ("off", "on")
 
 
 async def _noisy_loop(client: Any, stack: KVStack, key: str, rng: random.Random, stop_at: float,
@@ -69,50 +72,60 @@ async def _victim_arrivals(client: Any, stack: KVStack, key: str, prefix: list[i
     out.extend(await asyncio.gather(*tasks))
 
 
-async def run_mode(stack: KVStack, mode: str, keys: dict[str, str], prefix: list[int], args: argparse.Namespace,
-                   seed: int) -> dict[str, Any]:
-    rng = random.Random(seed)
+async def run_round(stack: KVStack, keys: dict[str, str], prefix: list[int], args: argparse.Namespace,
+                    seed: int) -> dict[str, Any]:
+    """One measured window: the requests sent in it (victim) and completed in it (noisy)."""
     noisy: list[Completion] = []
     victim: list[Completion] = []
     async with new_client() as client:
-        start = time.monotonic()
+        measure_from = time.monotonic() + args.warmup
         wall_from = time.time() + args.warmup
-        measure_from = start + args.warmup
         stop_at = measure_from + args.duration
         await asyncio.gather(
             *(_noisy_loop(client, stack, keys["noisy"], random.Random(seed * 100 + i), stop_at, noisy)
               for i in range(args.noisy_concurrency)),
-            _victim_arrivals(client, stack, keys["victim"], prefix, args.victim_rate, rng, stop_at, victim),
+            _victim_arrivals(client, stack, keys["victim"], prefix, args.victim_rate, random.Random(seed), stop_at,
+                             victim),
         )
-    v = [r for r in victim if r.sent_at >= measure_from and r.status == 200 and r.ttft_s is not None]
-    n = [r for r in noisy if r.sent_at >= measure_from and r.status == 200]
-    # Throughput: output tokens of the noisy requests sent in the window, over the time they took to finish.
-    noisy_end = max((r.sent_at + r.e2e_s for r in n), default=stop_at)
-    noisy_tokens = sum(int(r.usage.get("completion_tokens", 0)) for r in n)
-    ttft = percentiles([r.ttft_s for r in v if r.ttft_s is not None])
-    e2e = percentiles([r.e2e_s for r in v])
     return {
-        "mode": mode,
-        "victim": {"requests": len(v), "errors": sum(1 for r in victim if r.status != 200 or r.error),
-                   "ttft_p50_s": ttft[0], "ttft_p99_s": ttft[1], "e2e_p50_s": e2e[0], "e2e_p99_s": e2e[1],
-                   "cached_tokens_mean": sum(r.usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)
-                                             for r in v) / max(1, len(v))},
-        "noisy": {"requests": len(n), "rejected": sum(1 for r in noisy if r.status != 200),
-                  "output_tokens": noisy_tokens,
-                  "throughput_tok_s": noisy_tokens / max(1e-9, noisy_end - measure_from)},
-        "window": {"from_wall": wall_from, "to_wall": wall_from + args.duration},
+        "victim": [r for r in victim if r.sent_at >= measure_from],
+        "noisy": [r for r in noisy if measure_from <= r.sent_at + r.e2e_s <= stop_at],
+        "noisy_rejected": sum(1 for r in noisy if r.status != 200),
+        "window": (wall_from, wall_from + args.duration),
+        "loadavg": os.getloadavg(),
     }
 
 
-def _per_tenant_from_spans(run_dir: Path, windows: dict[str, tuple[float, float]]) -> dict[str, dict[str, Any]]:
-    """Preemptions per tenant (engine spans) and evictions per tenant (controller spans), per mode window."""
+def summarize(mode: str, rounds: list[dict[str, Any]], duration_s: float) -> dict[str, Any]:
+    victim = [r for rnd in rounds for r in rnd["victim"]]
+    ok = [r for r in victim if r.status == 200 and not r.error and r.ttft_s is not None]
+    noisy = [r for rnd in rounds for r in rnd["noisy"] if r.status == 200 and not r.error]
+    seconds = duration_s * len(rounds)
+    ttft = percentiles([r.ttft_s for r in ok if r.ttft_s is not None])
+    e2e = percentiles([r.e2e_s for r in ok])
+    tokens = sum(int(r.usage.get("total_tokens", 0)) for r in noisy)
+    return {
+        "mode": mode,
+        "victim": {"requests": len(ok), "errors": len(victim) - len(ok),
+                   "ttft_p50_s": ttft[0], "ttft_p99_s": ttft[1], "e2e_p50_s": e2e[0], "e2e_p99_s": e2e[1],
+                   "cached_tokens_mean": sum(r.usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)
+                                             for r in ok) / max(1, len(ok))},
+        "noisy": {"requests": len(noisy), "rejected": sum(rnd["noisy_rejected"] for rnd in rounds),
+                  "tokens": tokens, "throughput_tok_s": tokens / seconds, "throughput_req_s": len(noisy) / seconds},
+        "windows": [rnd["window"] for rnd in rounds],
+        "loadavg_1m": [rnd["loadavg"][0] for rnd in rounds],
+    }
+
+
+def per_tenant_from_spans(run_dir: Path, windows: dict[str, list[tuple[float, float]]]) -> dict[str, dict[str, Any]]:
+    """Preemptions per tenant (engine spans), evicted blocks per owner and actions (controller spans)."""
     from tessera.telemetry.spanfile import iter_spans
 
     out = {mode: {"preemptions": Counter(), "evicted_blocks": Counter(), "actions": Counter()} for mode in windows}
     for span in iter_spans([run_dir / "traces"]):
         ts = span.start_ns / 1e9
-        for mode, (lo, hi) in windows.items():
-            if not lo <= ts <= hi:
+        for mode, spans in windows.items():
+            if not any(lo <= ts <= hi for lo, hi in spans):
                 continue
             tenant = str(span.attr("tessera.tenant", ""))
             if span.name == "engine.generate":
@@ -129,13 +142,19 @@ async def _tenants(stack: KVStack) -> dict[str, str]:
             for name in ("victim", "noisy", "warmup")}
 
 
+async def _warm(stack: KVStack, key: str) -> None:
+    async with new_client() as client:  # the engine's first forward passes are slow: not part of any mode
+        for i in range(3):
+            await complete(client, stack.gateway_url, key, stack.model, list(range(10 + i, 300)), 4)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--duration", type=float, default=60.0, help="measured seconds per mode")
-    parser.add_argument("--warmup", type=float, default=10.0, help="unmeasured seconds at the start of each mode")
-    parser.add_argument("--noisy-concurrency", type=int, default=6)
+    parser.add_argument("--rounds", type=int, default=3, help="off/on pairs, alternated")
+    parser.add_argument("--duration", type=float, default=40.0, help="measured seconds per mode and round")
+    parser.add_argument("--warmup", type=float, default=5.0, help="unmeasured seconds before each measurement")
+    parser.add_argument("--noisy-concurrency", type=int, default=3)
     parser.add_argument("--victim-rate", type=float, default=2.0, help="victim requests per second (Poisson)")
-    parser.add_argument("--keep", action="store_true", help="keep the run directory (spans, logs)")
     args = parser.parse_args()
 
     from tessera.engine.small_model import is_small_model_dir, make_small_model
@@ -147,35 +166,30 @@ def main() -> None:
     run_dir = Path(tempfile.mkdtemp(prefix="bench-kvcontrol-"))
     redis = EmbeddedRedis().start()
     stack = KVStack(StackOptions(model_dir=model_dir, redis_url=redis.url, run_dir=run_dir))
-    results: list[dict[str, Any]] = []
+    rounds: dict[str, list[dict[str, Any]]] = {mode: [] for mode in MODES}
     t0 = time.monotonic()
     try:
         stack.start()
         keys = asyncio.run(_tenants(stack))
         prefix = [random.Random(7).randrange(*VOCAB) for _ in range(PREFIX_TOKENS)]
-        # One request warms the engine up (the first forward pass is slow), outside both modes.
         asyncio.run(_warm(stack, keys["warmup"]))
-        for i, mode in enumerate(("off", "on")):
-            stack.start_controller(observe_only=(mode == "off"))
-            print(f"[bench] controller {mode}: {args.warmup:.0f}+{args.duration:.0f} s", flush=True)
-            results.append(asyncio.run(run_mode(stack, mode, keys, prefix, args, seed=i + 1)))
-            time.sleep(1.0)  # let the last eviction spans and actions be exported
-            stack.stop_controller()
-            stack.wait_idle()
-            time.sleep(2.0)  # demotion and pressure flags expire (released on stop, TTL as a backstop)
+        for i in range(args.rounds):
+            for mode in MODES:
+                stack.start_controller(observe_only=(mode == "off"))
+                print(f"[bench] round {i + 1}/{args.rounds}, controller {mode}: {args.warmup:.0f}+{args.duration:.0f} s"
+                      f" (load average {os.getloadavg()[0]:.1f})", flush=True)
+                rounds[mode].append(asyncio.run(run_round(stack, keys, prefix, args, seed=10 * i + len(rounds[mode]))))
+                time.sleep(1.0)  # let the last eviction spans and actions be exported
+                stack.stop_controller()  # releases its flags
+                stack.wait_idle()
     finally:
         stack.stop()
         redis.stop()
-    windows = {r["mode"]: (r["window"]["from_wall"], r["window"]["to_wall"]) for r in results}
-    per_tenant = _per_tenant_from_spans(run_dir, windows)
+    results = [summarize(mode, rounds[mode], args.duration) for mode in MODES]
+    tenants = per_tenant_from_spans(run_dir, {r["mode"]: r["windows"] for r in results})
     for r in results:
-        r["tenants"] = per_tenant[r["mode"]]
+        r["tenants"] = tenants[r["mode"]]
     report(results, run_dir, args, time.monotonic() - t0)
-
-
-async def _warm(stack: KVStack, key: str) -> None:
-    async with new_client() as client:
-        await complete(client, stack.gateway_url, key, stack.model, list(range(10, 300)), 4)
 
 
 def report(results: list[dict[str, Any]], run_dir: Path, args: argparse.Namespace, elapsed_s: float) -> None:
@@ -188,7 +202,7 @@ def report(results: list[dict[str, Any]], run_dir: Path, args: argparse.Namespac
             "noisy_concurrency": args.noisy_concurrency, "noisy_prompt_tokens": NOISY_PROMPT_TOKENS,
             "noisy_output_tokens": NOISY_OUTPUT_TOKENS, "victim_rate_per_s": args.victim_rate,
             "victim_prefix_tokens": PREFIX_TOKENS, "victim_output_tokens": VICTIM_OUTPUT_TOKENS,
-            "duration_s": args.duration, "warmup_s": args.warmup},
+            "rounds": args.rounds, "duration_s": args.duration, "warmup_s": args.warmup, "cpus": os.cpu_count()},
         "modes": results,
         "goals": {"victim_ttft_p99_on_over_off": ratio_ttft, "victim_ttft_goal_met": ratio_ttft <= 0.5,
                   "noisy_throughput_on_over_off": ratio_tput, "noisy_throughput_goal_met": ratio_tput >= 0.8},
@@ -197,21 +211,20 @@ def report(results: list[dict[str, Any]], run_dir: Path, args: argparse.Namespac
     path = write_results("kvcontrol", payload)
     rows = []
     for r in results:
-        v, n, t = r["victim"], r["noisy"], r.get("tenants", {})
+        v, n, t = r["victim"], r["noisy"], r["tenants"]
         rows.append([r["mode"], v["requests"], v["ttft_p50_s"], v["ttft_p99_s"], v["e2e_p50_s"], v["e2e_p99_s"],
-                     n["throughput_tok_s"], _fmt(t.get("evicted_blocks")), _fmt(t.get("preemptions")),
-                     _fmt(t.get("actions"))])
+                     n["throughput_tok_s"], n["throughput_req_s"], _fmt(t["evicted_blocks"]), _fmt(t["preemptions"]),
+                     _fmt(t["actions"])])
     print_table(["controller", "victim reqs", "ttft p50", "ttft p99", "e2e p50", "e2e p99", "noisy tok/s",
-                 "evicted blocks", "preemptions", "actions"], rows)
+                 "noisy req/s", "evicted blocks", "preemptions", "actions"], rows)
     print(f"victim p99 TTFT on/off = {ratio_ttft:.2f} (goal <= 0.5: {'met' if ratio_ttft <= 0.5 else 'NOT met'}); "
-          f"noisy throughput on/off = {ratio_tput:.2f} (goal >= 0.8: {'met' if ratio_tput >= 0.8 else 'NOT met'})")
-    print(f"results: {path}")
+          f"noisy throughput on/off = {ratio_tput:.2f} (goal >= 0.8: {'met' if ratio_tput >= 0.8 else 'NOT met'}); "
+          f"load average per round off {off['loadavg_1m']} on {on['loadavg_1m']}")
+    print(f"results: {path}; spans and logs: {run_dir}")
 
 
-def _fmt(counts: dict[str, int] | None) -> str:
-    if not counts:
-        return "-"
-    return " ".join(f"{k}={v}" for k, v in sorted(counts.items()))
+def _fmt(counts: dict[str, int]) -> str:
+    return " ".join(f"{k}={v}" for k, v in sorted(counts.items()) if v) or "-"
 
 
 if __name__ == "__main__":

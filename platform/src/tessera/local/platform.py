@@ -100,6 +100,9 @@ class LocalPlatform:
             "TESSERA_ROUTING_POLICY": opts.routing_policy,
             "TESSERA_TRACE_DIR": str((opts.trace_dir or opts.state_dir / "traces").resolve()),
             "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+            # NOTE: vLLM's CPU build pins each engine's threads to the same cores by default; several local
+            # replicas would then share one core. Let the OS schedule them.
+            "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind"),
             **opts.extra_env,
         }
         if opts.admin_token:
