@@ -4,7 +4,7 @@ One engine replica (real vLLM, CPU build) with a tiny KV cache (64 blocks x 32 t
 process, the controller process, and two tenants of the same priority class and KV quota (half the cache):
 
 - ``noisy`` floods long prompts: a closed loop of ``--noisy-concurrency`` requests, each 1,024 fresh tokens
-  (32 blocks) and 16 output tokens, so its requests alone want more than the whole cache;
+  (32 blocks) and 64 output tokens, so its requests alone want more than the whole cache;
 - ``victim`` repeats a cached prefix: Poisson arrivals at ``--victim-rate``/s, a 512-token prefix shared by
   all its requests plus 8 fresh tokens, 8 output tokens.
 
@@ -46,16 +46,16 @@ PREFIX_TOKENS = 512
 VICTIM_SUFFIX_TOKENS = 8
 VICTIM_OUTPUT_TOKENS = 8
 NOISY_PROMPT_TOKENS = 1024
-NOISY_OUTPUT_TOKENS = 16
+NOISY_OUTPUT_TOKENS = 64
 VOCAB = (10, 700)  # token ids the small model's tokenizer knows
 MODES = ("off", "on")
 
 
 async def _noisy_loop(client: Any, stack: KVStack, key: str, rng: random.Random, stop_at: float,
-                      out: list[Completion]) -> None:
+                      out: list[Completion], output_tokens: int) -> None:
     while time.monotonic() < stop_at:
         prompt = [rng.randrange(*VOCAB) for _ in range(NOISY_PROMPT_TOKENS)]
-        result = await complete(client, stack.gateway_url, key, stack.model, prompt, NOISY_OUTPUT_TOKENS)
+        result = await complete(client, stack.gateway_url, key, stack.model, prompt, output_tokens)
         out.append(result)
         if result.status != 200:
             await asyncio.sleep(float(result.retry_after or 1))
@@ -82,8 +82,8 @@ async def run_round(stack: KVStack, keys: dict[str, str], prefix: list[int], arg
         wall_from = time.time() + args.warmup
         stop_at = measure_from + args.duration
         await asyncio.gather(
-            *(_noisy_loop(client, stack, keys["noisy"], random.Random(seed * 100 + i), stop_at, noisy)
-              for i in range(args.noisy_concurrency)),
+            *(_noisy_loop(client, stack, keys["noisy"], random.Random(seed * 100 + i), stop_at, noisy,
+                          args.noisy_output) for i in range(args.noisy_concurrency)),
             _victim_arrivals(client, stack, keys["victim"], prefix, args.victim_rate, random.Random(seed), stop_at,
                              victim),
         )
@@ -92,6 +92,7 @@ async def run_round(stack: KVStack, keys: dict[str, str], prefix: list[int], arg
         "noisy": [r for r in noisy if measure_from <= r.sent_at + r.e2e_s <= stop_at],
         "noisy_rejected": sum(1 for r in noisy if r.status != 200),
         "window": (wall_from, wall_from + args.duration),
+        "span": (wall_from - args.warmup, wall_from + args.duration),
         "loadavg": os.getloadavg(),
     }
 
@@ -113,27 +114,32 @@ def summarize(mode: str, rounds: list[dict[str, Any]], duration_s: float) -> dic
         "noisy": {"requests": len(noisy), "rejected": sum(rnd["noisy_rejected"] for rnd in rounds),
                   "tokens": tokens, "throughput_tok_s": tokens / seconds, "throughput_req_s": len(noisy) / seconds},
         "windows": [rnd["window"] for rnd in rounds],
+        "spans": [rnd["span"] for rnd in rounds],
         "loadavg_1m": [rnd["loadavg"][0] for rnd in rounds],
     }
 
 
-def per_tenant_from_spans(run_dir: Path, windows: dict[str, list[tuple[float, float]]]) -> dict[str, dict[str, Any]]:
-    """Preemptions per tenant (engine spans), evicted blocks per owner and actions (controller spans)."""
+def per_tenant_from_spans(run_dir: Path, results: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Preemptions per tenant (engine spans) and evicted blocks per owner (controller spans) in the measured
+    windows; the controller's actions over each whole round (its warm-up included: it acts early)."""
     from tessera.telemetry.spanfile import iter_spans
 
-    out = {mode: {"preemptions": Counter(), "evicted_blocks": Counter(), "actions": Counter()} for mode in windows}
+    out = {r["mode"]: {"preemptions": Counter(), "evicted_blocks": Counter(), "actions": Counter()} for r in results}
+
+    def within(ts: float, windows: list[tuple[float, float]]) -> bool:
+        return any(lo <= ts <= hi for lo, hi in windows)
+
     for span in iter_spans([run_dir / "traces"]):
         ts = span.start_ns / 1e9
-        for mode, spans in windows.items():
-            if not any(lo <= ts <= hi for lo, hi in spans):
-                continue
-            tenant = str(span.attr("tessera.tenant", ""))
-            if span.name == "engine.generate":
-                out[mode]["preemptions"][tenant] += int(span.attr("tessera.preemptions", 0))
-            elif span.name == "kvcontrol.eviction":
-                out[mode]["evicted_blocks"][tenant] += int(span.attr("tessera.kv.blocks", 0))
-            elif span.name.startswith("kvcontrol."):
-                out[mode]["actions"][f"{span.name.removeprefix('kvcontrol.')}:{tenant}"] += 1
+        tenant = str(span.attr("tessera.tenant", ""))
+        for r in results:
+            counts = out[r["mode"]]
+            if span.name == "engine.generate" and within(ts, r["windows"]):
+                counts["preemptions"][tenant] += int(span.attr("tessera.preemptions", 0))
+            elif span.name == "kvcontrol.eviction" and within(ts, r["windows"]):
+                counts["evicted_blocks"][tenant] += int(span.attr("tessera.kv.blocks", 0))
+            elif span.name.startswith("kvcontrol.") and span.name != "kvcontrol.eviction" and within(ts, r["spans"]):
+                counts["actions"][f"{span.name.removeprefix('kvcontrol.')}:{tenant}"] += 1
     return {m: {k: dict(v) for k, v in d.items()} for m, d in out.items()}
 
 
@@ -153,7 +159,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="off/on pairs, alternated")
     parser.add_argument("--duration", type=float, default=40.0, help="measured seconds per mode and round")
     parser.add_argument("--warmup", type=float, default=5.0, help="unmeasured seconds before each measurement")
-    parser.add_argument("--noisy-concurrency", type=int, default=3)
+    parser.add_argument("--noisy-concurrency", type=int, default=4)
+    parser.add_argument("--noisy-output", type=int, default=NOISY_OUTPUT_TOKENS, help="noisy output tokens")
     parser.add_argument("--victim-rate", type=float, default=2.0, help="victim requests per second (Poisson)")
     args = parser.parse_args()
 
@@ -186,7 +193,7 @@ def main() -> None:
         stack.stop()
         redis.stop()
     results = [summarize(mode, rounds[mode], args.duration) for mode in MODES]
-    tenants = per_tenant_from_spans(run_dir, {r["mode"]: r["windows"] for r in results})
+    tenants = per_tenant_from_spans(run_dir, results)
     for r in results:
         r["tenants"] = tenants[r["mode"]]
     report(results, run_dir, args, time.monotonic() - t0)
@@ -200,7 +207,7 @@ def report(results: list[dict[str, Any]], run_dir: Path, args: argparse.Namespac
         "benchmark": "kvcontrol", "scenario": {
             "engines": 1, "num_gpu_blocks": 64, "block_size": 32, "max_num_batched_tokens": 256,
             "noisy_concurrency": args.noisy_concurrency, "noisy_prompt_tokens": NOISY_PROMPT_TOKENS,
-            "noisy_output_tokens": NOISY_OUTPUT_TOKENS, "victim_rate_per_s": args.victim_rate,
+            "noisy_output_tokens": args.noisy_output, "victim_rate_per_s": args.victim_rate,
             "victim_prefix_tokens": PREFIX_TOKENS, "victim_output_tokens": VICTIM_OUTPUT_TOKENS,
             "rounds": args.rounds, "duration_s": args.duration, "warmup_s": args.warmup, "cpus": os.cpu_count()},
         "modes": results,

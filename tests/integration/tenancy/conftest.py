@@ -27,7 +27,7 @@ MODEL = "tenancy-small"
 # for seconds. The shared gateways get a lease TTL and a Redis read timeout that ride out such stalls; the
 # tests of the lease TTL itself start their own gateway with SHORT_LEASE_TTL_S.
 LEASE_TTL_S = 10.0
-SHORT_LEASE_TTL_S = 5.0
+SHORT_LEASE_TTL_S = 6.0
 GATEWAY_ENV = {"TESSERA_ADMIN_TOKEN": ADMIN_TOKEN, "TESSERA_LEASE_TTL_S": str(LEASE_TTL_S),
                "TESSERA_KEY_CACHE_TTL_S": "1.0", "TESSERA_REDIS_TIMEOUT_S": "2.0"}
 SHORT_LEASE_ENV = {**GATEWAY_ENV, "TESSERA_LEASE_TTL_S": str(SHORT_LEASE_TTL_S)}
@@ -90,10 +90,17 @@ def tenancy_engine(small_model_dir: Path, tenancy_redis: RestartableRedis) -> It
 
 
 @pytest.fixture(scope="package")
-def gateways(tenancy_redis: RestartableRedis, tenancy_engine: EngineHost,
+def gateway_trace_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where the shared gateways write their spans (JSONL): the server side of latency bounds."""
+    return tmp_path_factory.mktemp("gateway-traces")
+
+
+@pytest.fixture(scope="package")
+def gateways(tenancy_redis: RestartableRedis, tenancy_engine: EngineHost, gateway_trace_dir: Path,
              tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[GatewayProcess]]:
     """Two gateway processes on the same Redis: every limit must hold across both."""
-    processes = start_gateways(2, tenancy_redis.url, tmp_path_factory.mktemp("gateway-logs"), GATEWAY_ENV)
+    env = {**GATEWAY_ENV, "TESSERA_TRACE_EXPORTER": "jsonl", "TESSERA_TRACE_DIR": str(gateway_trace_dir)}
+    processes = start_gateways(2, tenancy_redis.url, tmp_path_factory.mktemp("gateway-logs"), env)
     yield processes
     for process in processes:
         process.stop()

@@ -20,6 +20,7 @@ from .conftest import (
     SHORT_LEASE_ENV,
     SHORT_LEASE_TTL_S,
     RestartableRedis,
+    TenantHandle,
     completion_body,
     create_tenant,
     error_of,
@@ -52,27 +53,49 @@ async def redis_now(redis: aioredis.Redis) -> float:
     return seconds + micros / 1e6
 
 
-async def test_sigkilled_gateway_leaks_no_concurrency(short_lease_gateway: GatewayProcess,
-                                                      gateways: list[GatewayProcess], tenancy_engine: EngineHost,
-                                                      redis_client: aioredis.Redis) -> None:
+async def stream_then_kill(gateway: GatewayProcess, survivor: GatewayProcess, tenant: TenantHandle,
+                           redis: aioredis.Redis) -> tuple[float, float] | None:
+    """Starts a long stream through ``gateway``, checks that it holds the tenant's only slot, SIGKILLs the
+    gateway mid-stream. Returns the kill time (monotonic, Redis), or None when the precondition failed."""
+    async with httpx.AsyncClient(timeout=60) as client, client.stream(
+            "POST", f"{gateway.url}/v1/completions", json=LONG_STREAM, headers=tenant.headers) as stream:
+        assert stream.status_code == 200
+        await stream.aiter_bytes().__anext__()
+        if not await redis.zrange(leases_key(tenant.name), 0, -1):
+            return None  # the gateway stalled past its lease TTL before the first renewal (see below)
+        held = await client.post(f"{survivor.url}/v1/completions", json=completion_body(), headers=tenant.headers)
+        assert held.status_code == 429 and error_of(held)["code"] == "max_concurrent_requests", held.text
+        gateway.kill()
+        return time.monotonic(), await redis_now(redis)
+
+
+async def test_sigkilled_gateway_leaks_no_concurrency(tenancy_redis: RestartableRedis, gateways: list[GatewayProcess],
+                                                      tenancy_engine: EngineHost, redis_client: aioredis.Redis,
+                                                      tmp_path: Path) -> None:
     tenant = create_tenant(gateways[0], {"maxConcurrentRequests": 1})
     survivor = gateways[1]
-    async with httpx.AsyncClient(timeout=60) as client:
-        async with client.stream("POST", f"{short_lease_gateway.url}/v1/completions", json=LONG_STREAM,
-                                 headers=tenant.headers) as stream:
-            assert stream.status_code == 200
-            await stream.aiter_bytes().__anext__()
-            held = await client.post(f"{survivor.url}/v1/completions", json=completion_body(),
-                                     headers=tenant.headers)
-            assert held.status_code == 429 and error_of(held)["code"] == "max_concurrent_requests", held.text
-            short_lease_gateway.kill()
-            killed_at, killed_at_redis = time.monotonic(), await redis_now(redis_client)
-        assert await assert_every_limiter_key_has_a_ttl(redis_client) > 0
-        # Exact, in Redis's own clock: the dead gateway's lease ends at most one TTL after the kill.
-        leases = await redis_client.zrange(leases_key(tenant.name), 0, -1, withscores=True)
-        assert len(leases) == 1
-        assert leases[0][1] - killed_at_redis <= SHORT_LEASE_TTL_S
+    # NOTE: on this shared, oversubscribed machine a gateway process can stall for seconds; if it stalled
+    # past the lease TTL before its first renewal, the scenario's precondition is gone and it starts over
+    # (renewal itself is tested below).
+    for _ in range(3):
+        (doomed,) = start_gateways(1, tenancy_redis.url, tmp_path, SHORT_LEASE_ENV)
+        try:
+            killed = await stream_then_kill(doomed, survivor, tenant, redis_client)
+        finally:
+            doomed.stop()
+        if killed is not None:
+            break
+        await asyncio.sleep(SHORT_LEASE_TTL_S)
+    assert killed is not None, "the lease was never held at the kill"
+    killed_at, killed_at_redis = killed
 
+    assert await assert_every_limiter_key_has_a_ttl(redis_client) > 0
+    # Exact, in Redis's own clock: the dead gateway's lease ends at most one TTL after the kill.
+    leases = await redis_client.zrange(leases_key(tenant.name), 0, -1, withscores=True)
+    assert len(leases) == 1
+    assert leases[0][1] - killed_at_redis <= SHORT_LEASE_TTL_S
+
+    async with httpx.AsyncClient(timeout=60) as client:
         while True:
             response = await client.post(f"{survivor.url}/v1/completions", json=completion_body(),
                                          headers=tenant.headers)
@@ -109,7 +132,7 @@ async def test_a_long_stream_keeps_its_lease_past_the_ttl(short_lease_gateway: G
             assert stream.status_code == 200
             async for _ in stream.aiter_bytes():
                 elapsed = time.monotonic() - started
-                if elapsed > 3 * SHORT_LEASE_TTL_S:
+                if elapsed > 2.5 * SHORT_LEASE_TTL_S:
                     break
                 if len(samples) < elapsed / 0.25:
                     samples.append(await admission.in_flight(tenant.name))

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import orjson
 import pytest
 from support.gateways import GatewayProcess, start_gateways
 from support.probe import run_probe
@@ -23,6 +24,9 @@ from tessera.engine.host import EngineHost
 from .conftest import GATEWAY_ENV, RestartableRedis, TenantHandle, completion_body, create_tenant, post_all
 
 FAIL_CLOSED_LATENCY_S = 0.25
+# NOTE: the client-side bound is looser: the probe process shares an oversubscribed machine, so its own
+# scheduling delays land in what it measures; the gateway's side is held to the 250 ms exactly.
+CLIENT_MEDIAN_S, CLIENT_MAX_S = 0.25, 1.0
 RESUME_WITHIN_S = 10.0
 
 
@@ -46,8 +50,28 @@ def usage_requests(gateway: GatewayProcess, tenant: TenantHandle) -> int:
     return int(response.json()["requests"]) if response.status_code == 200 else -1
 
 
+async def outage_spans(trace_dir: Path, since: float, until: float, expected: int) -> list[float]:
+    """Durations (s) of the gateway.request spans that failed between ``since`` and ``until`` (wall clock).
+    (Not filtered by tenant: once the key cache expires, authentication itself fails, before the tenant
+    is known.)"""
+    durations: list[float] = []
+    deadline = time.monotonic() + 10  # the exporter writes in batches
+    while time.monotonic() < deadline:
+        durations = []
+        for path in trace_dir.glob("spans-*.jsonl"):
+            for line in path.read_text().splitlines():
+                span = orjson.loads(line)
+                if (span["name"] == "gateway.request" and span["status"] == "ERROR"
+                        and since * 1e9 <= span["start_ns"] <= until * 1e9):
+                    durations.append((span["end_ns"] - span["start_ns"]) / 1e9)
+        if len(durations) >= expected:
+            return durations
+        await asyncio.sleep(0.2)
+    raise AssertionError(f"found {len(durations)} failed request spans, expected {expected}")
+
+
 async def test_redis_outage_and_recovery(tenancy_redis: RestartableRedis, gateways: list[GatewayProcess],
-                                         fail_open_gateway: GatewayProcess) -> None:
+                                         fail_open_gateway: GatewayProcess, gateway_trace_dir: Path) -> None:
     urls = [g.url for g in gateways]
     limited = create_tenant(gateways[0], {"requestsPerMinute": 5})
     unlimited = create_tenant(gateways[0])
@@ -59,15 +83,17 @@ async def test_redis_outage_and_recovery(tenancy_redis: RestartableRedis, gatewa
     assert warm.status_code == 200, warm.text
 
     tenancy_redis.stop()
+    stopped_at = time.time()
     try:
         # Fail closed: one request at a time from a separate process, each timed on its own.
         outage = run_probe([f"{u}/v1/completions" for u in urls], limited.headers, completion_body(),
                            duration_s=3.0, interval_s=0.02)
+        probed_until = time.time()
         assert len(outage) >= 10
         assert all(r.status == 503 and r.code == "store_unavailable" for r in outage), \
             {(r.status, r.code) for r in outage}
-        slowest = max(r.latency_s for r in outage)
-        assert slowest <= FAIL_CLOSED_LATENCY_S, f"slowest 503 took {slowest * 1000:.0f} ms"
+        latencies = sorted(r.latency_s for r in outage)
+        assert latencies[len(latencies) // 2] <= CLIENT_MEDIAN_S and latencies[-1] <= CLIENT_MAX_S, latencies
         # An uncached key is not let in either, also by a fail-open gateway: no auth without Redis.
         stranger = httpx.post(f"{fail_open_gateway.url}/v1/completions", json=completion_body(),
                               headers={"authorization": "Bearer tsk-0123456789ab-unknown"}, timeout=10)
@@ -82,6 +108,9 @@ async def test_redis_outage_and_recovery(tenancy_redis: RestartableRedis, gatewa
     finally:
         tenancy_redis.start()
         restarted_at = time.monotonic()
+    # Each 503 as the gateway saw it: its gateway.request span, from the first byte to the error.
+    server_side = await outage_spans(gateway_trace_dir, stopped_at, probed_until, len(outage))
+    assert max(server_side) <= FAIL_CLOSED_LATENCY_S, f"slowest 503 took {max(server_side) * 1000:.0f} ms"
 
     # Enforcement resumes on both gateways by itself: the minute's 5 requests are still on record.
     pending = set(urls)
