@@ -226,20 +226,24 @@ async def test_pressure_flag_steers_routing_and_sheds_batch_admission(act_stack:
     assert stack.metric("tessera_engine_kv_pressure") == 0
 
 
-async def test_abort_is_retried_elsewhere_once_billed_once_streamed_and_traced(act_stack: KVStack) -> None:
+@pytest.mark.parametrize("client_traceparent", [True, False], ids=["client-traceparent", "gateway-root"])
+async def test_abort_is_retried_elsewhere_once_billed_once_streamed_and_traced(act_stack: KVStack,
+                                                                               client_traceparent: bool) -> None:
     stack = act_stack
     stack.wait_idle()
     stack.start_controller(policy={"enableDemotion": False, "enablePressure": False, "abortFreeBlocks": 128,
                                    "abortMinAgeS": 0.0, "abortCooldownS": 60}, poll_interval_s=0.05)
-    bulk = await stack.create_tenant("act-bulk", priority_class="low")
-    shared = prompt(640, 20)
-    bulk_prompt, max_tokens = [*shared, *prompt(60, 21)], 3200
+    tenant = "act-bulk-tp" if client_traceparent else "act-bulk"
+    bulk = await stack.create_tenant(tenant, priority_class="low")
+    seed = 20 if client_traceparent else 30
+    shared = prompt(640, seed)
+    bulk_prompt, max_tokens = [*shared, *prompt(60, seed + 1)], 3200
     trace_id = f"{random.getrandbits(128):032x}"
-    traceparent = f"00-{trace_id}-{random.getrandbits(64):016x}-01"
+    headers = {"traceparent": f"00-{trace_id}-{random.getrandbits(64):016x}-01"} if client_traceparent else {}
     async with new_client() as client:
         warm = await complete(client, stack.gateway_url, bulk, stack.model, [*shared, 1], 1)
         engine = warm.engine
-        await wait_for(lambda: indexed(stack, "act-bulk", shared, engine), 10, "the prefix index to learn it")
+        await wait_for(lambda: indexed(stack, tenant, shared, engine), 10, "the prefix index to learn it")
         gold: list[asyncio.Task[httpx.Response]] = []
 
         async def block_the_engine() -> None:
@@ -247,24 +251,28 @@ async def test_abort_is_retried_elsewhere_once_billed_once_streamed_and_traced(a
             # its engine: the controller's cue. Sent once the bulk request streams, so it is running there.
             gold.append(asyncio.create_task(client.post(
                 f"{stack.engine_urls[engine]}/generate", headers={"x-tessera-tenant": "act-gold"},
-                json={"request_id": "gold-1", "prompt_token_ids": prompt(3600, 22), "max_tokens": 1, "priority": 0,
+                json={"request_id": f"gold-{seed}", "prompt_token_ids": prompt(3600, seed + 2), "max_tokens": 1,
+                      "priority": 0,
                       "cache_salt": "act-gold"})))
 
         result = await asyncio.wait_for(
             complete(client, stack.gateway_url, bulk, stack.model, bulk_prompt, max_tokens,
-                     headers={"traceparent": traceparent}, on_first_token=block_the_engine), 300)
+                     headers=headers, on_first_token=block_the_engine), 300)
         assert (await gold[0]).status_code == 200
     assert result.status == 200 and not result.error, result.error
     assert result.usage["completion_tokens"] == max_tokens and result.usage["prompt_tokens"] == len(bulk_prompt)
     assert result.engine == engine  # the stream started there, then moved
     # Billed once: one request (plus the warm-up), the prompt once, every generated token once.
-    usage = httpx.get(f"{stack.gateway_url}/admin/tenants/act-bulk/usage?period=month",
+    usage = httpx.get(f"{stack.gateway_url}/admin/tenants/{tenant}/usage?period=month",
                       headers={"authorization": f"Bearer {ADMIN_TOKEN}"}, timeout=10).json()
     assert (usage["requests"], usage["prompt_tokens"], usage["completion_tokens"]) == (
         2, len(shared) + 1 + len(bulk_prompt), 1 + max_tokens)
-    assert stack.metric("tessera_kvcontrol_actions_total", action="abort", tenant="act-bulk") == 1
+    assert stack.metric("tessera_kvcontrol_actions_total", action="abort", tenant=tenant) == 1
 
     await asyncio.sleep(1.5)  # span export
+    if not client_traceparent:  # the gateway started the trace: find it by the response's request id
+        trace_id = next(s.trace_id for s in spans_of(stack)
+                        if s.name == "gateway.request" and s.attr("tessera.request_id") == result.request_id)
     spans = spans_of(stack, trace_id)
     names = {s.name for s in spans}
     assert {"gateway.request", "admission", "route", "engine.call", "engine.generate", "kvcontrol.abort"} <= names
@@ -280,10 +288,11 @@ async def test_abort_is_retried_elsewhere_once_billed_once_streamed_and_traced(a
     assert int(second.attr("gen_ai.usage.output_tokens")) == max_tokens - generated
     abort = next(s for s in spans if s.name == "kvcontrol.abort")
     assert abort.parent_span_id == first.span_id and (trace_id, first.span_id) in abort.links
-    assert abort.attr("tessera.tenant") == "act-bulk" and abort.attr("tessera.abort.result") == "aborted"
+    assert abort.attr("tessera.tenant") == tenant and abort.attr("tessera.abort.result") == "aborted"
     assert abort.attr("tessera.request_id") == first.attr("tessera.request_id")
     assert first.attr("tessera.priority") == PRIORITY_VALUES["low"]
     assert {"tessera-gateway", "tessera-engine", "tessera-kvcontrol"} <= {s.service for s in spans}
     gateway = next(s for s in spans if s.name == "gateway.request")
-    assert gateway.parent_span_id is not None  # a child of the client's own span
+    # With a client traceparent the gateway span is a child of the client's span; otherwise the root.
+    assert (gateway.parent_span_id is not None) == client_traceparent
     assert gateway.attr("tessera.retries") == 1

@@ -26,8 +26,8 @@ MODEL = "tenancy-small"
 # NOTE: this machine is shared and oversubscribed (load far above its cores), so a gateway process can stall
 # for seconds. The shared gateways get a lease TTL and a Redis read timeout that ride out such stalls; the
 # tests of the lease TTL itself start their own gateway with SHORT_LEASE_TTL_S.
-LEASE_TTL_S = 10.0
-SHORT_LEASE_TTL_S = 6.0
+LEASE_TTL_S = 20.0
+SHORT_LEASE_TTL_S = 10.0
 GATEWAY_ENV = {"TESSERA_ADMIN_TOKEN": ADMIN_TOKEN, "TESSERA_LEASE_TTL_S": str(LEASE_TTL_S),
                "TESSERA_KEY_CACHE_TTL_S": "1.0", "TESSERA_REDIS_TIMEOUT_S": "2.0"}
 SHORT_LEASE_ENV = {**GATEWAY_ENV, "TESSERA_LEASE_TTL_S": str(SHORT_LEASE_TTL_S)}
@@ -82,9 +82,9 @@ def tenancy_redis() -> Iterator[RestartableRedis]:
 
 @pytest.fixture(scope="package")
 def tenancy_engine(small_model_dir: Path, tenancy_redis: RestartableRedis) -> Iterator[EngineHost]:
-    """One real engine. 512 KV blocks of 32 tokens: room for a few long streams at once."""
+    """One real engine. 1024 KV blocks of 32 tokens: room for a few long streams at once."""
     host = start_host(small_model_dir, tenancy_redis, served_model_name=MODEL,  # type: ignore[arg-type]
-                      num_gpu_blocks_override=512, max_model_len=4096)
+                      num_gpu_blocks_override=1024, max_model_len=8192)
     yield host
     host.stop()
 

@@ -60,10 +60,18 @@ async def stream_then_kill(gateway: GatewayProcess, survivor: GatewayProcess, te
     async with httpx.AsyncClient(timeout=60) as client, client.stream(
             "POST", f"{gateway.url}/v1/completions", json=LONG_STREAM, headers=tenant.headers) as stream:
         assert stream.status_code == 200
-        await stream.aiter_bytes().__anext__()
-        if not await redis.zrange(leases_key(tenant.name), 0, -1):
+        chunks = stream.aiter_bytes()
+        await chunks.__anext__()
+        if not await Admission(redis).in_flight(tenant.name):
             return None  # the gateway stalled past its lease TTL before the first renewal (see below)
         held = await client.post(f"{survivor.url}/v1/completions", json=completion_body(), headers=tenant.headers)
+        if held.status_code != 429:
+            rest = b""
+            async for chunk in chunks:
+                rest += chunk
+                if len(rest) > 100000:
+                    break
+            raise AssertionError((held.text, rest[-1500:], gateway.log_tail()))
         assert held.status_code == 429 and error_of(held)["code"] == "max_concurrent_requests", held.text
         gateway.kill()
         return time.monotonic(), await redis_now(redis)
@@ -122,24 +130,24 @@ async def test_sigkilled_gateway_leaks_no_concurrency(tenancy_redis: Restartable
 async def test_a_long_stream_keeps_its_lease_past_the_ttl(short_lease_gateway: GatewayProcess,
                                                           gateways: list[GatewayProcess],
                                                           redis_client: aioredis.Redis) -> None:
-    tenant = create_tenant(gateways[0], {"maxConcurrentRequests": 1})
+    tenant = create_tenant(gateways[0], {"maxConcurrentRequests": 1, "maxTokensCap": 8000})
     admission = Admission(redis_client)
     samples: list[int] = []
     async with httpx.AsyncClient(timeout=120) as client:
         started = time.monotonic()
-        async with client.stream("POST", f"{short_lease_gateway.url}/v1/completions", json=LONG_STREAM,
-                                 headers=tenant.headers) as stream:
+        async with client.stream("POST", f"{short_lease_gateway.url}/v1/completions",
+                                 json={**LONG_STREAM, "max_tokens": 8000}, headers=tenant.headers) as stream:
             assert stream.status_code == 200
             async for _ in stream.aiter_bytes():
                 elapsed = time.monotonic() - started
-                if elapsed > 2.5 * SHORT_LEASE_TTL_S:
+                if elapsed > 1.7 * SHORT_LEASE_TTL_S:
                     break
                 if len(samples) < elapsed / 0.25:
                     samples.append(await admission.in_flight(tenant.name))
             streamed_s = time.monotonic() - started
         probe = await client.post(f"{gateways[1].url}/v1/completions", json=completion_body(),
                                   headers=tenant.headers)
-    assert streamed_s > 2 * SHORT_LEASE_TTL_S, f"the stream ended after {streamed_s:.1f} s: too short to test renewal"
+    assert streamed_s > 1.5 * SHORT_LEASE_TTL_S, f"the stream ended after {streamed_s:.1f} s: too short to test renewal"
     assert samples and set(samples) == {1}, (samples, short_lease_gateway.log_tail(2000))
     # The client left: the lease is released at once, not left to expire.
     assert probe.status_code == 200 or error_of(probe)["code"] != "max_concurrent_requests" or \

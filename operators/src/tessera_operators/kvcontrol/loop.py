@@ -88,6 +88,7 @@ class EngineControlLoop:
         self.demoting: set[str] = set()
         self._last_abort: float | None = None
         self._below_low_since: float | None = None
+        self._starved_logged = float("-inf")
         self._flags_refreshed = 0.0
         self._pending_evictions: list[tuple[LedgerUpdate, int | None, dict[str, list[str]]]] = []
         self._open_spans: list[Any] = []
@@ -127,6 +128,8 @@ class EngineControlLoop:
     async def _consume(self) -> None:
         async for batch in subscribe(self.record.kv_events_endpoint):
             self.on_batch(batch)
+            # A queued message does not suspend the receive: yield, or a burst of events starves the polls.
+            await asyncio.sleep(0)
 
     def on_batch(self, batch: Any) -> LedgerUpdate:
         unknown = self.ledger.num_unknown_removals
@@ -269,6 +272,10 @@ class EngineControlLoop:
         relief = 0
         if state.num_free_blocks <= self.ctx.policy.abort_free_blocks and state.num_waiting:
             relief = await self._relief_engines()
+            if not relief and time.monotonic() - self._starved_logged > 10.0:
+                self._starved_logged = time.monotonic()
+                logger.info("%s: %d free blocks, %d waiting, and no other engine to continue a request on",
+                            self.engine_id, state.num_free_blocks, state.num_waiting)
         mono = time.monotonic()
         since = None if self._last_abort is None else mono - self._last_abort
         usage = 1.0 - state.num_free_blocks / state.num_gpu_blocks
