@@ -118,7 +118,7 @@ class KVStack:
         port = free_port()
         env = self.env(TESSERA_KVCONTROL_METRICS_PORT=str(port), TESSERA_KVCONTROL_POLL_INTERVAL_S=str(poll_interval_s),
                        TESSERA_KVCONTROL_DISCOVERY_INTERVAL_S="0.5", TESSERA_KVCONTROL_TENANT_REFRESH_S="0.5",
-                       TESSERA_KVCONTROL_OBSERVE_ONLY="1" if observe_only else "0",
+                       TESSERA_KVCONTROL_OBSERVE_ONLY="1" if observe_only else "0", TESSERA_KVCONTROL_LOG_LEVEL="DEBUG",
                        TESSERA_KVCONTROL_POLICY=json.dumps(policy or {}))
         log = (self.options.run_dir / "kvcontrol.log").open("ab")
         self.controller = subprocess.Popen([str(BIN / "tessera-kvcontrol")], env=env, stdout=log,

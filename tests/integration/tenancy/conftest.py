@@ -84,7 +84,10 @@ def tenancy_redis() -> Iterator[RestartableRedis]:
 def tenancy_engine(small_model_dir: Path, tenancy_redis: RestartableRedis) -> Iterator[EngineHost]:
     """One real engine. 1024 KV blocks of 32 tokens: room for a few long streams at once."""
     host = start_host(small_model_dir, tenancy_redis, served_model_name=MODEL,  # type: ignore[arg-type]
-                      num_gpu_blocks_override=1024, max_model_len=8192)
+                      num_gpu_blocks_override=1024, max_model_len=8192,
+                      # Registry TTL 5 s: this test process also runs the clients, and a busy machine
+                      # can delay a heartbeat past the 2 s of a 0.5 s interval.
+                      heartbeat_interval_s=1.0)
     yield host
     host.stop()
 

@@ -76,6 +76,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     """Entry point ``tessera-kvcontrol``: runs until SIGTERM/SIGINT, then releases every flag it holds."""
     settings = _parse(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("tessera_operators.kvcontrol").setLevel(settings.kvcontrol_log_level.upper())
 
     async def _run() -> None:
         task = asyncio.create_task(run_forever(settings))

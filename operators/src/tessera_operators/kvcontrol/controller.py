@@ -65,10 +65,14 @@ class KVController:
             await self.ctx.redis.aclose()
 
     async def _supervise(self) -> None:
+        """Everything the loops need from Redis, read here on its own cadence so that a slow Redis never
+        delays a loop's decision: the live engines (and their pressure flags) and the tenants."""
+        assert self.ctx is not None
         while True:
             await asyncio.sleep(self.settings.kvcontrol_discovery_interval_s)
             try:
                 await self.discover()
+                await self.ctx.tenants.refresh()
             except Exception as exc:  # Redis blips must not stop the controller
                 self.metrics.errors.labels("", "discovery").inc()
                 logger.warning("engine discovery failed: %s", exc)
@@ -80,7 +84,9 @@ class KVController:
     async def discover(self) -> None:
         """Starts loops for new engines, stops loops of engines that left (or moved their endpoint)."""
         assert self.ctx is not None
-        live = {r.engine_id: r for r in await EngineRegistry(self.ctx.redis).live_engines() if self._wanted(r)}
+        records = await EngineRegistry(self.ctx.redis).live_engines()
+        self.ctx.live_engines = {r.engine_id: r for r in records}
+        live = {r.engine_id: r for r in records if self._wanted(r)}
         now = time.monotonic()
         for engine_id, loop in list(self.loops.items()):
             record = live.get(engine_id)

@@ -16,7 +16,7 @@ import asyncio
 import logging
 import time
 from collections import Counter, defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -24,7 +24,7 @@ import redis.asyncio as aioredis
 from opentelemetry import trace
 from opentelemetry.context import Context
 
-from tessera.engine.registry import EngineRecord, EngineRegistry, pressure_key
+from tessera.engine.registry import EngineRecord, pressure_key
 from tessera.routing.kv_events import subscribe
 from tessera.tenancy.demotion import clear_demoted, set_demoted
 
@@ -63,6 +63,9 @@ class LoopContext:
     poll_interval_s: float = 0.2
     flag_ttl_s: int = 3
     observe_only: bool = False
+    # The live engines as the controller's discovery last read them (with their pressure flags): a tick
+    # never waits on Redis to decide.
+    live_engines: dict[str, EngineRecord] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -92,7 +95,6 @@ class EngineControlLoop:
         self._flags_refreshed = 0.0
         self._pending_evictions: list[tuple[LedgerUpdate, int | None, dict[str, list[str]]]] = []
         self._open_spans: list[Any] = []
-        self._registry = EngineRegistry(ctx.redis)
 
     # ---- lifecycle -------------------------------------------------------------------------------
 
@@ -197,7 +199,8 @@ class EngineControlLoop:
             await asyncio.sleep(self.ctx.poll_interval_s)
 
     async def _get(self, path: str) -> Any:
-        timeout = aiohttp.ClientTimeout(total=max(2.0, 5 * self.ctx.poll_interval_s))
+        # Generous: a busy replica answers late, and a late answer is still better than a failed tick.
+        timeout = aiohttp.ClientTimeout(total=max(5.0, 10 * self.ctx.poll_interval_s))
         async with self.ctx.http.get(f"{self.record.url}{path}", timeout=timeout) as resp:
             resp.raise_for_status()
             return await resp.json()
@@ -227,13 +230,18 @@ class EngineControlLoop:
         return state
 
     async def tick(self) -> list[Action]:
-        await self.ctx.tenants.refresh()
         state = await self.poll()
         self.observe(state)
         if self.ctx.observe_only:
             return []
         snapshot = await self.snapshot(state)
         actions = decide(snapshot, self.ctx.policy)
+        if logger.isEnabledFor(logging.DEBUG) and (snapshot.requests or actions):
+            logger.debug("%s: free %d/%d, %d running, %d waiting, relief %d, pressure %s; tenants %s; "
+                         "requests %s -> %s", self.engine_id, state.num_free_blocks, state.num_gpu_blocks,
+                         state.num_running, state.num_waiting, snapshot.num_relief_engines, self.under_pressure,
+                         [(t.tenant, t.num_blocks, t.quota_blocks, t.num_in_flight) for t in snapshot.tenants],
+                         [(r.tenant, r.priority, round(r.age_s, 2)) for r in snapshot.requests], actions)
         for action in actions:
             await self.apply(action, snapshot)
         await self._refresh_flags()
@@ -271,7 +279,7 @@ class EngineControlLoop:
                                           tenant in self.demoting, since))
         relief = 0
         if state.num_free_blocks <= self.ctx.policy.abort_free_blocks and state.num_waiting:
-            relief = await self._relief_engines()
+            relief = self._relief_engines()
             if not relief and time.monotonic() - self._starved_logged > 10.0:
                 self._starved_logged = time.monotonic()
                 logger.info("%s: %d free blocks, %d waiting, and no other engine to continue a request on",
@@ -288,10 +296,9 @@ class EngineControlLoop:
                                state.num_waiting, self.under_pressure, tuple(usages),
                                tuple(self.requests.values()), relief, since, below)
 
-    async def _relief_engines(self) -> int:
-        live = await self._registry.live_engines()
-        return sum(1 for e in live if e.model == self.record.model and e.engine_id != self.engine_id
-                   and not e.under_pressure)
+    def _relief_engines(self) -> int:
+        return sum(1 for e in self.ctx.live_engines.values() if e.model == self.record.model
+                   and e.engine_id != self.engine_id and not e.under_pressure)
 
     # ---- acting ----------------------------------------------------------------------------------
 

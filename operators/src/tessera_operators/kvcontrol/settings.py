@@ -32,6 +32,9 @@ class KVControlSettings(TesseraSettings):
     kvcontrol_observe_only: bool = Field(
         default=False, description="Keep the ledger, metrics and eviction spans, but take no action."
     )
+    kvcontrol_log_level: str = Field(
+        default="INFO", description="Log level; DEBUG logs every loop's snapshot and decisions on every poll."
+    )
     kvcontrol_model: str | None = Field(default=None, description="Control only the engines serving this model.")
     kvcontrol_policy: PolicyConfig = Field(
         default_factory=PolicyConfig, description="Watermarks and levers, as JSON (see policy.PolicyConfig)."

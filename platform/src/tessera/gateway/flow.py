@@ -33,6 +33,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+# How soon a lease renewal that Redis did not answer is tried again.
+LEASE_RETRY_S = 0.25
 SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
 APPROX_PREFIX_CHARS = 4096
 # Admission under KV pressure: while every engine of the model carries the controller's pressure flag,
@@ -121,16 +123,22 @@ class GenerationFlow:
 
     async def _keep_lease(self, lease: Lease) -> None:
         """Renews the concurrency lease every third of its TTL while the request runs (long streams keep
-        their slot; a dead gateway stops renewing and the lease expires)."""
+        their slot; a dead gateway stops renewing and the lease expires). A failed renewal is retried
+        soon rather than a third of a TTL later: by then the lease may be gone."""
         admission = self.gw.admission
+        interval = admission.lease_ttl_s / 3
         while True:
-            await asyncio.sleep(admission.lease_ttl_s / 3)
+            await asyncio.sleep(interval)
             try:
-                if not await admission.renew(lease):
-                    logger.warning("lease %s of tenant %s expired before renewal", lease.lease_id, lease.tenant)
-                    return
+                renewed = await admission.renew(lease)
             except STORE_ERRORS as exc:
                 logger.warning("lease %s not renewed: %s", lease.lease_id, exc)
+                interval = min(admission.lease_ttl_s / 3, LEASE_RETRY_S)
+                continue
+            if not renewed:
+                logger.warning("lease %s of tenant %s expired before renewal", lease.lease_id, lease.tenant)
+                return
+            interval = admission.lease_ttl_s / 3
 
     async def _model(self, name: str) -> ServedModel | None:
         try:
