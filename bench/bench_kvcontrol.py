@@ -4,7 +4,7 @@ One engine replica (real vLLM, CPU build) with a tiny KV cache (64 blocks x 32 t
 process, the controller process, and two tenants of the same priority class and KV quota (half the cache):
 
 - ``noisy`` floods long prompts: a closed loop of ``--noisy-concurrency`` requests, each 1,024 fresh tokens
-  (32 blocks) and 64 output tokens, so its requests alone want more than the whole cache;
+  (32 blocks) and 16 output tokens, so its requests alone want more than the whole cache;
 - ``victim`` repeats a cached prefix: Poisson arrivals at ``--victim-rate``/s, a 512-token prefix shared by
   all its requests plus 8 fresh tokens, 8 output tokens.
 
@@ -46,7 +46,7 @@ PREFIX_TOKENS = 512
 VICTIM_SUFFIX_TOKENS = 8
 VICTIM_OUTPUT_TOKENS = 8
 NOISY_PROMPT_TOKENS = 1024
-NOISY_OUTPUT_TOKENS = 64
+NOISY_OUTPUT_TOKENS = 16
 VOCAB = (10, 700)  # token ids the small model's tokenizer knows
 MODES = ("off", "on")
 
@@ -159,7 +159,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="off/on pairs, alternated")
     parser.add_argument("--duration", type=float, default=40.0, help="measured seconds per mode and round")
     parser.add_argument("--warmup", type=float, default=5.0, help="unmeasured seconds before each measurement")
-    parser.add_argument("--noisy-concurrency", type=int, default=4)
+    parser.add_argument("--noisy-concurrency", type=int, default=3)
     parser.add_argument("--noisy-output", type=int, default=NOISY_OUTPUT_TOKENS, help="noisy output tokens")
     parser.add_argument("--victim-rate", type=float, default=2.0, help="victim requests per second (Poisson)")
     args = parser.parse_args()

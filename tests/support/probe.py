@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,7 +69,3 @@ def probe_results(process: subprocess.Popen[str], timeout_s: float = 120.0) -> l
 def run_probe(urls: list[str], headers: dict[str, str], body: dict[str, Any] | None = None,
               **options: Any) -> list[ProbeResult]:
     return probe_results(start_probe(urls, headers, body, **options))
-
-
-def wall_clock() -> float:
-    return time.time()

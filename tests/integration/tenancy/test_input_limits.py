@@ -80,11 +80,12 @@ def test_tenant_caps_are_400(client: httpx.Client, tenant: TenantHandle, fields:
     assert (error["code"], error["param"], error["type"]) == (code, param, "invalid_request_error")
 
 
-def test_prompt_over_the_model_context_is_400(gateways: list[GatewayProcess]) -> None:
-    roomy = create_tenant(gateways[0], {"maxTokensCap": 4096}, prefix="ctx")
+def test_prompt_over_the_model_context_is_400(gateways: list[GatewayProcess], tenancy_engine: EngineHost) -> None:
+    context = tenancy_engine.config.max_model_len
+    roomy = create_tenant(gateways[0], {"maxTokensCap": context}, prefix="ctx")
     with httpx.Client(base_url=gateways[0].url, timeout=30) as c:
-        too_long = post(c, roomy, completion_body(prompt=[7] * 4096))
-        too_much = post(c, roomy, completion_body(prompt=[7] * 4000, max_tokens=100))
+        too_long = post(c, roomy, completion_body(prompt=[7] * context))
+        too_much = post(c, roomy, completion_body(prompt=[7] * (context - 50), max_tokens=100))
     assert too_long.status_code == 400 and error_of(too_long)["code"] == "context_length_exceeded"
     assert too_much.status_code == 400 and error_of(too_much)["param"] == "max_tokens"
 
