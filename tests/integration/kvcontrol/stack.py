@@ -78,7 +78,11 @@ class KVStack:
         o = self.options
         return {**os.environ, "TESSERA_REDIS_URL": o.redis_url, "TESSERA_TRACE_EXPORTER": "jsonl",
                 "TESSERA_TRACE_DIR": str(o.run_dir / "traces"), "TESSERA_ROUTING_POLICY": o.routing_policy,
-                "TESSERA_ADMIN_TOKEN": ADMIN_TOKEN, "VLLM_CPU_KVCACHE_SPACE": "1", **o.env, **extra}
+                "TESSERA_ADMIN_TOKEN": ADMIN_TOKEN, "VLLM_CPU_KVCACHE_SPACE": "1",
+                # NOTE: two engines under load oversubscribe this 2-core machine, and a process can stall past
+                # the default 250 ms Redis timeout (the gateway then fails closed with 503); the fault tests of
+                # that timeout live with the tenancy tests.
+                "TESSERA_REDIS_TIMEOUT_S": "2.0", **o.env, **extra}
 
     # ---- processes -------------------------------------------------------------------------------
 
