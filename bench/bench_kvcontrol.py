@@ -162,6 +162,7 @@ def main() -> None:
     parser.add_argument("--noisy-concurrency", type=int, default=3)
     parser.add_argument("--noisy-output", type=int, default=NOISY_OUTPUT_TOKENS, help="noisy output tokens")
     parser.add_argument("--victim-rate", type=float, default=2.0, help="victim requests per second (Poisson)")
+    parser.add_argument("--no-pinning", action="store_true", help="do not pin the engine and the platform apart")
     args = parser.parse_args()
 
     from tessera.engine.small_model import is_small_model_dir, make_small_model
@@ -171,8 +172,15 @@ def main() -> None:
     if not is_small_model_dir(model_dir):
         make_small_model(model_dir)
     run_dir = Path(tempfile.mkdtemp(prefix="bench-kvcontrol-"))
+    # The engine gets core 0; everything else (this client, Redis, gateway, controller) core 1. Unpinned, the
+    # engine's busy threads starve the gateway's event loop and the victim's tail is CPU queueing, which no KV
+    # policy can change (the analyzer calls it gateway_queueing).
+    engine_cpus, platform_cpus = ("0", "1") if (os.cpu_count() or 1) >= 2 and not args.no_pinning else (None, None)
+    if platform_cpus:
+        os.sched_setaffinity(0, {int(platform_cpus)})
     redis = EmbeddedRedis().start()
-    stack = KVStack(StackOptions(model_dir=model_dir, redis_url=redis.url, run_dir=run_dir))
+    stack = KVStack(StackOptions(model_dir=model_dir, redis_url=redis.url, run_dir=run_dir,
+                                 engine_cpus=engine_cpus, platform_cpus=platform_cpus))
     rounds: dict[str, list[dict[str, Any]]] = {mode: [] for mode in MODES}
     t0 = time.monotonic()
     try:
@@ -209,7 +217,8 @@ def report(results: list[dict[str, Any]], run_dir: Path, args: argparse.Namespac
             "noisy_concurrency": args.noisy_concurrency, "noisy_prompt_tokens": NOISY_PROMPT_TOKENS,
             "noisy_output_tokens": args.noisy_output, "victim_rate_per_s": args.victim_rate,
             "victim_prefix_tokens": PREFIX_TOKENS, "victim_output_tokens": VICTIM_OUTPUT_TOKENS,
-            "rounds": args.rounds, "duration_s": args.duration, "warmup_s": args.warmup, "cpus": os.cpu_count()},
+            "rounds": args.rounds, "duration_s": args.duration, "warmup_s": args.warmup, "cpus": os.cpu_count(),
+            "pinned": not args.no_pinning},
         "modes": results,
         "goals": {"victim_ttft_p99_on_over_off": ratio_ttft, "victim_ttft_goal_met": ratio_ttft <= 0.5,
                   "noisy_throughput_on_over_off": ratio_tput, "noisy_throughput_goal_met": ratio_tput >= 0.8},

@@ -57,6 +57,14 @@ class StackOptions:
     routing_policy: str = "prefix_affinity"
     served_model_name: str = "kvc-small"
     env: dict[str, str] = field(default_factory=dict)
+    # CPU sets (``taskset -c`` syntax) for the engines and for the gateway and controller; None: no pinning.
+    # The benchmark pins them apart, so the engine's busy threads do not starve the gateway's event loop.
+    engine_cpus: str | None = None
+    platform_cpus: str | None = None
+
+
+def _pinned(cmd: list[str], cpus: str | None) -> list[str]:
+    return ["taskset", "-c", cpus, *cmd] if cpus else cmd
 
 
 class KVStack:
@@ -96,9 +104,10 @@ class KVStack:
             ready[engine_id].unlink(missing_ok=True)
             log = (o.run_dir / f"{engine_id}.log").open("wb")
             self.engines[engine_id] = subprocess.Popen(
-                [str(BIN / "tessera"), "engine", "serve", "--config", json.dumps(config), "--engine-id", engine_id,
-                 "--ready-file", str(ready[engine_id])],
-                env=self.env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                _pinned([str(BIN / "tessera"), "engine", "serve", "--config", json.dumps(config), "--engine-id",
+                         engine_id, "--ready-file", str(ready[engine_id])], o.engine_cpus),
+                env=self.env(**({"VLLM_CPU_OMP_THREADS_BIND": o.engine_cpus} if o.engine_cpus else {})),
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + timeout_s
         for engine_id, path in ready.items():
             while not path.exists():
@@ -108,8 +117,9 @@ class KVStack:
             self.engine_urls[engine_id] = path.read_text().strip()
         port = free_port()
         self.gateway = subprocess.Popen(
-            [str(BIN / "python"), "-m", "uvicorn", "tessera.gateway.app:create_app", "--factory", "--port", str(port),
-             "--workers", "1", "--loop", "uvloop", "--http", "httptools", "--no-access-log", "--log-level", "warning"],
+            _pinned([str(BIN / "python"), "-m", "uvicorn", "tessera.gateway.app:create_app", "--factory", "--port",
+                     str(port), "--workers", "1", "--loop", "uvloop", "--http", "httptools", "--no-access-log",
+                     "--log-level", "warning"], o.platform_cpus),
             env=self.env(), stdout=(o.run_dir / "gateway.log").open("wb"), stderr=subprocess.STDOUT,
             start_new_session=True)
         self.gateway_url = f"http://127.0.0.1:{port}"
@@ -125,7 +135,8 @@ class KVStack:
                        TESSERA_KVCONTROL_OBSERVE_ONLY="1" if observe_only else "0", TESSERA_KVCONTROL_LOG_LEVEL="DEBUG",
                        TESSERA_KVCONTROL_POLICY=json.dumps(policy or {}))
         log = (self.options.run_dir / "kvcontrol.log").open("ab")
-        self.controller = subprocess.Popen([str(BIN / "tessera-kvcontrol")], env=env, stdout=log,
+        self.controller = subprocess.Popen(_pinned([str(BIN / "tessera-kvcontrol")], self.options.platform_cpus),
+                                           env=env, stdout=log,
                                            stderr=subprocess.STDOUT, start_new_session=True)
         self.metrics_url = f"http://127.0.0.1:{port}/metrics"
         deadline = time.monotonic() + timeout_s
