@@ -35,6 +35,13 @@ async def redis(own_redis: EmbeddedRedis) -> AsyncIterator[aioredis.Redis]:
     await client.aclose()
 
 
+@pytest.fixture(autouse=True)
+def quiet_refresher(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The command counts below are exact: the background registry refresher waits a minute here (the
+    tests of the refresher itself set their own period)."""
+    monkeypatch.setattr(router_module, "REGISTRY_CACHE_S", 60.0)
+
+
 async def register(redis: aioredis.Redis, *engine_ids: str, model: str = MODEL) -> None:
     registry = EngineRegistry(redis)
     for engine_id in engine_ids:
@@ -132,3 +139,46 @@ async def test_the_router_sweeps_departed_engines_out_of_the_index(
 async def test_empty_fleet_routes_nowhere(redis: aioredis.Redis) -> None:
     decision, records = await Router(redis, "prefix_affinity", PrefixIndex(redis)).route(request(chain(2)))
     assert decision.ranked == () and records == {}
+
+
+async def test_the_refresher_rereads_the_registry_off_the_request_path(
+        redis: aioredis.Redis, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(router_module, "REGISTRY_CACHE_S", 0.05)
+    monkeypatch.setattr(router_module, "REGISTRY_MAX_AGE_S", 60.0)  # a request never reads it itself
+    await register(redis, "a")
+    router = Router(redis, "round_robin", PrefixIndex(redis))
+    try:
+        assert (await router.route(request(chain(1))))[0].ranked == ("a",)
+        await register(redis, "b")
+        for _ in range(100):
+            decision, _ = await router.route(request(chain(1)))
+            if "b" in decision.ranked:
+                break
+            await asyncio.sleep(0.02)
+        assert sorted(decision.ranked) == ["a", "b"]
+    finally:
+        await router.close()
+
+
+async def test_the_refresher_stops_when_requests_stop(redis: aioredis.Redis, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(router_module, "REGISTRY_CACHE_S", 0.02)
+    monkeypatch.setattr(router_module, "REFRESHER_IDLE_S", 0.2)
+    await register(redis, "a")
+    router = Router(redis, "round_robin", PrefixIndex(redis))
+    await router.route(request(chain(1)))
+    await asyncio.sleep(0.6)
+    before = await commands_served(redis)
+    await asyncio.sleep(0.2)
+    assert delta(before, await commands_served(redis)) == {}  # idle: no registry reads
+    await router.close()
+
+
+async def test_a_stale_copy_is_read_on_the_request_path(redis: aioredis.Redis, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(router_module, "REGISTRY_MAX_AGE_S", 0.0)  # every copy is too old
+    await register(redis, "a")
+    router = Router(redis, "round_robin", PrefixIndex(redis))
+    await router.route(request(chain(1)))
+    await register(redis, "b")
+    decision, _ = await router.route(request(chain(1)))  # no waiting: read on the spot
+    assert sorted(decision.ranked) == ["a", "b"]
+    await router.close()

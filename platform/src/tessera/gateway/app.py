@@ -144,6 +144,7 @@ class Gateway:
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
                 await self.flow.finishes.close()
+                await self.router.close()
                 await self.engines.close()
                 await self.redis.aclose()
                 await send({"type": "lifespan.shutdown.complete"})

@@ -1,8 +1,10 @@
 """The gateway-side adapter around the pure policies: reads the registry and prefix index from Redis,
 keeps this process's in-flight counts, and asks the configured policy for a ranking.
 
-Redis cost per request: one Lua call for the prefix lookup (only for policies that use it), plus the
-registry read, which is shared by all requests of a ``REGISTRY_CACHE_S`` window.
+Redis cost per request: one Lua call for the prefix lookup (only for policies that use it). The registry
+is re-read off the request path every ``REGISTRY_CACHE_S`` by a refresher that runs while requests come
+(it stops after ``REFRESHER_IDLE_S`` without one); a request reads it itself only when the copy is older
+than ``REGISTRY_MAX_AGE_S`` (the first request, or a refresher that Redis stalls).
 """
 
 from __future__ import annotations
@@ -23,8 +25,12 @@ from tessera.routing.snapshot import EngineView, RouteDecision, RouteRequest, Ro
 logger = logging.getLogger(__name__)
 
 # Engine load changes fast, but heartbeats are once a second: re-reading the registry more often than
-# this only costs Redis round trips on the request path.
+# this only costs Redis round trips.
 REGISTRY_CACHE_S = 0.25
+# Older than this, a request does not trust the refresher's copy and reads the registry itself.
+REGISTRY_MAX_AGE_S = 1.0
+# The refresher stops after this long without a request (an idle gateway leaves Redis alone).
+REFRESHER_IDLE_S = 10.0
 # How often one gateway process garbage-collects index entries of engines that left the registry.
 SWEEP_INTERVAL_S = 30.0
 # Policies that read the prefix index; the others skip the lookup round trip.
@@ -47,16 +53,40 @@ class Router:
         self._read_at = 0.0
         self._swept_at = time.monotonic()
         self._sweep_task: asyncio.Task[None] | None = None
+        self._refresher: asyncio.Task[None] | None = None
+        self._used_at = 0.0
         self.in_flight: dict[str, int] = defaultdict(int)
 
     async def engines(self, model: str) -> list[EngineRecord]:
-        now = time.monotonic()
-        if now - self._read_at > REGISTRY_CACHE_S:
-            self._engines = await self._registry.live_engines()
-            self._read_at = time.monotonic()
-            if now - self._swept_at > SWEEP_INTERVAL_S:
-                self._start_sweep()
+        self._used_at = time.monotonic()
+        if self._used_at - self._read_at > REGISTRY_MAX_AGE_S:
+            await self._read_registry()
+        if self._refresher is None or self._refresher.done():
+            self._refresher = asyncio.get_running_loop().create_task(self._refresh())
         return [e for e in self._engines if e.model == model]
+
+    async def close(self) -> None:
+        for task in (self._refresher, self._sweep_task):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+
+    async def _read_registry(self) -> None:
+        started = time.monotonic()
+        self._engines = await self._registry.live_engines()
+        self._read_at = started
+        if started - self._swept_at > SWEEP_INTERVAL_S:
+            self._start_sweep()
+
+    async def _refresh(self) -> None:
+        while time.monotonic() - self._used_at < REFRESHER_IDLE_S:
+            await asyncio.sleep(max(REGISTRY_CACHE_S - (time.monotonic() - self._read_at), 0.005))
+            try:
+                await self._read_registry()
+            except (RedisError, OSError) as exc:
+                # The request path notices (REGISTRY_MAX_AGE_S) and answers according to the fail mode.
+                logger.debug("registry refresh failed: %s", exc)
+                await asyncio.sleep(REGISTRY_CACHE_S)
 
     async def route(self, request: RouteRequest) -> tuple[RouteDecision, dict[str, EngineRecord]]:
         records = await self.engines(request.model)
