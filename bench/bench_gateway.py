@@ -1,7 +1,11 @@
 """make bench-gateway: what the gateway adds over calling the engine replica directly.
 
 One engine replica (``tessera engine serve``: vLLM CPU build, the small model, FP8 KV, n-gram speculation)
-and one gateway process (one uvicorn worker, so its CPU is one process's CPU). At each arrival rate the
+and one gateway process (one uvicorn worker, so its CPU is one process's CPU). The engine is pinned to the
+first core and the gateway, this client and Redis to the others (``--no-pinning`` to compare): unpinned on a
+2-core machine, vLLM's busy engine-core loop takes the CPU the gateway and the client need, and a stream can
+reach either of them only once the whole generation is over (TTFT p99 in the hundreds of milliseconds on
+both paths). At each arrival rate the
 same Poisson schedule of 64-token streamed chat requests alternates between the two paths, so both see
 the same engine conditions. TTFT is the first streamed event that carries the engine's first delta.
 Gateway CPU per request and per chunk come from a least-squares fit of the gateway's CPU time over
@@ -27,7 +31,16 @@ import orjson
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _support import percentiles, print_table, start_engine, start_gateway, stop, write_results
+from _support import (
+    percentiles,
+    pin_this_process,
+    print_table,
+    split_cores,
+    start_engine,
+    start_gateway,
+    stop,
+    write_results,
+)
 
 from tessera.engine.small_model import is_small_model_dir, make_small_model
 from tessera.redis_conn import EmbeddedRedis, connect
@@ -122,12 +135,14 @@ def main() -> None:
     if not is_small_model_dir(model_dir):
         make_small_model(model_dir)
     work = Path(tempfile.mkdtemp(prefix="bench-gateway-"))
+    engine_cpus, platform_cpus = split_cores() if "--no-pinning" not in sys.argv else (None, None)
+    pin_this_process(platform_cpus)  # the client and Redis share the gateway's cores, never the engine's
     redis = EmbeddedRedis().start()
     env = {"TESSERA_REDIS_URL": redis.url, "TESSERA_TRACE_DIR": str(work / "traces"),
            "TESSERA_ROUTING_POLICY": "least_loaded", "VLLM_CPU_KVCACHE_SPACE": "1"}
     engine, engine_url = start_engine({"model": str(model_dir.resolve()), "servedModelName": "tessera-small"},
-                                      env, work / "engine.log")
-    gateway, gateway_url = start_gateway(env, work / "gateway.log")
+                                      env, work / "engine.log", cpus=engine_cpus)
+    gateway, gateway_url = start_gateway(env, work / "gateway.log", cpus=platform_cpus)
     try:
         async def tenant() -> str:
             client = connect(redis.url)
