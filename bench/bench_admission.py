@@ -9,6 +9,7 @@
 3. TTFT: one engine replica (``tessera engine serve``), called directly (POST /generate) and through the
    gateway (streamed /v1/completions with the same prompt token ids), requests alternating between the
    two paths one at a time, so both see the same engine. The difference is the gateway's added TTFT.
+   The engine runs on its own core, the gateway, Redis and this client on the others.
 """
 
 from __future__ import annotations
@@ -26,7 +27,16 @@ import httpx
 import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _support import percentiles, print_table, start_engine, start_gateway, stop, write_results
+from _support import (
+    percentiles,
+    pin_this_process,
+    print_table,
+    split_cores,
+    start_engine,
+    start_gateway,
+    stop,
+    write_results,
+)
 
 from tessera.engine.small_model import is_small_model_dir, make_small_model
 from tessera.gateway.auth import Authenticator
@@ -167,6 +177,9 @@ def main() -> None:
     if not is_small_model_dir(model_dir):
         make_small_model(model_dir)
     work = Path(tempfile.mkdtemp(prefix="bench-admission-"))
+    # The engine on its own core, everything else on the others (see bench_gateway.py for why).
+    engine_cpus, platform_cpus = split_cores()
+    pin_this_process(platform_cpus)
     redis = EmbeddedRedis().start()
     env = {"TESSERA_REDIS_URL": redis.url, "TESSERA_TRACE_DIR": str(work / "traces"),
            "TESSERA_TRACE_EXPORTER": "jsonl", "TESSERA_ROUTING_POLICY": "least_loaded",
@@ -180,8 +193,8 @@ def main() -> None:
         rows = asyncio.run(in_process(redis.url))
         print("starting an engine replica and a gateway ...", flush=True)
         engine, engine_url = start_engine({"model": str(model_dir.resolve()), "servedModelName": MODEL}, env,
-                                          work / "engine.log")
-        gateway, gateway_url = start_gateway(env, work / "gateway.log")
+                                          work / "engine.log", cpus=engine_cpus)
+        gateway, gateway_url = start_gateway(env, work / "gateway.log", cpus=platform_cpus)
         time.sleep(2)  # the engine's first heartbeat
 
         async def tenants() -> dict[str, str]:

@@ -44,10 +44,18 @@ class EmbeddedRedis:
         self.stop()
 
 
-def connect(url: str, timeout_s: float = 1.0) -> aioredis.Redis:
-    """An asyncio client. Timeouts are short: the request path must fail fast when Redis is down."""
-    return aioredis.Redis.from_url(
+# Connections per process. redis-py's default pool (100, non-blocking) fails a command outright when a burst
+# needs more; a bounded pool that waits for a free connection turns a burst into a short queue instead.
+POOL_SIZE = 64
+
+
+def connect(url: str, timeout_s: float = 1.0, pool_size: int = POOL_SIZE) -> aioredis.Redis:
+    """An asyncio client. Timeouts are short: the request path must fail fast when Redis is down. Waiting
+    for a free pooled connection is bounded by the same timeout."""
+    pool = aioredis.BlockingConnectionPool.from_url(
         url,
+        max_connections=pool_size,
+        timeout=timeout_s,
         socket_timeout=timeout_s,
         socket_connect_timeout=timeout_s,
         health_check_interval=0,
@@ -56,3 +64,4 @@ def connect(url: str, timeout_s: float = 1.0) -> aioredis.Redis:
         # and the gateway must answer 503 (or fail open) within a few hundred milliseconds.
         retry=Retry(NoBackoff(), 0),
     )
+    return aioredis.Redis(connection_pool=pool)

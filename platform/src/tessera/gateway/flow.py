@@ -98,19 +98,12 @@ class GenerationFlow:
                            headers={"Retry-After": "1"})
         reserve = len(prompt_ids) + max_tokens * req.n
         t_admit = time.monotonic()
-        # Admission, routing and the demotion flag are independent Redis round trips: overlapped, the request
-        # waits for the slowest instead of the sum (the route is thrown away when admission says no).
-        routing = asyncio.ensure_future(self._route_traced(req, tenant, model, prompt_ids))
-        demoted = asyncio.ensure_future(self._demoted(tenant.name))
-        try:
-            with gw.tracer.start_as_current_span("admission") as adm_span:
-                decision = await self._admit(tenant, reserve)
-                adm_span.set_attribute("tessera.admitted", isinstance(decision, Lease))
-        except BaseException:
-            await _discard(routing, demoted)
-            raise
+        # NOTE: routing waits for admission on purpose: overlapping them saves a round trip, but makes every
+        # rejected request (a flood of over-limit ones) cost the routing's Redis work too.
+        with gw.tracer.start_as_current_span("admission") as adm_span:
+            decision = await self._admit(tenant, reserve)
+            adm_span.set_attribute("tessera.admitted", isinstance(decision, Lease))
         if isinstance(decision, Rejection):
-            await _discard(routing, demoted)
             gw.metrics.rejected(tenant.name, decision.limit)
             span.set_attribute("tessera.rejected", decision.limit)
             raise APIError(429, decision.message, decision.limit,
@@ -121,10 +114,9 @@ class GenerationFlow:
         result = StreamResult()
         keeper = None if lease.detached else asyncio.ensure_future(self._keep_lease(lease))
         try:
-            await self._serve(chat, req, tenant, prompt_ids, max_tokens, request_id, trace_carrier,
-                              span, send, receive, result, routing, demoted, t_start)
+            await self._serve(chat, req, tenant, model, prompt_ids, max_tokens, request_id, trace_carrier,
+                              span, send, receive, result, t_start)
         finally:
-            await _discard(routing, demoted)  # already done unless _serve failed before awaiting them
             if keeper is not None:
                 keeper.cancel()
             # Bill at least what was generated, also when the client went away mid-stream; when Redis
@@ -204,18 +196,17 @@ class GenerationFlow:
         return decision, records
 
     async def _serve(self, chat: bool, req: CompletionRequest | ChatCompletionRequest, tenant: Tenant,
-                     prompt_ids: list[int], max_tokens: int, request_id: str, carrier: dict[str, str], span: Span,
-                     send: Send, receive: Receive, result: StreamResult,
-                     routing: asyncio.Future[tuple[RouteDecision, dict[str, EngineRecord]]],
-                     demoted: asyncio.Future[bool], t_start: float) -> None:
+                     model: ServedModel, prompt_ids: list[int], max_tokens: int, request_id: str,
+                     carrier: dict[str, str], span: Span, send: Send, receive: Receive, result: StreamResult,
+                     t_start: float) -> None:
         gw = self.gw
         salt = tenant.cache_salt if tenant.policy.prefix_cache_isolation else None
-        decision, records = await routing
+        decision, records = await self._route_traced(req, tenant, model, prompt_ids)
         if not decision.ranked:
             raise APIError(503, f"No engine is serving {req.model!r} right now; retry shortly.",
                            "engine_unavailable", headers={"Retry-After": "2"})
         priority = tenant.policy.priority
-        if await demoted:
+        if await self._demoted(tenant.name):
             priority += DEMOTION_STEP
         body = {"request_id": request_id, "prompt_token_ids": prompt_ids, "max_tokens": max_tokens,
                 "temperature": req.temperature, "top_p": req.top_p, "seed": req.seed, "stop": req.stop_list,
@@ -335,13 +326,6 @@ class GenerationFlow:
             gone_task.cancel()
             with contextlib.suppress(BaseException):
                 await stream.aclose()
-
-
-async def _discard(*tasks: asyncio.Future[Any]) -> None:
-    """Cancels tasks whose result is no longer wanted and collects their outcome (no "never retrieved")."""
-    for task in tasks:
-        task.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def _wait_disconnect(receive: Receive) -> None:
