@@ -55,7 +55,9 @@ def routing_stack(small_model_dir: Path, redis_server: EmbeddedRedis,
         for _ in range(2):
             engines.append(start_host(small_model_dir, redis_server, **ENGINE_OVERRIDES))
         key, salt = create_tenant(redis_server.url, f"routing-{time.monotonic_ns()}")
-        env = {"TESSERA_ROUTING_POLICY": "prefix_affinity"}
+        # NOTE: a 2 s Redis timeout: on this 2-core machine a gateway beside two engines can stall past the
+        # default 250 ms and fail closed (the timeout's own behaviour is tested with the tenancy tests).
+        env = {"TESSERA_ROUTING_POLICY": "prefix_affinity", "TESSERA_REDIS_TIMEOUT_S": "2.0"}
         with running_gateways(2, redis_server.url, tmp_path_factory.mktemp("routing-gw"), env) as gateways:
             yield RoutingStack(redis_server.url, engines, gateways, key, salt)
     finally:

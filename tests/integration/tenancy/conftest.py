@@ -156,6 +156,31 @@ async def post_all(urls: list[str], path: str, tenant: TenantHandle, bodies: lis
             for i, body in enumerate(bodies))))
 
 
+async def post_burst(urls: list[str], path: str, tenant: TenantHandle, bodies: list[dict[str, Any]],
+                     retries: int = 5) -> tuple[list[httpx.Response], int]:
+    """``post_all``, as a client that honours Retry-After on 503 ``store_unavailable``: a gateway starved of
+    CPU on this 2-core machine may time out on Redis and fail closed. Returns the final responses and how many
+    503s were retried. A retried 503 may still have used a slot (the admission script ran and only its reply
+    was late), so limits hold as "at most"; each retry may account for one slot fewer."""
+    limits = httpx.Limits(max_connections=len(bodies) + 10, max_keepalive_connections=len(bodies) + 10)
+    retried = 0
+
+    async def one(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> httpx.Response:
+        nonlocal retried
+        for _ in range(retries):
+            response = await client.post(f"{url}{path}", json=body, headers=tenant.headers)
+            if response.status_code != 503 or error_of(response)["code"] != "store_unavailable":
+                return response
+            retried += 1
+            await asyncio.sleep(float(response.headers["retry-after"]))
+        return response
+
+    async with httpx.AsyncClient(timeout=180.0, limits=limits) as client:
+        responses = list(await asyncio.gather(*(one(client, urls[i % len(urls)], body)
+                                                for i, body in enumerate(bodies))))
+    return responses, retried
+
+
 def error_of(response: httpx.Response) -> dict[str, Any]:
     body = response.json()
     assert set(body) == {"error"}, body
