@@ -46,8 +46,10 @@ def test_same_salt_hits_the_prefix_cache_other_salt_does_not(fp8_engine: EngineH
 
 def test_speculative_decoding_drafts_and_accepts(fp8_engine: EngineHost) -> None:
     before = httpx.get(f"{fp8_engine.url}/stats").json()
-    generate(fp8_engine, max_tokens=64)
+    stats = generate(fp8_engine, max_tokens=64)[-1]["stats"]
     after = httpx.get(f"{fp8_engine.url}/stats").json()
+    # Per request too (the engine span's tessera.spec.* attributes): vLLM's own drafted/accepted counts.
+    assert 0 < stats["num_spec_accepted_tokens"] <= stats["num_spec_draft_tokens"], stats
     drafted = after["spec_draft_tokens"] - before["spec_draft_tokens"]
     accepted = after["spec_accepted_tokens"] - before["spec_accepted_tokens"]
     assert drafted > 0, "the engine drafted no tokens: speculative decoding is off"

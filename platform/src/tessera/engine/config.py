@@ -168,6 +168,8 @@ class EngineConfig(BaseModel):
             kwargs["num_gpu_blocks_override"] = self.num_gpu_blocks_override
         if self.speculative is not None:
             kwargs["speculative_config"] = self.speculative.to_vllm()
+            # Per-request drafted/accepted counts on the final output (the engine span's spec attributes).
+            kwargs["per_request_spec_decode_metrics"] = "summary"
         if self.kv_events.enabled:
             from vllm.config import KVEventsConfig
 

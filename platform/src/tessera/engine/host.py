@@ -434,6 +434,7 @@ def record_engine_span(span: Any, stats: RequestStats, abort_reason: str | None)
         "tessera.cached_tokens": stats.num_cached_tokens,
         "tessera.preemptions": stats.num_preemptions,
         "tessera.spec.accepted_tokens": stats.num_spec_accepted_tokens,
+        "tessera.spec.draft_tokens": stats.num_spec_draft_tokens,
         "tessera.engine.steps": stats.num_steps,
         "tessera.queue_s": stats.queued_s,
         "tessera.prefill_s": stats.prefill_s,
@@ -468,8 +469,13 @@ def _fill_timeline(stats: RequestStats, final: Any, n: int) -> None:
     if final is None:
         return
     stats.num_cached_tokens = int(final.num_cached_tokens or 0)
-    # Every step yields one token per sequence without speculation; the rest are accepted drafts.
+    # Every step yields one token per sequence without speculation; the rest are accepted drafts. vLLM's
+    # per-request metrics (single-sequence requests) give the exact counts, drafted ones included.
     stats.num_spec_accepted_tokens = max(0, stats.num_output_tokens - stats.num_steps * n)
+    spec = getattr(final.outputs[0], "spec_decode_metrics", None) if n == 1 and final.outputs else None
+    if spec is not None:
+        stats.num_spec_draft_tokens = int(spec.num_draft_tokens)
+        stats.num_spec_accepted_tokens = sum(j * count for j, count in enumerate(spec.histogram))
     metrics = final.metrics
     if metrics is None:
         return

@@ -57,6 +57,7 @@ class RequestStats:
     # Tokens beyond one per step and sequence: accepted drafts. An upper bound when vLLM merged deltas of
     # several steps (consumer behind); the engine-wide counters in /stats are exact.
     num_spec_accepted_tokens: int = 0
+    num_spec_draft_tokens: int = 0  # proposed drafts (vLLM's per-request metrics; 0 without speculation)
     queued_s: float = 0.0
     prefill_s: float = 0.0
     ttft_s: float = 0.0
