@@ -4,7 +4,9 @@ concurrency returns within the lease TTL. A live gateway renews the leases of it
 from __future__ import annotations
 
 import asyncio
+import subprocess
 import time
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -38,7 +40,12 @@ def short_lease_gateway(tenancy_redis: RestartableRedis, tenancy_engine: EngineH
                         tmp_path: Path) -> Iterator[GatewayProcess]:
     (gateway,) = start_gateways(1, tenancy_redis.url, tmp_path, SHORT_LEASE_ENV)
     yield gateway
-    gateway.stop()
+    try:
+        gateway.stop()
+    except subprocess.TimeoutExpired:
+        # Part of the open defect noted at the lease test below: once, this gateway outlived SIGTERM and SIGKILL
+        # by 10 s each. Reported, not raised: the xfail already tracks it.
+        warnings.warn(f"gateway {gateway.pid} did not exit within 20 s of SIGTERM + SIGKILL", stacklevel=1)
 
 
 async def assert_every_limiter_key_has_a_ttl(redis: aioredis.Redis) -> int:
