@@ -36,7 +36,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from _support import REPO, percentiles, print_table, write_results
+from _support import REPO, percentiles, pin_this_process, print_table, split_cores, write_results
 
 sys.path.insert(0, str(REPO / "tests"))
 
@@ -175,9 +175,8 @@ def main() -> None:
     # The engine gets core 0; everything else (this client, Redis, gateway, controller) core 1. Unpinned, the
     # engine's busy threads starve the gateway's event loop and the victim's tail is CPU queueing, which no KV
     # policy can change (the analyzer calls it gateway_queueing).
-    engine_cpus, platform_cpus = ("0", "1") if (os.cpu_count() or 1) >= 2 and not args.no_pinning else (None, None)
-    if platform_cpus:
-        os.sched_setaffinity(0, {int(platform_cpus)})
+    engine_cpus, platform_cpus = (None, None) if args.no_pinning else split_cores()
+    pin_this_process(platform_cpus)
     redis = EmbeddedRedis().start()
     stack = KVStack(StackOptions(model_dir=model_dir, redis_url=redis.url, run_dir=run_dir,
                                  engine_cpus=engine_cpus, platform_cpus=platform_cpus))

@@ -9,6 +9,7 @@ import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -60,6 +61,17 @@ async def assert_every_limiter_key_has_a_ttl(redis: aioredis.Redis) -> int:
 async def redis_now(redis: aioredis.Redis) -> float:
     seconds, micros = await redis.time()
     return seconds + micros / 1e6
+
+
+async def engine_requests_of(client: httpx.AsyncClient, engine: EngineHost, tenant: str,
+                             within_s: float) -> list[dict[str, Any]]:
+    """The tenant's requests still running on the engine, polled until there are none or ``within_s`` passes."""
+    deadline = time.monotonic() + within_s
+    while True:
+        running = [r for r in (await client.get(f"{engine.url}/requests")).json() if r["tenant"] == tenant]
+        if not running or time.monotonic() > deadline:
+            return running
+        await asyncio.sleep(0.1)
 
 
 async def stream_then_kill(gateway: GatewayProcess, survivor: GatewayProcess, tenant: TenantHandle,
@@ -125,14 +137,8 @@ async def test_sigkilled_gateway_leaks_no_concurrency(tenancy_redis: Restartable
         assert time.monotonic() - killed_at <= SHORT_LEASE_TTL_S + 1.5
 
         # The engine noticed the dropped connection and aborted the orphaned request.
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            running = (await client.get(f"{tenancy_engine.url}/requests")).json()
-            if not any(r["tenant"] == tenant.name for r in running):
-                break
-            await asyncio.sleep(0.1)
-        else:
-            pytest.fail("the engine kept generating for a dead gateway")
+        running = await engine_requests_of(client, tenancy_engine, tenant.name, within_s=10.0)
+        assert not running, f"the engine kept generating for a dead gateway: {running}"
     await assert_every_limiter_key_has_a_ttl(redis_client)
 
 
@@ -179,15 +185,10 @@ async def test_a_long_stream_keeps_its_lease_past_the_ttl(short_lease_gateway: G
         released_after_s = time.monotonic() - left_at
         probe = await client.post(f"{gateways[1].url}/v1/completions", json=completion_body(),
                                   headers=tenant.headers)
-        deadline = time.monotonic() + 5.0
-        while time.monotonic() < deadline:
-            running = (await client.get(f"{tenancy_engine.url}/requests")).json()
-            if not any(r["tenant"] == tenant.name for r in running):
-                break
-            await asyncio.sleep(0.1)
+        running = await engine_requests_of(client, tenancy_engine, tenant.name, within_s=5.0)
     covered_s = samples[-1][0] if samples else 0.0
     assert covered_s > 1.5 * SHORT_LEASE_TTL_S, f"generation ran {covered_s:.1f} s: too short to test renewal"
     assert {n for _, n in samples} == {1}, ([s for s in samples if s[1] != 1][:3], short_lease_gateway.log_tail(2000))
     assert released_after_s < RELEASE_BOUND_S, (released_after_s, short_lease_gateway.log_tail(2000))
     assert probe.status_code == 200 or error_of(probe)["code"] != "max_concurrent_requests", probe.text
-    assert not any(r["tenant"] == tenant.name for r in running), running
+    assert not running, running

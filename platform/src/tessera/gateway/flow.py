@@ -175,9 +175,9 @@ class GenerationFlow:
             return gw.admission.detached_lease(tenant.name, tenant.policy)
 
     async def _route_traced(self, req: CompletionRequest | ChatCompletionRequest, tenant: Tenant,
-                            model: ServedModel, prompt_ids: list[int]) -> tuple[RouteDecision, dict[str, EngineRecord]]:
+                            model: ServedModel, prompt_ids: list[int], salt: str | None,
+                            ) -> tuple[RouteDecision, dict[str, EngineRecord]]:
         gw = self.gw
-        salt = tenant.cache_salt if tenant.policy.prefix_cache_isolation else None
         hashes = block_hash_chain(prompt_ids, model.info.block_size, salt)
         prompt_text = ""
         if gw.router.policy_name == "approx_prefix":
@@ -201,7 +201,7 @@ class GenerationFlow:
                      t_start: float) -> None:
         gw = self.gw
         salt = tenant.cache_salt if tenant.policy.prefix_cache_isolation else None
-        decision, records = await self._route_traced(req, tenant, model, prompt_ids)
+        decision, records = await self._route_traced(req, tenant, model, prompt_ids, salt)
         if not decision.ranked:
             raise APIError(503, f"No engine is serving {req.model!r} right now; retry shortly.",
                            "engine_unavailable", headers={"Retry-After": "2"})
