@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import time
+import warnings
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -96,23 +97,23 @@ class KVStack:
 
     def start(self, timeout_s: float = 600) -> KVStack:
         o = self.options
-        config = {"model": str(o.model_dir), "served_model_name": o.served_model_name, **o.engine}
-        ready: dict[str, Path] = {}
-        for i in range(o.num_engines):
-            engine_id = f"kv-{chr(ord('a') + i)}"
-            ready[engine_id] = o.run_dir / f"{engine_id}.url"
-            ready[engine_id].unlink(missing_ok=True)
-            log = (o.run_dir / f"{engine_id}.log").open("wb")
-            self.engines[engine_id] = subprocess.Popen(
-                _pinned([str(BIN / "tessera"), "engine", "serve", "--config", json.dumps(config), "--engine-id",
-                         engine_id, "--ready-file", str(ready[engine_id])], o.engine_cpus),
-                env=self.env(**({"VLLM_CPU_OMP_THREADS_BIND": o.engine_cpus} if o.engine_cpus else {})),
-                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        ready = {f"kv-{chr(ord('a') + i)}": o.run_dir / f"kv-{chr(ord('a') + i)}.url" for i in range(o.num_engines)}
+        for engine_id, path in ready.items():
+            self._launch_engine(engine_id, path)
         deadline = time.monotonic() + timeout_s
+        relaunched: set[str] = set()
         for engine_id, path in ready.items():
             while not path.exists():
+                if self.engines[engine_id].poll() is not None and engine_id not in relaunched:
+                    # NOTE: once, with the engine's own words in the test report: a start-up failure that
+                    # repeats still fails the run, and the log says why.
+                    warnings.warn(f"engine {engine_id} exited while starting; relaunching it once. Its log:\n"
+                                  f"{self._log_tail(engine_id)}", stacklevel=2)
+                    relaunched.add(engine_id)
+                    self._launch_engine(engine_id, path)
                 if self.engines[engine_id].poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"engine {engine_id} did not start; see {o.run_dir / engine_id}.log")
+                    raise RuntimeError(f"engine {engine_id} did not start; the end of its log:\n"
+                                       f"{self._log_tail(engine_id)}")
                 time.sleep(0.5)
             self.engine_urls[engine_id] = path.read_text().strip()
         port = free_port()
@@ -125,6 +126,20 @@ class KVStack:
         self.gateway_url = f"http://127.0.0.1:{port}"
         self._wait_http(f"{self.gateway_url}/health", self.gateway, deadline, "gateway")
         return self
+
+    def _launch_engine(self, engine_id: str, ready_file: Path) -> None:
+        o = self.options
+        config = {"model": str(o.model_dir), "served_model_name": o.served_model_name, **o.engine}
+        ready_file.unlink(missing_ok=True)
+        self.engines[engine_id] = subprocess.Popen(
+            _pinned([str(BIN / "tessera"), "engine", "serve", "--config", json.dumps(config), "--engine-id",
+                     engine_id, "--ready-file", str(ready_file)], o.engine_cpus),
+            env=self.env(**({"VLLM_CPU_OMP_THREADS_BIND": o.engine_cpus} if o.engine_cpus else {})),
+            stdout=(o.run_dir / f"{engine_id}.log").open("ab"), stderr=subprocess.STDOUT, start_new_session=True)
+
+    def _log_tail(self, engine_id: str, lines: int = 40) -> str:
+        text = (self.options.run_dir / f"{engine_id}.log").read_text(errors="replace")
+        return "\n".join(text.splitlines()[-lines:])
 
     def start_controller(self, policy: dict[str, Any] | None = None, observe_only: bool = False,
                          poll_interval_s: float = 0.1, timeout_s: float = 120) -> None:

@@ -61,7 +61,7 @@ class LoopContext:
     metrics: ControllerMetrics
     policy: PolicyConfig
     poll_interval_s: float = 0.2
-    flag_ttl_s: int = 3
+    flag_ttl_s: int = 10
     observe_only: bool = False
     # The live engines as the controller's discovery last read them (with their pressure flags): a tick
     # never waits on Redis to decide.

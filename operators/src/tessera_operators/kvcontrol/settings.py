@@ -24,8 +24,11 @@ class KVControlSettings(TesseraSettings):
     kvcontrol_tenant_refresh_s: float = Field(
         default=2.0, gt=0.0, description="How often tenants (cache salts, KV quotas) are re-read from Redis."
     )
+    # NOTE: the flags are refreshed every TTL/3 by the loop that holds them, and a loop waits on its engine's
+    # HTTP endpoint: 3 s let a flag lapse (and flap) whenever a saturated engine answered 2 s late. 10 s
+    # tolerates a 6 s stall and still clears a dead controller's flags within 10 s.
     kvcontrol_flag_ttl_s: int = Field(
-        default=3, ge=1,
+        default=10, ge=1,
         description="TTL of the demotion and pressure flags, seconds; refreshed while they hold, so a dead "
         "controller cannot leave a tenant demoted or an engine flagged.",
     )

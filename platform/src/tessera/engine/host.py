@@ -22,6 +22,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -41,8 +42,12 @@ NDJSON_HEADERS = [(b"content-type", b"application/x-ndjson"), (b"cache-control",
 JSON_HEADERS = [(b"content-type", b"application/json")]
 
 
-def free_port(host: str = "127.0.0.1", port_range: str | None = None) -> int:
-    """A free TCP port, inside ``port_range`` ("start-end") when given.
+def reserve_port(host: str, port_range: str | None = None) -> socket.socket:
+    """A TCP socket bound to ``host`` on a free port, inside ``port_range`` ("start-end") when given.
+
+    The caller keeps the socket until it serves on it: a port that is only probed and released can be taken
+    by anything else in the ~20 s an engine takes to start (another engine, or the ephemeral source port of
+    any outgoing connection), and the replica would then die on EADDRINUSE.
 
     NOTE: the Helm chart passes disjoint ranges for the HTTP and the KV-event ports
     (TESSERA_ENGINE_PORT_RANGE, TESSERA_KV_EVENTS_PORT_RANGE) so its NetworkPolicy can open each range
@@ -56,13 +61,40 @@ def free_port(host: str = "127.0.0.1", port_range: str | None = None) -> int:
             raise ValueError(f"port range {port_range!r} is invalid: use 'start-end' within 1-65535")
         candidates = random.sample(range(first, last + 1), min(64, last - first + 1))
     for port in candidates:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            try:
-                sock.bind((host if port == 0 else "0.0.0.0", port))
-            except OSError:
-                continue
-            return int(sock.getsockname()[1])
-    raise OSError(f"no free port in {port_range}")
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+            # Listening is what makes the hold exclusive: two bound, non-listening SO_REUSEADDR sockets may
+            # share a port. Connections that arrive early wait in the backlog until the server starts.
+            sock.listen(1024)
+        except OSError:
+            sock.close()
+            continue
+        return sock
+    if port_range is None:
+        raise OSError(f"no free port on {host}")
+    raise OSError(f"port {candidates[0]} is in use" if len(candidates) == 1 else f"no free port in {port_range}")
+
+
+def free_port(host: str = "127.0.0.1", port_range: str | None = None) -> int:
+    """A port that was free a moment ago; for a port someone else binds later (use reserve_port otherwise)."""
+    # A port from a range must be free on every interface: whoever takes it may bind 0.0.0.0.
+    with reserve_port("0.0.0.0" if port_range else host, port_range) as sock:
+        return int(sock.getsockname()[1])
+
+
+def below_ephemeral_range(width: int = 10000) -> str | None:
+    """The ``width`` ports just below the kernel's ephemeral range, as "start-end" (None where unknown).
+
+    vLLM binds the KV-event port itself, after start-up, so that port cannot be held for it. Picked from
+    outside the ephemeral range, it cannot be taken meanwhile by an outgoing connection's source port.
+    """
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return f"{low - width}-{low - 1}" if low - width >= 1024 else None
 
 
 @dataclass(slots=True)
@@ -107,8 +139,13 @@ class EngineHost:
         self.redis_url = redis_url
         self.engine_id = engine_id or f"engine-{uuid.uuid4().hex[:8]}"
         self.advertise_host = advertise_host
-        self.port = config.http_port or free_port(port_range=os.environ.get("TESSERA_ENGINE_PORT_RANGE"))
-        self.kv_events_port = (free_port(port_range=os.environ.get("TESSERA_KV_EVENTS_PORT_RANGE"))
+        # Held from here until the server listens on it (see reserve_port).
+        self._http_socket = (reserve_port(config.http_host, f"{config.http_port}-{config.http_port}")
+                             if config.http_port else
+                             reserve_port(config.http_host, os.environ.get("TESSERA_ENGINE_PORT_RANGE")))
+        self.port = int(self._http_socket.getsockname()[1])
+        self.kv_events_port = (free_port(port_range=os.environ.get("TESSERA_KV_EVENTS_PORT_RANGE")
+                                         or below_ephemeral_range())
                                if config.kv_events.enabled else 0)
         self.tracker = LoadTracker()
         self.in_flight: dict[str, InFlight] = {}
@@ -175,6 +212,7 @@ class EngineHost:
             logger.exception("engine host %s stopped with an error", self.engine_id)
         finally:
             self._ready.set()
+            self._http_socket.close()  # no-op once the server owns and closed it
             if self.engine is not None:
                 # Inside the loop: vLLM closes its asyncio ZMQ sockets only from a running loop (from outside
                 # it schedules the close on this loop, which never runs again), and a ZMQ context with open
@@ -206,7 +244,7 @@ class EngineHost:
         indexer = asyncio.create_task(self._index_loop())
         watchdog = asyncio.create_task(self._ready_when_listening())
         try:
-            await self._server.serve()
+            await self._server.serve(sockets=[self._http_socket])
         finally:
             heartbeat.cancel()
             indexer.cancel()
@@ -242,16 +280,19 @@ class EngineHost:
 
         redis = connect(self.redis_url)
         registry = EngineRegistry(redis, self.config.heartbeat_interval_s)
-        load = self.tracker.snapshot()
-        await register_model(redis, ModelInfo(
-            name=self.config.served_model_name, tokenizer=self.config.tokenizer_path,
-            max_model_len=self.config.max_model_len, block_size=load.block_size,
-        ))
+        model = ModelInfo(name=self.config.served_model_name, tokenizer=self.config.tokenizer_path,
+                          max_model_len=self.config.max_model_len, block_size=self.tracker.snapshot().block_size)
+        model_registered = False
         try:
             while True:
-                # A dead engine stops heartbeating, so the gateway stops routing to it within the TTL.
+                # A dead engine stops heartbeating, so the gateway stops routing to it within the TTL. A Redis
+                # error is retried on the next beat: one slow answer at start-up must not leave the replica
+                # serving but unregistered for good.
                 if self.is_healthy():
                     try:
+                        if not model_registered:
+                            await register_model(redis, model)
+                            model_registered = True
                         await registry.heartbeat(self.record())
                     except Exception as exc:
                         logger.warning("heartbeat to Redis failed: %s", exc)
@@ -273,9 +314,15 @@ class EngineHost:
         redis = connect(self.redis_url, timeout_s=5.0)
         index = PrefixIndex(redis)
         try:
-            await index.clear_engine(self.engine_id)
-            live = [e.engine_id for e in await EngineRegistry(redis).live_engines()]
-            await index.sweep([*live, self.engine_id])
+            while True:  # as the heartbeat: a Redis error at start-up is retried, never fatal to the feed
+                try:
+                    await index.clear_engine(self.engine_id)
+                    live = [e.engine_id for e in await EngineRegistry(redis).live_engines()]
+                    await index.sweep([*live, self.engine_id])
+                    break
+                except Exception as exc:
+                    logger.warning("preparing the prefix index failed, retrying: %s", exc)
+                    await asyncio.sleep(1.0)
             self.index_stats = FeedStats()  # read by tests and /stats consumers while the feed runs
             await feed_index(index, self.engine_id, events, self.index_stats)
         finally:
