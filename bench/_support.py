@@ -57,12 +57,13 @@ def start_engine(
 ) -> tuple[subprocess.Popen[bytes], str]:
     ready = log.with_suffix(".url")
     ready.unlink(missing_ok=True)
+    # process_group, not a new session: see tests/support/gateways.py (autogroup starvation beside vLLM).
     # Bound to ``cpus``, vLLM's OpenMP threads must be told too (its auto binding would pick core 0 anyway).
     bind = {"VLLM_CPU_OMP_THREADS_BIND": cpus} if cpus else {}
     proc = subprocess.Popen(
         _pinned([str(BIN / "tessera"), "engine", "serve", "--config", json.dumps(config), "--ready-file", str(ready)],
                 cpus),
-        env={**os.environ, **env, **bind}, stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True,
+        env={**os.environ, **env, **bind}, stdout=log.open("wb"), stderr=subprocess.STDOUT, process_group=0,
     )
     deadline = time.monotonic() + timeout_s
     while not ready.exists():
@@ -80,7 +81,7 @@ def start_gateway(
         _pinned([str(BIN / "python"), "-m", "uvicorn", "tessera.gateway.app:create_app", "--factory", "--port",
                  str(port), "--workers", str(workers), "--loop", "uvloop", "--http", "httptools", "--no-access-log",
                  "--log-level", "warning"], cpus),
-        env={**os.environ, **env}, stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True,
+        env={**os.environ, **env}, stdout=log.open("wb"), stderr=subprocess.STDOUT, process_group=0,
     )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout_s

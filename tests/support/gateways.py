@@ -1,7 +1,14 @@
 """Real gateway processes for tests: ``uvicorn tessera.gateway.app:create_app --factory`` on free ports.
 
-Each gateway is its own process group (``start_new_session``), so ``kill()`` (SIGKILL) and ``stop()``
-(SIGTERM, then SIGKILL) reach exactly the processes this helper started.
+Each gateway is its own process group, so ``kill()`` (SIGKILL) and ``stop()`` (SIGTERM, then SIGKILL) reach
+exactly the processes this helper started.
+
+NOTE: a process group, not a session (``start_new_session``). With the kernel's autogroup scheduling
+(``/proc/sys/kernel/sched_autogroup_enabled``, on here), every session is a scheduling group of its own,
+and on this 2-core machine's kernel (6.18, EEVDF) a gateway alone in its group, sharing a core with vLLM's
+core-pinned, busy-polling worker threads, was seen runnable yet unscheduled for 1-10 s at a time
+(/proc/PID/sched: 2 ms of CPU and one context switch in 4 s; the run queue held it next to the vLLM
+threads). Its lease renewals then fired seconds late. In the test's own session it is scheduled fairly.
 """
 
 from __future__ import annotations
@@ -95,7 +102,7 @@ def spawn_gateway(redis_url: str, log_dir: Path, env: Mapping[str, str] | None =
            "--host", "127.0.0.1", "--port", str(port), "--workers", str(workers),
            "--loop", "uvloop", "--http", "httptools", "--no-access-log", "--log-level", "warning"]
     with open(log_path, "ab") as log:
-        process = subprocess.Popen(cmd, env=full_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        process = subprocess.Popen(cmd, env=full_env, stdout=log, stderr=subprocess.STDOUT, process_group=0)
     return GatewayProcess(port, process, log_path)
 
 

@@ -3,6 +3,9 @@ gateway process (uvicorn), and the controller (``tessera-kvcontrol``), each its 
 spans to one run directory. Nothing is faked: real vLLM (CPU build), real Redis, real HTTP.
 
 Also a streaming client that measures TTFT and E2E the way a user sees them.
+
+Each process is its own process group in the caller's session, never a session of its own: see
+tests/support/gateways.py for how a lone autogroup was starved beside vLLM's busy threads.
 """
 
 from __future__ import annotations
@@ -122,7 +125,7 @@ class KVStack:
                      str(port), "--workers", "1", "--loop", "uvloop", "--http", "httptools", "--no-access-log",
                      "--log-level", "warning"], o.platform_cpus),
             env=self.env(), stdout=(o.run_dir / "gateway.log").open("wb"), stderr=subprocess.STDOUT,
-            start_new_session=True)
+            process_group=0)
         self.gateway_url = f"http://127.0.0.1:{port}"
         self._wait_http(f"{self.gateway_url}/health", self.gateway, deadline, "gateway")
         return self
@@ -135,7 +138,7 @@ class KVStack:
             _pinned([str(BIN / "tessera"), "engine", "serve", "--config", json.dumps(config), "--engine-id",
                      engine_id, "--ready-file", str(ready_file)], o.engine_cpus),
             env=self.env(**({"VLLM_CPU_OMP_THREADS_BIND": o.engine_cpus} if o.engine_cpus else {})),
-            stdout=(o.run_dir / f"{engine_id}.log").open("ab"), stderr=subprocess.STDOUT, start_new_session=True)
+            stdout=(o.run_dir / f"{engine_id}.log").open("ab"), stderr=subprocess.STDOUT, process_group=0)
 
     def _log_tail(self, engine_id: str, lines: int = 40) -> str:
         text = (self.options.run_dir / f"{engine_id}.log").read_text(errors="replace")
@@ -152,7 +155,7 @@ class KVStack:
         log = (self.options.run_dir / "kvcontrol.log").open("ab")
         self.controller = subprocess.Popen(_pinned([str(BIN / "tessera-kvcontrol")], self.options.platform_cpus),
                                            env=env, stdout=log,
-                                           stderr=subprocess.STDOUT, start_new_session=True)
+                                           stderr=subprocess.STDOUT, process_group=0)
         self.metrics_url = f"http://127.0.0.1:{port}/metrics"
         deadline = time.monotonic() + timeout_s
         self._wait_http(self.metrics_url, self.controller, deadline, "kvcontrol")
