@@ -164,7 +164,10 @@ class Loader:
                 n += 1
                 body = {"request_id": f"{self.tenant}-{i}-{n}-{random.getrandbits(32)}",
                         "prompt_token_ids": prompt(1400, n * 10 + i), "max_tokens": 300 + 70 * i, "ignore_eos": True,
-                        "cache_salt": self.tenant}
+                        "cache_salt": self.tenant,
+                        # Background load at low priority: at the engine's default (0, critical) the loops'
+                        # ever-new requests would go ahead of the test's normal-class request forever.
+                        "priority": PRIORITY_VALUES["low"]}
                 async with client.stream("POST", f"{self.url}/generate", json=body,
                                          headers={"x-tessera-tenant": self.tenant}) as resp:
                     async for _ in resp.aiter_lines():
