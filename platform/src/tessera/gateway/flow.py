@@ -14,12 +14,14 @@ import jinja2
 import orjson
 from opentelemetry.trace import Span
 from pydantic import ValidationError
+from redis.exceptions import NoScriptError
 
 from tessera.gateway.engine_client import StreamResult
 from tessera.gateway.errors import STORE_ERRORS, APIError, bad_request, invalid_field, unauthorized
 from tessera.gateway.openai_format import ChunkWriter, finish_reason, full_response, usage
 from tessera.gateway.schemas import ChatCompletionRequest, CompletionRequest
 from tessera.routing.hashing import block_hash_chain
+from tessera.routing.router import RoutePlan
 from tessera.routing.snapshot import RouteDecision, RouteRequest
 from tessera.tenancy.admission import Lease, Rejection
 from tessera.tenancy.billing import FinishQueue
@@ -41,6 +43,13 @@ APPROX_PREFIX_CHARS = 4096
 # requests of the low and batch classes get 503 + Retry-After (they are the deferrable ones); the others
 # are admitted and queue in the engine by priority.
 SHED_UNDER_PRESSURE_FROM = PRIORITY_VALUES["low"]
+# A tenant rejected within this long gets its next admission without the prefix lookup riding along.
+REJECTED_HINT_S = 1.0
+MAX_REJECTION_HINTS = 10_000
+
+# A request's routing inputs as admission leaves them: the request, its plan (None: the registry could not
+# be read), and the prefix lookup's answer (None: it did not ride along with admission).
+Routing = tuple["RouteRequest", "RoutePlan | None", "dict[str, int] | None"]
 
 
 async def read_body(receive: Receive, headers: dict[str, str], limit: int) -> bytes:
@@ -68,6 +77,8 @@ class GenerationFlow:
         # Fail-open mode only: what this process last read from Redis, served while Redis is unreachable.
         self._known_models: dict[str, ServedModel] = {}
         self._known_routes: dict[str, tuple[RouteDecision, dict[str, EngineRecord]]] = {}
+        # tenant -> when this process last rejected it (see _admit).
+        self._rejected_at: dict[str, float] = {}
 
     async def handle(self, chat: bool, scope: Scope, receive: Receive, send: Send, headers: dict[str, str],
                      request_id: str, trace_carrier: dict[str, str], span: Span) -> None:
@@ -97,13 +108,19 @@ class GenerationFlow:
                            "priority requests wait until it frees.", "engine_under_pressure",
                            headers={"Retry-After": "1"})
         reserve = len(prompt_ids) + max_tokens * req.n
+        salt = tenant.cache_salt if tenant.policy.prefix_cache_isolation else None
+        route_request = self._route_request(req, tenant, model, prompt_ids, salt)
+        plan = await self._plan(route_request)
         t_admit = time.monotonic()
-        # NOTE: routing waits for admission on purpose: overlapping them saves a round trip, but makes every
-        # rejected request (a flood of over-limit ones) cost the routing's Redis work too.
+        # Routing waits for admission's verdict, but its prefix lookup rides in admission's round trip (see
+        # _admit): a rejected request costs no routing work beyond that, an admitted one saves a round trip.
         with gw.tracer.start_as_current_span("admission") as adm_span:
-            decision = await self._admit(tenant, reserve)
+            decision, cached = await self._admit(tenant, reserve, plan)
             adm_span.set_attribute("tessera.admitted", isinstance(decision, Lease))
         if isinstance(decision, Rejection):
+            if len(self._rejected_at) >= MAX_REJECTION_HINTS:
+                self._rejected_at.clear()
+            self._rejected_at[tenant.name] = time.monotonic()
             gw.metrics.rejected(tenant.name, decision.limit)
             span.set_attribute("tessera.rejected", decision.limit)
             raise APIError(429, decision.message, decision.limit,
@@ -114,8 +131,8 @@ class GenerationFlow:
         result = StreamResult()
         keeper = None if lease.detached else asyncio.ensure_future(self._keep_lease(lease))
         try:
-            await self._serve(chat, req, tenant, model, prompt_ids, max_tokens, request_id, trace_carrier,
-                              span, send, receive, result, t_start)
+            await self._serve(chat, req, tenant, prompt_ids, max_tokens, salt, (route_request, plan, cached),
+                               request_id, trace_carrier, span, send, receive, result, t_start)
         finally:
             if keeper is not None:
                 keeper.cancel()
@@ -164,29 +181,69 @@ class GenerationFlow:
             self._known_routes[request.model] = routed
         return routed
 
-    async def _admit(self, tenant: Tenant, reserve: int) -> Lease | Rejection:
+    async def _plan(self, request: RouteRequest) -> RoutePlan | None:
+        """The route's plan from the cached registry; None when the registry cannot be read (the route then
+        tries again after admission, and answers by the fail mode)."""
+        try:
+            return await self.gw.router.plan(request)
+        except STORE_ERRORS:
+            return None
+
+    async def _admit(self, tenant: Tenant, reserve: int,
+                     plan: RoutePlan | None) -> tuple[Lease | Rejection, dict[str, int] | None]:
+        """Admission, and the plan's prefix lookup in the same round trip. Returns the lookup's answer, or
+        None when the lookup did not ride along: no plan, or the tenant was rejected moments ago (a flood of
+        over-limit requests then costs Redis the admission alone)."""
         gw = self.gw
         try:
-            return await gw.admission.admit(tenant.name, tenant.policy, reserve)
+            if plan is not None and plan.lookup_args is None:
+                return await gw.admission.admit(tenant.name, tenant.policy, reserve), {}
+            recently_rejected = time.monotonic() - self._rejected_at.get(tenant.name, -1e9) < REJECTED_HINT_S
+            if plan is None or recently_rejected:
+                return await gw.admission.admit(tenant.name, tenant.policy, reserve), None
+            return await self._admit_with_lookup(tenant, reserve, plan)
         except STORE_ERRORS:
             if not gw.settings.redis_fail_open:
                 raise
             gw.metrics.fail_open(tenant.name)
-            return gw.admission.detached_lease(tenant.name, tenant.policy)
+            return gw.admission.detached_lease(tenant.name, tenant.policy), None
 
-    async def _route_traced(self, req: CompletionRequest | ChatCompletionRequest, tenant: Tenant,
-                            model: ServedModel, prompt_ids: list[int], salt: str | None,
-                            ) -> tuple[RouteDecision, dict[str, EngineRecord]]:
+    async def _admit_with_lookup(self, tenant: Tenant, reserve: int,
+                                 plan: RoutePlan) -> tuple[Lease | Rejection, dict[str, int] | None]:
         gw = self.gw
-        hashes = block_hash_chain(prompt_ids, model.info.block_size, salt)
+        call = gw.admission.prepare(tenant.name, tenant.policy, reserve)
+        pipe = gw.redis.pipeline(transaction=False)
+        pipe.evalsha(gw.admission.admit_sha, len(call.keys), *call.keys, *call.args)
+        pipe.evalsha(gw.router.lookup_sha, 0, *(plan.lookup_args or ()))
+        admitted, found = await pipe.execute(raise_on_error=False)
+        # NOSCRIPT (a restarted or flushed Redis): that script did not run, and the standalone call loads it.
+        if isinstance(admitted, NoScriptError):
+            decision = await gw.admission.admit(tenant.name, tenant.policy, reserve)
+        elif isinstance(admitted, Exception):
+            raise admitted
+        else:
+            decision = call.outcome(admitted)
+        return decision, None if isinstance(found, Exception) else gw.router.parse_lookup(found)
+
+    def _route_request(self, req: CompletionRequest | ChatCompletionRequest, tenant: Tenant, model: ServedModel,
+                       prompt_ids: list[int], salt: str | None) -> RouteRequest:
         prompt_text = ""
-        if gw.router.policy_name == "approx_prefix":
+        if self.gw.router.policy_name == "approx_prefix":
             prompt_text = model.tokenizer.decode(prompt_ids[:APPROX_PREFIX_CHARS // 2])
-        with gw.tracer.start_as_current_span("route") as route_span:
-            decision, records = await self._route(RouteRequest(
-                tenant=tenant.name, model=req.model, num_prompt_tokens=len(prompt_ids), block_hashes=hashes,
-                prompt_prefix=prompt_text, session_id=req.user,
-            ))
+        return RouteRequest(tenant=tenant.name, model=req.model, num_prompt_tokens=len(prompt_ids),
+                            block_hashes=block_hash_chain(prompt_ids, model.info.block_size, salt),
+                            prompt_prefix=prompt_text, session_id=req.user)
+
+    async def _route_traced(self, routing: Routing) -> tuple[RouteDecision, dict[str, EngineRecord]]:
+        request, plan, cached = routing
+        with self.gw.tracer.start_as_current_span("route") as route_span:
+            if plan is not None and cached is not None:
+                decision, records = self.gw.router.decide(plan, cached)
+                if self.gw.settings.redis_fail_open:
+                    self._known_routes[request.model] = (decision, records)
+            else:
+                decision, records = await self._route(request)  # its own round trip(s)
+            hashes = request.block_hashes
             route_span.set_attributes({"tessera.route.reason": decision.reason,
                                        "tessera.route.expected_cached_tokens": decision.expected_cached_tokens,
                                        # The chain's first block names the prefix in the controller's
@@ -196,12 +253,11 @@ class GenerationFlow:
         return decision, records
 
     async def _serve(self, chat: bool, req: CompletionRequest | ChatCompletionRequest, tenant: Tenant,
-                     model: ServedModel, prompt_ids: list[int], max_tokens: int, request_id: str,
+                     prompt_ids: list[int], max_tokens: int, salt: str | None, routing: Routing, request_id: str,
                      carrier: dict[str, str], span: Span, send: Send, receive: Receive, result: StreamResult,
                      t_start: float) -> None:
         gw = self.gw
-        salt = tenant.cache_salt if tenant.policy.prefix_cache_isolation else None
-        decision, records = await self._route_traced(req, tenant, model, prompt_ids, salt)
+        decision, records = await self._route_traced(routing)
         if not decision.ranked:
             raise APIError(503, f"No engine is serving {req.model!r} right now; retry shortly.",
                            "engine_unavailable", headers={"Retry-After": "2"})

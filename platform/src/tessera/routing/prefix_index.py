@@ -29,6 +29,7 @@ NOTE: the scripts touch keys they compute, so the index needs a single Redis (no
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import redis.asyncio as aioredis
 
@@ -133,7 +134,20 @@ class PrefixIndex:
         engines holding none are left out."""
         if not chain or not engine_ids:
             return {}
-        flat = await self._lookup(keys=[], args=[len(engine_ids), *engine_ids, *chain])
+        return self.parse_lookup(await self._lookup(keys=[], args=self.lookup_args(chain, engine_ids)))
+
+    # The lookup in pieces, for a caller that sends it in one round trip with other commands:
+    # ``EVALSHA lookup_sha 0 *lookup_args(...)``, then ``parse_lookup`` on its reply.
+    @property
+    def lookup_sha(self) -> str:
+        return str(self._lookup.sha)
+
+    @staticmethod
+    def lookup_args(chain: Sequence[int], engine_ids: Sequence[str]) -> list[str | int]:
+        return [len(engine_ids), *engine_ids, *chain]
+
+    @staticmethod
+    def parse_lookup(flat: Sequence[Any]) -> dict[str, int]:
         return {_text(flat[i]): int(flat[i + 1]) for i in range(0, len(flat), 2)}
 
     async def apply(self, engine_id: str, ops: Sequence[Op]) -> None:

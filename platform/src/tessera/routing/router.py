@@ -1,7 +1,8 @@
 """The gateway-side adapter around the pure policies: reads the registry and prefix index from Redis,
 keeps this process's in-flight counts, and asks the configured policy for a ranking.
 
-Redis cost per request: one Lua call for the prefix lookup (only for policies that use it). The registry
+Redis cost per request: one Lua call for the prefix lookup (only for policies that use it), which the
+gateway sends in the same round trip as the admission (see ``plan``/``decide``). The registry
 is re-read off the request path every ``REGISTRY_CACHE_S`` by a refresher that runs while requests come
 (it stops after ``REFRESHER_IDLE_S`` without one); a request reads it itself only when the copy is older
 than ``REGISTRY_MAX_AGE_S`` (the first request, or a refresher that Redis stalls).
@@ -13,6 +14,7 @@ import asyncio
 import logging
 import time
 from collections import defaultdict
+from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
@@ -40,6 +42,16 @@ INDEX_POLICIES = frozenset({"prefix_affinity"})
 def engine_view(record: EngineRecord) -> EngineView:
     return EngineView(record.engine_id, record.url, record.num_running, record.num_waiting, record.kv_cache_usage,
                       record.num_gpu_blocks, record.block_size, record.under_pressure)
+
+
+@dataclass(frozen=True, slots=True)
+class RoutePlan:
+    """A request's route before the prefix lookup: the live engines, and the lookup's script arguments
+    (None when the policy or the prompt needs no lookup)."""
+
+    request: RouteRequest
+    records: list[EngineRecord]
+    lookup_args: list[str | int] | None
 
 
 class Router:
@@ -89,13 +101,35 @@ class Router:
                 await asyncio.sleep(REGISTRY_CACHE_S)
 
     async def route(self, request: RouteRequest) -> tuple[RouteDecision, dict[str, EngineRecord]]:
+        plan = await self.plan(request)
+        return self.decide(plan, await self.lookup(plan))
+
+    # ``route`` in three steps, for a caller that sends the lookup in one round trip with other commands:
+    # ``plan`` (the cached registry, no Redis call as a rule), the lookup (``lookup``, or ``EVALSHA lookup_sha
+    # 0 *plan.lookup_args`` and ``parse_lookup``), and ``decide`` (pure).
+
+    async def plan(self, request: RouteRequest) -> RoutePlan:
         records = await self.engines(request.model)
-        views = tuple(engine_view(r) for r in records)
-        cached: dict[str, int] = {}
-        if self._prefix_index is not None and request.block_hashes and views:
-            cached = await self._prefix_index.longest_prefixes(request.block_hashes, [v.engine_id for v in views])
-        snapshot = RouteSnapshot(views, cached, dict(self.in_flight))
-        return self._policy(snapshot, request), {r.engine_id: r for r in records}
+        lookup_args = None
+        if self._prefix_index is not None and request.block_hashes and records:
+            lookup_args = PrefixIndex.lookup_args(request.block_hashes, [r.engine_id for r in records])
+        return RoutePlan(request, records, lookup_args)
+
+    @property
+    def lookup_sha(self) -> str:
+        return self._prefix_index.lookup_sha if self._prefix_index is not None else ""
+
+    parse_lookup = staticmethod(PrefixIndex.parse_lookup)
+
+    async def lookup(self, plan: RoutePlan) -> dict[str, int]:
+        if self._prefix_index is None or plan.lookup_args is None:
+            return {}
+        return await self._prefix_index.longest_prefixes(plan.request.block_hashes,
+                                                         [r.engine_id for r in plan.records])
+
+    def decide(self, plan: RoutePlan, cached: dict[str, int]) -> tuple[RouteDecision, dict[str, EngineRecord]]:
+        snapshot = RouteSnapshot(tuple(engine_view(r) for r in plan.records), cached, dict(self.in_flight))
+        return self._policy(snapshot, plan.request), {r.engine_id: r for r in plan.records}
 
     def started(self, engine_id: str) -> None:
         self.in_flight[engine_id] += 1

@@ -91,6 +91,18 @@ def rejection_from_script(result: list[object]) -> Rejection:
                      int(result[3]), int(result[4]))  # type: ignore[call-overload]
 
 
+@dataclass(frozen=True, slots=True)
+class AdmitCall:
+    """One prepared admission: the lease it grants if the script admits it, and the script's KEYS and ARGV."""
+
+    lease: Lease
+    keys: list[str]
+    args: list[str | int | float]
+
+    def outcome(self, result: list[object]) -> Lease | Rejection:
+        return self.lease if int(result[0]) == 1 else rejection_from_script(result)  # type: ignore[call-overload]
+
+
 class Admission:
     def __init__(self, redis: aioredis.Redis, lease_ttl_s: float = LEASE_TTL_S) -> None:
         if lease_ttl_s <= 0:
@@ -102,25 +114,30 @@ class Admission:
         self._renew = redis.register_script(_lua("renew.lua"))
 
     async def admit(self, tenant: str, policy: TenantPolicy, reserve_tokens: int) -> Lease | Rejection:
+        call = self.prepare(tenant, policy, reserve_tokens)
+        return call.outcome(await self._admit(keys=call.keys, args=call.args))
+
+    def prepare(self, tenant: str, policy: TenantPolicy, reserve_tokens: int) -> AdmitCall:
+        """The admission as a script call, for a caller that sends it in one round trip with other commands
+        (``EVALSHA admit_sha len(keys) *keys *args``; on NOSCRIPT, ``admit`` loads the script)."""
         period_id, budget_ttl = period_window(policy.budget_period, datetime.now(UTC))
         keys = limiter_keys(tenant, period_id)
         lease_id = uuid.uuid4().hex
-        result = await self._admit(
-            keys=keys,
-            args=[
-                policy.requests_per_minute or 0,
-                policy.tokens_per_minute or 0,
-                policy.max_concurrent_requests or 0,
-                policy.token_budget or 0,
-                reserve_tokens,
-                lease_id,
-                self.lease_ttl_s,
-                budget_ttl,
-            ],
-        )
-        if int(result[0]) == 1:
-            return Lease(lease_id, tenant, reserve_tokens, tuple(keys))
-        return rejection_from_script(result)
+        args: list[str | int | float] = [
+            policy.requests_per_minute or 0,
+            policy.tokens_per_minute or 0,
+            policy.max_concurrent_requests or 0,
+            policy.token_budget or 0,
+            reserve_tokens,
+            lease_id,
+            self.lease_ttl_s,
+            budget_ttl,
+        ]
+        return AdmitCall(Lease(lease_id, tenant, reserve_tokens, tuple(keys)), keys, args)
+
+    @property
+    def admit_sha(self) -> str:
+        return str(self._admit.sha)
 
     def detached_lease(self, tenant: str, policy: TenantPolicy) -> Lease:
         """The lease of a request admitted while Redis is unreachable (fail-open mode)."""

@@ -1,0 +1,114 @@
+"""Admission and the prefix lookup share one Redis round trip (GenerationFlow._admit), against real Redis:
+the pipelined answers equal the standalone ones, a recently rejected tenant's admissions travel alone, and a
+Redis that lost its scripts (NOSCRIPT) still admits exactly once."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from tessera.engine.registry import EngineRecord, EngineRegistry
+from tessera.gateway.app import Gateway
+from tessera.gateway.flow import GenerationFlow
+from tessera.redis_conn import EmbeddedRedis
+from tessera.routing.hashing import block_hash_chain
+from tessera.routing.prefix_index import PrefixIndex
+from tessera.routing.snapshot import RouteRequest
+from tessera.settings import TesseraSettings
+from tessera.tenancy.admission import Lease, Rejection
+from tessera.tenancy.policy import TenantPolicy
+from tessera.tenancy.store import Tenant
+
+BLOCK = 32
+
+
+@pytest.fixture
+async def gateway(redis_server: EmbeddedRedis) -> AsyncIterator[Gateway]:
+    gw = Gateway(TesseraSettings(redis_url=redis_server.url, trace_exporter="none"))
+    yield gw
+    await gw.router.close()
+    await gw.redis.aclose()
+
+
+async def _setup(gw: Gateway, policy: TenantPolicy) -> tuple[Tenant, RouteRequest, tuple[int, ...]]:
+    """A tenant, two live engines of a fresh model, and a prompt whose first 2 blocks engine -a holds."""
+    suffix = uuid.uuid4().hex[:8]
+    tenant = await gw.store.create_tenant(f"rt-{suffix}", policy)
+    model = f"rt-model-{suffix}"
+    registry = EngineRegistry(gw.redis)
+    for name in ("a", "b"):
+        await registry.heartbeat(EngineRecord(f"rt-{suffix}-{name}", f"http://127.0.0.1:1/{name}", model, BLOCK,
+                                              64, 4096))
+    prompt = list(range(100, 100 + 3 * BLOCK))
+    chain = block_hash_chain(prompt, BLOCK, tenant.cache_salt)
+    await PrefixIndex(gw.redis).apply(f"rt-{suffix}-a", [("store", h) for h in chain[:2]])
+    request = RouteRequest(tenant=tenant.name, model=model, num_prompt_tokens=len(prompt), block_hashes=chain,
+                           prompt_prefix="", session_id=None)
+    return tenant, request, chain
+
+
+def _forbid(obj: Any, name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    async def called(*_: Any, **__: Any) -> None:
+        raise AssertionError(f"{name} made a round trip of its own")
+    monkeypatch.setattr(obj, name, called)
+
+
+async def test_an_admitted_request_gets_its_prefix_lookup_in_the_same_round_trip(
+        gateway: Gateway, monkeypatch: pytest.MonkeyPatch) -> None:
+    flow = GenerationFlow(gateway)
+    tenant, request, _ = await _setup(gateway, TenantPolicy(requests_per_minute=10))
+    plan = await gateway.router.plan(request)
+    standalone = await gateway.router.lookup(plan)
+    assert standalone == {f"{request.model.replace('rt-model', 'rt')}-a": 2}
+    await flow._admit(tenant, 500, plan)  # a fresh Redis has no scripts yet: the first admission loads them
+    _forbid(gateway.admission, "admit", monkeypatch)
+    _forbid(gateway.router, "lookup", monkeypatch)
+    decision, cached = await flow._admit(tenant, 500, plan)
+    assert isinstance(decision, Lease)
+    assert cached == standalone
+    route, _ = gateway.router.decide(plan, cached)
+    assert route.ranked[0].endswith("-a") and route.expected_cached_tokens == 2 * BLOCK
+    assert await gateway.admission.in_flight(tenant.name) == 2
+
+
+async def test_a_recently_rejected_tenant_is_admitted_without_the_lookup(gateway: Gateway) -> None:
+    flow = GenerationFlow(gateway)
+    tenant, request, _ = await _setup(gateway, TenantPolicy(requests_per_minute=1))
+    plan = await gateway.router.plan(request)
+    first, cached = await flow._admit(tenant, 100, plan)
+    assert isinstance(first, Lease) and cached is not None
+    second, cached = await flow._admit(tenant, 100, plan)
+    assert isinstance(second, Rejection) and second.limit == "requests_per_minute"
+    flow._rejected_at[tenant.name] = time.monotonic()  # as handle() records it
+    third, cached = await flow._admit(tenant, 100, plan)
+    assert isinstance(third, Rejection) and cached is None  # no lookup rode along
+
+
+async def test_lost_scripts_still_admit_once_and_route_later(gateway: Gateway) -> None:
+    flow = GenerationFlow(gateway)
+    tenant, request, _ = await _setup(gateway, TenantPolicy(requests_per_minute=2))
+    plan = await gateway.router.plan(request)
+    await gateway.redis.script_flush()  # a restarted Redis: neither script is loaded
+    decision, cached = await flow._admit(tenant, 100, plan)
+    assert isinstance(decision, Lease)
+    assert cached is None  # the lookup failed with NOSCRIPT: the route does its own
+    route, _ = await flow._route_traced((request, plan, cached))
+    assert route.ranked[0].endswith("-a")
+    # Admitted exactly once: one more fits under 2/min, the next does not.
+    assert isinstance(await gateway.admission.admit(tenant.name, tenant.policy, 100), Lease)
+    assert isinstance(await gateway.admission.admit(tenant.name, tenant.policy, 100), Rejection)
+
+
+async def test_a_prompt_without_full_blocks_needs_no_lookup(gateway: Gateway) -> None:
+    flow = GenerationFlow(gateway)
+    tenant, request, _ = await _setup(gateway, TenantPolicy())
+    short = RouteRequest(tenant=tenant.name, model=request.model, num_prompt_tokens=5, block_hashes=(),
+                         prompt_prefix="", session_id=None)
+    plan = await gateway.router.plan(short)
+    assert plan.lookup_args is None
+    decision, cached = await flow._admit(tenant, 100, plan)
+    assert isinstance(decision, Lease) and cached == {}
