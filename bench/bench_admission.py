@@ -118,7 +118,10 @@ def ttft_direct(client: httpx.Client, engine_url: str, i: int) -> float:
     with client.stream("POST", f"{engine_url}/generate", json=body) as response:
         lines = response.iter_lines()
         for line in lines:
-            if line and "d" in orjson.loads(line):
+            # The first delta with text: the first event the gateway can stream for a completion (it sends no
+            # role chunk, and a delta whose bytes do not yet decode carries no text). Counting any delta here
+            # overstated the gateway's added TTFT whenever the model's first token was such a fragment.
+            if line and orjson.loads(line).get("t"):
                 ttft = time.perf_counter() - t0
                 break
         for _ in lines:
