@@ -11,7 +11,7 @@ ENGINES ?= 1
 MODEL ?=
 PYTEST_ARGS ?=
 
-.PHONY: install run test lint unit integration e2e bench bench-gateway bench-admission bench-routing \
+.PHONY: install run test lint unit integration e2e bench bench-gateway bench-gateway-hops bench-admission bench-routing \
         bench-kvcontrol bench-loadgen helm-check clean
 
 install: $(STAMP)
@@ -49,10 +49,13 @@ integration: install
 e2e: install
 	$(BIN)/python -m pytest -q tests/e2e
 
-bench: bench-gateway bench-admission bench-routing bench-kvcontrol bench-loadgen
+bench: bench-gateway bench-gateway-hops bench-admission bench-routing bench-kvcontrol bench-loadgen
 
 bench-gateway: install
 	$(BIN)/python bench/bench_gateway.py
+
+bench-gateway-hops: install
+	$(BIN)/python bench/bench_gateway_hops.py
 
 bench-admission: install
 	$(BIN)/python bench/bench_admission.py
