@@ -129,7 +129,11 @@ class LocalPlatform:
                "--host", opts.gateway_host, "--port", str(opts.gateway_port), "--workers", str(opts.gateway_workers),
                "--loop", "uvloop", "--http", "httptools", "--no-access-log", "--log-level", "warning",
                "--timeout-keep-alive", "30"]
-        self.gateway = subprocess.Popen(cmd, env={**os.environ, **env}, start_new_session=True)
+        # Its own process group (Ctrl-C in the terminal does not reach it; shutdown stops it in order), but in
+        # this session, where Ray's engine processes are too: with the kernel's autogroup scheduling each
+        # session is a scheduling group, and a gateway alone in one was seen starved for seconds beside the
+        # engine's busy threads on a 2-core machine (see tests/support/gateways.py).
+        self.gateway = subprocess.Popen(cmd, env={**os.environ, **env}, process_group=0)
 
     def _wait_ready(self, deadline: float) -> None:
         async def engines_ready() -> bool:
