@@ -104,6 +104,26 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
             os.killpg(proc.pid, 9)
 
 
+def issue_keys(redis_url: str, tenants: dict[str, Any]) -> dict[str, str]:
+    """Creates each tenant (name -> TenantPolicy, or None for the defaults) and returns name -> a new key."""
+    import asyncio
+
+    from tessera.redis_conn import connect
+    from tessera.tenancy.store import TenantStore
+
+    async def create() -> dict[str, str]:
+        client = connect(redis_url)
+        store = TenantStore(client)
+        keys = {}
+        for name, policy in tenants.items():
+            await store.create_tenant(name, policy)
+            keys[name] = (await store.issue_key(name)).plaintext
+        await client.aclose()
+        return keys
+
+    return asyncio.run(create())
+
+
 def write_results(name: str, payload: dict[str, Any]) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{name}.json"

@@ -28,6 +28,7 @@ import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _support import (
+    issue_keys,
     percentiles,
     pin_this_process,
     print_table,
@@ -200,18 +201,11 @@ def main() -> None:
         gateway, gateway_url = start_gateway(env, work / "gateway.log", cpus=platform_cpus)
         time.sleep(2)  # the engine's first heartbeat
 
-        async def tenants() -> dict[str, str]:
-            client = connect(redis.url)
-            store = TenantStore(client)
-            keys = {}
-            for label, policy in (("no limits", UNLIMITED), ("all limits", LIMITED)):
-                for prefix in ("", "gateway "):
-                    await store.create_tenant(tenant_name(prefix + label), policy)
-                    keys[prefix + label] = (await store.issue_key(tenant_name(prefix + label))).plaintext
-            await client.aclose()
-            return keys
-
-        admission_rows, ttft_rows = through_gateway(engine_url, gateway_url, asyncio.run(tenants()), work / "traces")
+        labels = {prefix + label: policy for label, policy in (("no limits", UNLIMITED), ("all limits", LIMITED))
+                  for prefix in ("", "gateway ")}
+        by_tenant = issue_keys(redis.url, {tenant_name(label): policy for label, policy in labels.items()})
+        keys = {label: by_tenant[tenant_name(label)] for label in labels}
+        admission_rows, ttft_rows = through_gateway(engine_url, gateway_url, keys, work / "traces")
         rows += admission_rows
     finally:
         if gateway is not None:

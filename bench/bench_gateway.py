@@ -32,6 +32,7 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _support import (
+    issue_keys,
     percentiles,
     pin_this_process,
     print_table,
@@ -43,8 +44,7 @@ from _support import (
 )
 
 from tessera.engine.small_model import is_small_model_dir, make_small_model
-from tessera.redis_conn import EmbeddedRedis, connect
-from tessera.tenancy.store import TenantStore
+from tessera.redis_conn import EmbeddedRedis
 
 RATES = (2.0, 4.0, 8.0)
 LENGTHS = (16, 64)
@@ -147,15 +147,7 @@ def main() -> None:
                                       env, work / "engine.log", cpus=engine_cpus)
     gateway, gateway_url = start_gateway(env, work / "gateway.log", cpus=platform_cpus)
     try:
-        async def tenant() -> str:
-            client = connect(redis.url)
-            store = TenantStore(client)
-            await store.create_tenant("bench")
-            key = (await store.issue_key("bench")).plaintext
-            await client.aclose()
-            return key
-
-        key = asyncio.run(tenant())
+        key = issue_keys(redis.url, {"bench": None})["bench"]
         from tessera.engine.registry import ModelInfo
         from tessera.gateway.models import load_served_model
 

@@ -22,14 +22,22 @@ import aiohttp
 import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _support import pin_this_process, print_table, split_cores, start_engine, start_gateway, stop, write_results
+from _support import (
+    issue_keys,
+    pin_this_process,
+    print_table,
+    split_cores,
+    start_engine,
+    start_gateway,
+    stop,
+    write_results,
+)
 
 from tessera.engine.registry import ModelInfo
 from tessera.engine.small_model import is_small_model_dir, make_small_model
 from tessera.gateway.models import load_served_model
-from tessera.redis_conn import EmbeddedRedis, connect
+from tessera.redis_conn import EmbeddedRedis
 from tessera.telemetry.spanfile import SpanRecord, load_spans
-from tessera.tenancy.store import TenantStore
 
 PROMPT = "Tell me about the KV cache and speculative decoding in one paragraph."
 REQUESTS = 60
@@ -131,15 +139,7 @@ def main() -> None:
                                       env, work / "engine.log", cpus=engine_cpus)
     gateway, gateway_url = start_gateway(env, work / "gateway.log", cpus=platform_cpus)
     try:
-        async def tenant() -> str:
-            client = connect(redis.url)
-            store = TenantStore(client)
-            await store.create_tenant("hops")
-            key = (await store.issue_key("hops")).plaintext
-            await client.aclose()
-            return key
-
-        key = asyncio.run(tenant())
+        key = issue_keys(redis.url, {"hops": None})["hops"]
         ids = load_served_model(ModelInfo("tessera-small", str(model_dir.resolve()), 2048, 32)).encode_chat(
             [{"role": "user", "content": PROMPT}])
         time.sleep(2)  # the engine's first heartbeat
