@@ -7,8 +7,10 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -102,6 +104,31 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
             proc.wait(timeout=20)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, 9)
+
+
+@dataclass
+class BenchSetup:
+    model_dir: Path  # the default small model, generated when missing
+    work: Path  # a fresh directory for logs and spans
+    redis: Any  # tessera.redis_conn.EmbeddedRedis, started
+    engine_cpus: str | None
+    platform_cpus: str | None
+
+
+def bench_setup(name: str, pinning: bool = True) -> BenchSetup:
+    """The common start of the gateway benchmarks: the small model, a work directory, this process pinned to
+    the platform's cores (the engine gets the first core, see split_cores), and an embedded Redis started
+    from here, so it shares the platform's cores too."""
+    from tessera.engine.small_model import is_small_model_dir, make_small_model
+    from tessera.redis_conn import EmbeddedRedis
+
+    model_dir = (REPO / ".tessera" / "models" / "tessera-small").resolve()
+    if not is_small_model_dir(model_dir):
+        make_small_model(model_dir)
+    engine_cpus, platform_cpus = split_cores() if pinning else (None, None)
+    pin_this_process(platform_cpus)
+    return BenchSetup(model_dir, Path(tempfile.mkdtemp(prefix=f"bench-{name}-")), EmbeddedRedis().start(),
+                      engine_cpus, platform_cpus)
 
 
 def issue_keys(redis_url: str, tenants: dict[str, Any]) -> dict[str, str]:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
-import tempfile
 import time
 from collections.abc import Awaitable
 from pathlib import Path
@@ -28,20 +27,18 @@ import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _support import (
+    bench_setup,
     issue_keys,
     percentiles,
-    pin_this_process,
     print_table,
-    split_cores,
     start_engine,
     start_gateway,
     stop,
     write_results,
 )
 
-from tessera.engine.small_model import is_small_model_dir, make_small_model
 from tessera.gateway.auth import Authenticator
-from tessera.redis_conn import EmbeddedRedis, connect
+from tessera.redis_conn import connect
 from tessera.tenancy.admission import Admission, Lease
 from tessera.tenancy.policy import TenantPolicy
 from tessera.tenancy.store import TenantStore
@@ -177,14 +174,10 @@ def through_gateway(engine_url: str, gateway_url: str, keys: dict[str, str], tra
 
 
 def main() -> None:
-    model_dir = Path(".tessera/models/tessera-small")
-    if not is_small_model_dir(model_dir):
-        make_small_model(model_dir)
-    work = Path(tempfile.mkdtemp(prefix="bench-admission-"))
     # The engine on its own core, everything else on the others (see bench_gateway.py for why).
-    engine_cpus, platform_cpus = split_cores()
-    pin_this_process(platform_cpus)
-    redis = EmbeddedRedis().start()
+    setup = bench_setup("admission")
+    model_dir, work, redis = setup.model_dir, setup.work, setup.redis
+    engine_cpus, platform_cpus = setup.engine_cpus, setup.platform_cpus
     env = {"TESSERA_REDIS_URL": redis.url, "TESSERA_TRACE_DIR": str(work / "traces"),
            "TESSERA_TRACE_EXPORTER": "jsonl", "TESSERA_ROUTING_POLICY": "least_loaded",
            # Latency is measured, not fault handling: on a shared, busy machine the default 250 ms Redis

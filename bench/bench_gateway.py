@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import random
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -32,19 +31,15 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _support import (
+    bench_setup,
     issue_keys,
     percentiles,
-    pin_this_process,
     print_table,
-    split_cores,
     start_engine,
     start_gateway,
     stop,
     write_results,
 )
-
-from tessera.engine.small_model import is_small_model_dir, make_small_model
-from tessera.redis_conn import EmbeddedRedis
 
 RATES = (2.0, 4.0, 8.0)
 LENGTHS = (16, 64)
@@ -133,13 +128,9 @@ async def main_async(engine_url: str, gateway_url: str, key: str, ids: list[int]
 
 
 def main() -> None:
-    model_dir = Path(".tessera/models/tessera-small")
-    if not is_small_model_dir(model_dir):
-        make_small_model(model_dir)
-    work = Path(tempfile.mkdtemp(prefix="bench-gateway-"))
-    engine_cpus, platform_cpus = split_cores() if "--no-pinning" not in sys.argv else (None, None)
-    pin_this_process(platform_cpus)  # the client and Redis share the gateway's cores, never the engine's
-    redis = EmbeddedRedis().start()
+    setup = bench_setup("gateway", pinning="--no-pinning" not in sys.argv)
+    model_dir, work, redis = setup.model_dir, setup.work, setup.redis
+    engine_cpus, platform_cpus = setup.engine_cpus, setup.platform_cpus
     env = {"TESSERA_REDIS_URL": redis.url, "TESSERA_TRACE_DIR": str(work / "traces"),
            # The default policy: its prefix lookup rides in admission's round trip.
            "TESSERA_ROUTING_POLICY": "prefix_affinity", "VLLM_CPU_KVCACHE_SPACE": "1"}

@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -23,10 +22,9 @@ import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _support import (
+    bench_setup,
     issue_keys,
-    pin_this_process,
     print_table,
-    split_cores,
     start_engine,
     start_gateway,
     stop,
@@ -34,9 +32,7 @@ from _support import (
 )
 
 from tessera.engine.registry import ModelInfo
-from tessera.engine.small_model import is_small_model_dir, make_small_model
 from tessera.gateway.models import load_served_model
-from tessera.redis_conn import EmbeddedRedis
 from tessera.telemetry.spanfile import SpanRecord, load_spans
 
 PROMPT = "Tell me about the KV cache and speculative decoding in one paragraph."
@@ -127,13 +123,9 @@ def hops(trace_dir: Path, mark: int, via: list[Stamps], straight: list[Stamps]) 
 
 
 def main() -> None:
-    model_dir = Path(".tessera/models/tessera-small")
-    if not is_small_model_dir(model_dir):
-        make_small_model(model_dir)
-    work = Path(tempfile.mkdtemp(prefix="bench-hops-"))
-    engine_cpus, platform_cpus = split_cores()
-    pin_this_process(platform_cpus)
-    redis = EmbeddedRedis().start()
+    setup = bench_setup("hops")
+    model_dir, work, redis = setup.model_dir, setup.work, setup.redis
+    engine_cpus, platform_cpus = setup.engine_cpus, setup.platform_cpus
     env = {"TESSERA_REDIS_URL": redis.url, "TESSERA_TRACE_DIR": str(work / "traces"), "VLLM_CPU_KVCACHE_SPACE": "1"}
     engine, engine_url = start_engine({"model": str(model_dir.resolve()), "servedModelName": "tessera-small"},
                                       env, work / "engine.log", cpus=engine_cpus)
