@@ -49,7 +49,7 @@ MAX_REJECTION_HINTS = 10_000
 
 # A request's routing inputs as admission leaves them: the request, its plan (None: the registry could not
 # be read), and the prefix lookup's answer (None: it did not ride along with admission).
-Routing = tuple["RouteRequest", "RoutePlan | None", "dict[str, int] | None"]
+Routing = tuple[RouteRequest, RoutePlan | None, dict[str, int] | None]
 
 
 async def read_body(receive: Receive, headers: dict[str, str], limit: int) -> bytes:
@@ -170,9 +170,13 @@ class GenerationFlow:
             self._known_models[name] = model
         return model
 
-    async def _route(self, request: RouteRequest) -> tuple[RouteDecision, dict[str, EngineRecord]]:
+    async def _route(self, routing: Routing) -> tuple[RouteDecision, dict[str, EngineRecord]]:
+        request, plan, cached = routing
         try:
-            routed = await self.gw.router.route(request)
+            if plan is not None and cached is not None:
+                routed = self.gw.router.decide(plan, cached)  # the lookup came with admission
+            else:
+                routed = await self.gw.router.route(request)  # its own round trip(s)
         except STORE_ERRORS:
             if self.gw.settings.redis_fail_open and request.model in self._known_routes:
                 return self._known_routes[request.model]
@@ -235,15 +239,9 @@ class GenerationFlow:
                             prompt_prefix=prompt_text, session_id=req.user)
 
     async def _route_traced(self, routing: Routing) -> tuple[RouteDecision, dict[str, EngineRecord]]:
-        request, plan, cached = routing
         with self.gw.tracer.start_as_current_span("route") as route_span:
-            if plan is not None and cached is not None:
-                decision, records = self.gw.router.decide(plan, cached)
-                if self.gw.settings.redis_fail_open:
-                    self._known_routes[request.model] = (decision, records)
-            else:
-                decision, records = await self._route(request)  # its own round trip(s)
-            hashes = request.block_hashes
+            decision, records = await self._route(routing)
+            hashes = routing[0].block_hashes
             route_span.set_attributes({"tessera.route.reason": decision.reason,
                                        "tessera.route.expected_cached_tokens": decision.expected_cached_tokens,
                                        # The chain's first block names the prefix in the controller's

@@ -134,7 +134,11 @@ class PrefixIndex:
         engines holding none are left out."""
         if not chain or not engine_ids:
             return {}
-        return self.parse_lookup(await self._lookup(keys=[], args=self.lookup_args(chain, engine_ids)))
+        return await self.lookup(self.lookup_args(chain, engine_ids))
+
+    async def lookup(self, args: Sequence[str | int]) -> dict[str, int]:
+        """``longest_prefixes`` with its script arguments already built (see ``lookup_args``)."""
+        return self.parse_lookup(await self._lookup(keys=[], args=list(args)))
 
     # The lookup in pieces, for a caller that sends it in one round trip with other commands:
     # ``EVALSHA lookup_sha 0 *lookup_args(...)``, then ``parse_lookup`` on its reply.

@@ -124,8 +124,7 @@ class Router:
     async def lookup(self, plan: RoutePlan) -> dict[str, int]:
         if self._prefix_index is None or plan.lookup_args is None:
             return {}
-        return await self._prefix_index.longest_prefixes(plan.request.block_hashes,
-                                                         [r.engine_id for r in plan.records])
+        return await self._prefix_index.lookup(plan.lookup_args)  # arguments built once, in plan()
 
     def decide(self, plan: RoutePlan, cached: dict[str, int]) -> tuple[RouteDecision, dict[str, EngineRecord]]:
         snapshot = RouteSnapshot(tuple(engine_view(r) for r in plan.records), cached, dict(self.in_flight))
