@@ -1,6 +1,7 @@
-"""Admission and the prefix lookup share one Redis round trip (GenerationFlow._admit), against real Redis:
-the pipelined answers equal the standalone ones, a recently rejected tenant's admissions travel alone, and a
-Redis that lost its scripts (NOSCRIPT) still admits exactly once."""
+"""Admission, the demotion flag and the prefix lookup share one Redis round trip (GenerationFlow._admit),
+against real Redis: the pipelined answers equal the standalone ones, a recently rejected tenant's admissions
+carry no lookup, a demotion shows from the next request on, and a Redis that lost its scripts (NOSCRIPT)
+still admits exactly once."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from tessera.routing.prefix_index import PrefixIndex
 from tessera.routing.snapshot import RouteRequest
 from tessera.settings import TesseraSettings
 from tessera.tenancy.admission import Lease, Rejection
+from tessera.tenancy.demotion import clear_demoted, set_demoted
 from tessera.tenancy.policy import TenantPolicy
 from tessera.tenancy.store import Tenant
 
@@ -67,7 +69,7 @@ async def test_an_admitted_request_gets_its_prefix_lookup_in_the_same_round_trip
     await flow._admit(tenant, 500, plan)  # a fresh Redis has no scripts yet: the first admission loads them
     _forbid(gateway.admission, "admit", monkeypatch)
     _forbid(gateway.router, "lookup", monkeypatch)
-    decision, cached = await flow._admit(tenant, 500, plan)
+    decision, cached, _ = await flow._admit(tenant, 500, plan)
     assert isinstance(decision, Lease)
     assert cached == standalone
     route, _ = gateway.router.decide(plan, cached)
@@ -79,12 +81,12 @@ async def test_a_recently_rejected_tenant_is_admitted_without_the_lookup(gateway
     flow = GenerationFlow(gateway)
     tenant, request, _ = await _setup(gateway, TenantPolicy(requests_per_minute=1))
     plan = await gateway.router.plan(request)
-    first, cached = await flow._admit(tenant, 100, plan)
+    first, cached, _ = await flow._admit(tenant, 100, plan)
     assert isinstance(first, Lease) and cached is not None
-    second, cached = await flow._admit(tenant, 100, plan)
+    second, cached, _ = await flow._admit(tenant, 100, plan)
     assert isinstance(second, Rejection) and second.limit == "requests_per_minute"
     flow._rejected_at[tenant.name] = time.monotonic()  # as handle() records it
-    third, cached = await flow._admit(tenant, 100, plan)
+    third, cached, _ = await flow._admit(tenant, 100, plan)
     assert isinstance(third, Rejection) and cached is None  # no lookup rode along
 
 
@@ -93,7 +95,7 @@ async def test_lost_scripts_still_admit_once_and_route_later(gateway: Gateway) -
     tenant, request, _ = await _setup(gateway, TenantPolicy(requests_per_minute=2))
     plan = await gateway.router.plan(request)
     await gateway.redis.script_flush()  # a restarted Redis: neither script is loaded
-    decision, cached = await flow._admit(tenant, 100, plan)
+    decision, cached, _ = await flow._admit(tenant, 100, plan)
     assert isinstance(decision, Lease)
     assert cached is None  # the lookup failed with NOSCRIPT: the route does its own
     route, _ = await flow._route_traced((request, plan, cached))
@@ -110,5 +112,19 @@ async def test_a_prompt_without_full_blocks_needs_no_lookup(gateway: Gateway) ->
                          prompt_prefix="", session_id=None)
     plan = await gateway.router.plan(short)
     assert plan.lookup_args is None
-    decision, cached = await flow._admit(tenant, 100, plan)
+    decision, cached, _ = await flow._admit(tenant, 100, plan)
     assert isinstance(decision, Lease) and cached == {}
+
+
+async def test_the_demotion_flag_rides_in_admission_and_applies_at_once(gateway: Gateway,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    flow = GenerationFlow(gateway)
+    tenant, request, _ = await _setup(gateway, TenantPolicy())
+    plan = await gateway.router.plan(request)
+    assert (await flow._admit(tenant, 100, plan)).demoted is False
+    await set_demoted(gateway.redis, tenant.name, "kv quota exceeded", ttl_s=30)
+    _forbid(gateway.admission, "admit", monkeypatch)  # the flag comes in the same pipeline, not a call of its own
+    admitted = await flow._admit(tenant, 100, plan)
+    assert isinstance(admitted.decision, Lease) and admitted.demoted is True
+    await clear_demoted(gateway.redis, tenant.name)
+    assert (await flow._admit(tenant, 100, plan)).demoted is False

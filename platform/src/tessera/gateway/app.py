@@ -145,6 +145,8 @@ class Gateway:
             elif message["type"] == "lifespan.shutdown":
                 await self.flow.finishes.close()
                 await self.router.close()
+                await self.auth.close()
+                await self.catalog.close()
                 await self.engines.close()
                 await self.redis.aclose()
                 await send({"type": "lifespan.shutdown.complete"})

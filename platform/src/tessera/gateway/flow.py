@@ -8,7 +8,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jinja2
 import orjson
@@ -25,6 +25,7 @@ from tessera.routing.router import RoutePlan
 from tessera.routing.snapshot import RouteDecision, RouteRequest
 from tessera.tenancy.admission import Lease, Rejection
 from tessera.tenancy.billing import FinishQueue
+from tessera.tenancy.demotion import demoted_key
 from tessera.tenancy.policy import DEMOTION_STEP, PRIORITY_VALUES
 
 if TYPE_CHECKING:
@@ -46,6 +47,15 @@ SHED_UNDER_PRESSURE_FROM = PRIORITY_VALUES["low"]
 # A tenant rejected within this long gets its next admission without the prefix lookup riding along.
 REJECTED_HINT_S = 1.0
 MAX_REJECTION_HINTS = 10_000
+
+class Admitted(NamedTuple):
+    """What admission's round trip brings back: the verdict, the prefix lookup's answer (None: it did not
+    ride along) and whether the KV-eviction controller has demoted the tenant."""
+
+    decision: Lease | Rejection
+    cached: dict[str, int] | None
+    demoted: bool
+
 
 # A request's routing inputs as admission leaves them: the request, its plan (None: the registry could not
 # be read), and the prefix lookup's answer (None: it did not ride along with admission).
@@ -115,7 +125,7 @@ class GenerationFlow:
         # Routing waits for admission's verdict, but its prefix lookup rides in admission's round trip (see
         # _admit): a rejected request costs no routing work beyond that, an admitted one saves a round trip.
         with gw.tracer.start_as_current_span("admission") as adm_span:
-            decision, cached = await self._admit(tenant, reserve, plan)
+            decision, cached, demoted = await self._admit(tenant, reserve, plan)
             adm_span.set_attribute("tessera.admitted", isinstance(decision, Lease))
         if isinstance(decision, Rejection):
             if len(self._rejected_at) >= MAX_REJECTION_HINTS:
@@ -132,7 +142,7 @@ class GenerationFlow:
         keeper = None if lease.detached else asyncio.ensure_future(self._keep_lease(lease))
         try:
             await self._serve(chat, req, tenant, prompt_ids, max_tokens, salt, (route_request, plan, cached),
-                               request_id, trace_carrier, span, send, receive, result, t_start)
+                               demoted, request_id, trace_carrier, span, send, receive, result, t_start)
         finally:
             if keeper is not None:
                 keeper.cancel()
@@ -193,41 +203,46 @@ class GenerationFlow:
         except STORE_ERRORS:
             return None
 
-    async def _admit(self, tenant: Tenant, reserve: int,
-                     plan: RoutePlan | None) -> tuple[Lease | Rejection, dict[str, int] | None]:
-        """Admission, and the plan's prefix lookup in the same round trip. Returns the lookup's answer, or
-        None when the lookup did not ride along: no plan, or the tenant was rejected moments ago (a flood of
-        over-limit requests then costs Redis the admission alone)."""
+    async def _admit(self, tenant: Tenant, reserve: int, plan: RoutePlan | None) -> Admitted:
+        """Admission in one Redis round trip with what the request needs next: the tenant's demotion flag,
+        and the plan's prefix lookup unless the tenant was rejected moments ago (a flood of over-limit
+        requests then costs Redis no lookups) or the plan needs none."""
         gw = self.gw
+        recently_rejected = time.monotonic() - self._rejected_at.get(tenant.name, -1e9) < REJECTED_HINT_S
+        lookup_args = None if plan is None or recently_rejected else plan.lookup_args
         try:
-            if plan is not None and plan.lookup_args is None:
-                return await gw.admission.admit(tenant.name, tenant.policy, reserve), {}
-            recently_rejected = time.monotonic() - self._rejected_at.get(tenant.name, -1e9) < REJECTED_HINT_S
-            if plan is None or recently_rejected:
-                return await gw.admission.admit(tenant.name, tenant.policy, reserve), None
-            return await self._admit_with_lookup(tenant, reserve, plan)
+            admitted = await self._admit_in_one_trip(tenant, reserve, lookup_args)
         except STORE_ERRORS:
             if not gw.settings.redis_fail_open:
                 raise
             gw.metrics.fail_open(tenant.name)
-            return gw.admission.detached_lease(tenant.name, tenant.policy), None
+            return Admitted(gw.admission.detached_lease(tenant.name, tenant.policy), None, False)
+        if plan is not None and plan.lookup_args is None:
+            return admitted._replace(cached={})  # nothing to look up: the route needs no lookup either
+        return admitted
 
-    async def _admit_with_lookup(self, tenant: Tenant, reserve: int,
-                                 plan: RoutePlan) -> tuple[Lease | Rejection, dict[str, int] | None]:
+    async def _admit_in_one_trip(self, tenant: Tenant, reserve: int,
+                                 lookup_args: list[str | int] | None) -> Admitted:
         gw = self.gw
         call = gw.admission.prepare(tenant.name, tenant.policy, reserve)
         pipe = gw.redis.pipeline(transaction=False)
         pipe.evalsha(gw.admission.admit_sha, len(call.keys), *call.keys, *call.args)
-        pipe.evalsha(gw.router.lookup_sha, 0, *(plan.lookup_args or ()))
-        admitted, found = await pipe.execute(raise_on_error=False)
+        pipe.exists(demoted_key(tenant.name))
+        if lookup_args is not None:
+            pipe.evalsha(gw.router.lookup_sha, 0, *lookup_args)
+        replies = await pipe.execute(raise_on_error=False)
+        verdict, demoted = replies[0], replies[1]
         # NOSCRIPT (a restarted or flushed Redis): that script did not run, and the standalone call loads it.
-        if isinstance(admitted, NoScriptError):
+        if isinstance(verdict, NoScriptError):
             decision = await gw.admission.admit(tenant.name, tenant.policy, reserve)
-        elif isinstance(admitted, Exception):
-            raise admitted
+        elif isinstance(verdict, Exception):
+            raise verdict
         else:
-            decision = call.outcome(admitted)
-        return decision, None if isinstance(found, Exception) else gw.router.parse_lookup(found)
+            decision = call.outcome(verdict)
+        cached = None
+        if lookup_args is not None and not isinstance(replies[2], Exception):
+            cached = gw.router.parse_lookup(replies[2])
+        return Admitted(decision, cached, not isinstance(demoted, Exception) and bool(demoted))
 
     def _route_request(self, req: CompletionRequest | ChatCompletionRequest, tenant: Tenant, model: ServedModel,
                        prompt_ids: list[int], salt: str | None) -> RouteRequest:
@@ -251,7 +266,8 @@ class GenerationFlow:
         return decision, records
 
     async def _serve(self, chat: bool, req: CompletionRequest | ChatCompletionRequest, tenant: Tenant,
-                     prompt_ids: list[int], max_tokens: int, salt: str | None, routing: Routing, request_id: str,
+                     prompt_ids: list[int], max_tokens: int, salt: str | None, routing: Routing, demoted: bool,
+                     request_id: str,
                      carrier: dict[str, str], span: Span, send: Send, receive: Receive, result: StreamResult,
                      t_start: float) -> None:
         gw = self.gw
@@ -259,9 +275,7 @@ class GenerationFlow:
         if not decision.ranked:
             raise APIError(503, f"No engine is serving {req.model!r} right now; retry shortly.",
                            "engine_unavailable", headers={"Retry-After": "2"})
-        priority = tenant.policy.priority
-        if await self._demoted(tenant.name):
-            priority += DEMOTION_STEP
+        priority = tenant.policy.priority + (DEMOTION_STEP if demoted else 0)
         body = {"request_id": request_id, "prompt_token_ids": prompt_ids, "max_tokens": max_tokens,
                 "temperature": req.temperature, "top_p": req.top_p, "seed": req.seed, "stop": req.stop_list,
                 "n": req.n, "cache_salt": salt, "priority": priority,
@@ -309,16 +323,6 @@ class GenerationFlow:
         except STORE_ERRORS:
             return False
         return bool(records) and all(r.under_pressure for r in records)
-
-    async def _demoted(self, tenant: str) -> bool:
-        from tessera.tenancy.demotion import is_demoted
-
-        try:
-            return await is_demoted(self.gw.redis, tenant)
-        except STORE_ERRORS:
-            if self.gw.settings.redis_fail_open:
-                return False
-            raise
 
     async def _collect(self, chat: bool, req: Any, stream: Any, send: Send, out_headers: list[tuple[bytes, bytes]],
                        response_id: str, created: int, num_prompt: int, result: StreamResult) -> None:

@@ -11,8 +11,12 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from tessera.engine.registry import ModelInfo, list_models
+from tessera.gateway.refresher import UsageRefresher
 
+# Re-read in the background this often while requests come (models change on deploys, not per request).
 CATALOG_REFRESH_S = 2.0
+# Older than this (the first request, a refresher that Redis stalls), a request re-reads it itself.
+CATALOG_MAX_AGE_S = 5.0
 
 
 @dataclass(slots=True)
@@ -60,16 +64,16 @@ def load_served_model(info: ModelInfo) -> ServedModel:
 
 
 class ModelCatalog:
-    """Models registered by engines, refreshed from Redis at most every ``CATALOG_REFRESH_S``."""
+    """Models registered by engines, re-read from Redis every ``CATALOG_REFRESH_S`` off the request path."""
 
     def __init__(self, redis: aioredis.Redis) -> None:
         self._redis = redis
         self._models: dict[str, ServedModel] = {}
-        self._refreshed_at = 0.0
+        self._refreshed_at = -CATALOG_MAX_AGE_S
+        self.refresher = UsageRefresher("model catalog", self.refresh, CATALOG_REFRESH_S)
 
-    async def refresh(self, force: bool = False) -> None:
-        if not force and time.monotonic() - self._refreshed_at < CATALOG_REFRESH_S:
-            return
+    async def refresh(self) -> None:
+        started = time.monotonic()
         infos = await list_models(self._redis)
         for info in infos:
             current = self._models.get(info.name)
@@ -77,14 +81,22 @@ class ModelCatalog:
                 self._models[info.name] = load_served_model(info)
         for name in set(self._models) - {i.name for i in infos}:
             del self._models[name]
-        self._refreshed_at = time.monotonic()
+        self._refreshed_at = started
+
+    async def _current(self) -> None:
+        self.refresher.used()
+        if time.monotonic() - self._refreshed_at > CATALOG_MAX_AGE_S:
+            await self.refresh()
 
     async def get(self, name: str) -> ServedModel | None:
-        await self.refresh()
+        await self._current()
         if name not in self._models:
-            await self.refresh(force=True)
+            await self.refresh()  # a model registered since the last read
         return self._models.get(name)
 
     async def names(self) -> list[str]:
-        await self.refresh()
+        await self._current()
         return sorted(self._models)
+
+    async def close(self) -> None:
+        await self.refresher.close()

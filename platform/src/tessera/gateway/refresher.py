@@ -1,0 +1,57 @@
+"""Keeps a per-process cache fresh off the request path while requests use it.
+
+A cache that refreshes inline on expiry puts a Redis round trip on the request that finds it expired, and at
+low request rates that is nearly every request (a 1 s TTL and one request a second). A ``UsageRefresher``
+re-reads in the background every ``interval_s`` for as long as the cache was used within ``idle_s``; an idle
+gateway leaves Redis alone. The request path still reads inline when the copy is older than its own
+bound (the first request, or a refresher that Redis stalls), so staleness stays bounded by the cache's TTL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+from redis.exceptions import RedisError
+
+logger = logging.getLogger(__name__)
+
+# The refresher stops after this long without a request.
+REFRESHER_IDLE_S = 10.0
+
+
+class UsageRefresher:
+    def __init__(self, name: str, refresh: Callable[[], Awaitable[None]], interval_s: float,
+                 idle_s: float = REFRESHER_IDLE_S) -> None:
+        self._name = name
+        self._refresh = refresh
+        self.interval_s = interval_s
+        self._idle_s = idle_s
+        self._used_at = 0.0
+        self._task: asyncio.Task[None] | None = None
+
+    def used(self) -> None:
+        """Called on every cache read: (re)starts the background loop when it is not running."""
+        self._used_at = time.monotonic()
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._run())
+
+    @property
+    def running(self) -> bool:
+        return self._task is not None and not self._task.done()
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    async def _run(self) -> None:
+        while time.monotonic() - self._used_at < self._idle_s:
+            await asyncio.sleep(self.interval_s)
+            try:
+                await self._refresh()
+            except (RedisError, OSError) as exc:
+                # The request path notices the copy's age and answers according to the fail mode.
+                logger.debug("%s refresh failed: %s", self._name, exc)

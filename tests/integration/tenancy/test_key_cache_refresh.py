@@ -1,0 +1,93 @@
+"""The gateway's key cache is refreshed off the request path, against real Redis: a key in use stays
+cached past its TTL without a Redis call on the request, a revoked key stops working at the next refresh,
+and unknown keys get no background work."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+import redis.asyncio as aioredis
+
+from tessera.gateway.auth import Authenticator
+from tessera.redis_conn import EmbeddedRedis, connect
+from tessera.tenancy.store import TenantStore
+
+TTL_S = 0.4  # refreshed every 0.2 s
+
+
+@pytest.fixture
+async def store(redis_server: EmbeddedRedis) -> AsyncIterator[TenantStore]:
+    redis: aioredis.Redis = connect(redis_server.url, timeout_s=5.0)
+    yield TenantStore(redis)
+    await redis.aclose()
+
+
+def _no_inline_reads(store: TenantStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    async def inline(*_: Any) -> None:
+        raise AssertionError("the request path read Redis itself")
+    monkeypatch.setattr(store, "authenticate", inline)
+    monkeypatch.setattr(store, "get_tenant", inline)
+
+
+async def test_a_key_in_use_stays_fresh_and_a_revoked_one_stops_at_the_next_refresh(
+        store: TenantStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    tenant = await store.create_tenant(f"kc-{uuid.uuid4().hex[:8]}")
+    issued = await store.issue_key(tenant.name)
+    auth = Authenticator(store, ttl_s=TTL_S)
+    header = f"Bearer {issued.plaintext}"
+    assert (await auth.tenant_for(header)).name == tenant.name  # type: ignore[union-attr]  # inline, first use
+    _no_inline_reads(store, monkeypatch)
+    for _ in range(8):  # 1.2 s, three TTLs: every answer from a cache the refresher keeps fresh
+        await asyncio.sleep(TTL_S / 2.5)
+        assert (await auth.tenant_for(header)).name == tenant.name  # type: ignore[union-attr]
+    await store.revoke_key(issued.key_id)
+    for _ in range(100):
+        if await auth.tenant_for(header) is None:
+            break
+        await asyncio.sleep(0.05)
+    assert await auth.tenant_for(header) is None
+    await auth.close()
+
+
+async def test_a_deleted_tenant_drops_out_of_the_refresh(store: TenantStore) -> None:
+    tenant = await store.create_tenant(f"kc-{uuid.uuid4().hex[:8]}")
+    issued = await store.issue_key(tenant.name)
+    auth = Authenticator(store, ttl_s=TTL_S)
+    assert await auth.tenant_for(f"Bearer {issued.plaintext}") is not None
+    await store.delete_tenant(tenant.name)
+    await auth.refresh_active()
+    assert await auth.tenant_for(f"Bearer {issued.plaintext}") is None
+    assert issued.plaintext not in auth._active  # nothing left to keep fresh
+    await auth.close()
+
+
+async def test_unknown_keys_get_no_background_refresh(store: TenantStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    batches: list[list[str]] = []
+    real = store.authenticate_many
+
+    async def recorded(keys: list[str]) -> dict[str, str | None]:
+        batches.append(keys)
+        return await real(keys)
+
+    monkeypatch.setattr(store, "authenticate_many", recorded)
+    auth = Authenticator(store, ttl_s=TTL_S)
+    for i in range(5):
+        assert await auth.tenant_for(f"Bearer tsk-{i:012x}-unknownsecret") is None
+    await asyncio.sleep(TTL_S)
+    assert batches == [] and auth.refresher is not None and not auth.refresher.running
+    await auth.close()
+
+
+async def test_batch_reads_match_the_single_ones(store: TenantStore) -> None:
+    tenant = await store.create_tenant(f"kc-{uuid.uuid4().hex[:8]}")
+    good, revoked = await store.issue_key(tenant.name), await store.issue_key(tenant.name)
+    await store.revoke_key(revoked.key_id)
+    keys = [good.plaintext, revoked.plaintext, "tsk-000000000000-nosuchkey", "not a key"]
+    owners = await store.authenticate_many(keys)
+    assert owners == {k: await store.authenticate(k) for k in keys}
+    assert owners[good.plaintext] == tenant.name and owners[revoked.plaintext] is None
+    assert await store.get_tenants([tenant.name, "kc-missing"]) == {tenant.name: tenant, "kc-missing": None}

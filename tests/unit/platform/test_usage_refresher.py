@@ -1,0 +1,55 @@
+"""UsageRefresher: refreshes while used, stops when idle, survives a failing Redis, restarts on use."""
+
+from __future__ import annotations
+
+import asyncio
+
+from redis.exceptions import ConnectionError as RedisConnectionError
+
+from tessera.gateway.refresher import UsageRefresher
+
+
+async def test_it_refreshes_while_used_and_stops_when_idle() -> None:
+    calls = 0
+
+    async def refresh() -> None:
+        nonlocal calls
+        calls += 1
+
+    refresher = UsageRefresher("test", refresh, interval_s=0.02, idle_s=0.2)
+    assert not refresher.running  # nothing runs before the first use
+    refresher.used()
+    await asyncio.sleep(0.1)
+    assert refresher.running and calls >= 1
+    for _ in range(200):  # stops on its own once unused for idle_s
+        if not refresher.running:
+            break
+        await asyncio.sleep(0.02)
+    assert not refresher.running
+    stopped_at = calls
+    await asyncio.sleep(0.1)
+    assert calls == stopped_at
+    refresher.used()  # the next use starts it again
+    await asyncio.sleep(0.1)
+    assert refresher.running and calls > stopped_at
+    await refresher.close()
+    assert not refresher.running
+
+
+async def test_a_failing_refresh_does_not_end_the_loop() -> None:
+    outcomes: list[str] = []
+
+    async def refresh() -> None:
+        if len(outcomes) < 2:
+            outcomes.append("failed")
+            raise RedisConnectionError("redis went away")
+        outcomes.append("ok")
+
+    refresher = UsageRefresher("test", refresh, interval_s=0.01, idle_s=5.0)
+    refresher.used()
+    for _ in range(200):
+        if "ok" in outcomes:
+            break
+        await asyncio.sleep(0.01)
+    await refresher.close()
+    assert outcomes[:3] == ["failed", "failed", "ok"]
