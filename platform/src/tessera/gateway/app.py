@@ -26,6 +26,7 @@ from tessera.gateway.metrics import GatewayMetrics
 from tessera.gateway.models import ModelCatalog
 from tessera.gateway.openapi import openapi_document
 from tessera.redis_conn import connect
+from tessera.redis_wire import RedisWire
 from tessera.routing.router import Router
 from tessera.settings import TesseraSettings, load_settings
 from tessera.telemetry.tracing import configure_tracing
@@ -56,6 +57,9 @@ class Gateway:
         configure_tracing("tessera-gateway", settings.trace_exporter, settings.trace_dir,
                           settings.otlp_endpoint, settings.trace_sample_ratio)
         self.redis = connect(settings.redis_url, settings.redis_timeout_s)
+        # The request path's one round trip before the engine call (admission) goes over this lean
+        # connection; everything else uses the redis-py client above (see redis_wire.py for why).
+        self.wire = RedisWire(settings.redis_url, settings.redis_timeout_s)
         self.store = TenantStore(self.redis)
         self.auth = Authenticator(self.store, settings.key_cache_ttl_s, settings.redis_fail_open,
                                   lambda exc: isinstance(exc, REDIS_ERRORS))
@@ -148,6 +152,7 @@ class Gateway:
                 await self.auth.close()
                 await self.catalog.close()
                 await self.engines.close()
+                await self.wire.close()
                 await self.redis.aclose()
                 await send({"type": "lifespan.shutdown.complete"})
                 return

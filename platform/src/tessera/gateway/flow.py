@@ -20,6 +20,7 @@ from tessera.gateway.engine_client import StreamResult
 from tessera.gateway.errors import STORE_ERRORS, APIError, bad_request, invalid_field, unauthorized
 from tessera.gateway.openai_format import ChunkWriter, finish_reason, full_response, usage
 from tessera.gateway.schemas import ChatCompletionRequest, CompletionRequest
+from tessera.redis_wire import Command
 from tessera.routing.hashing import block_hash_chain
 from tessera.routing.router import RoutePlan
 from tessera.routing.snapshot import RouteDecision, RouteRequest
@@ -225,12 +226,11 @@ class GenerationFlow:
                                  lookup_args: list[str | int] | None) -> Admitted:
         gw = self.gw
         call = gw.admission.prepare(tenant.name, tenant.policy, reserve)
-        pipe = gw.redis.pipeline(transaction=False)
-        pipe.evalsha(gw.admission.admit_sha, len(call.keys), *call.keys, *call.args)
-        pipe.exists(demoted_key(tenant.name))
+        commands: list[Command] = [("EVALSHA", gw.admission.admit_sha, len(call.keys), *call.keys, *call.args),
+                                   ("EXISTS", demoted_key(tenant.name))]
         if lookup_args is not None:
-            pipe.evalsha(gw.router.lookup_sha, 0, *lookup_args)
-        replies = await pipe.execute(raise_on_error=False)
+            commands.append(("EVALSHA", gw.router.lookup_sha, 0, *lookup_args))
+        replies = await gw.wire.execute(commands)
         verdict, demoted = replies[0], replies[1]
         # NOSCRIPT (a restarted or flushed Redis): that script did not run, and the standalone call loads it.
         if isinstance(verdict, NoScriptError):

@@ -1,0 +1,166 @@
+"""One multiplexed Redis connection for the gateway's request path: commands in, replies out, nothing else.
+
+Why not redis-py's pipeline: measured on this project's machines (uvloop, hiredis installed), a GET through
+``redis.asyncio`` costs 65 µs back to back and 520 µs as the first call after 100 ms idle, against 17 and
+200 µs for the same bytes over a plain asyncio protocol. Every request pays one such round trip before its
+engine call (admission), so the difference is a third of the gateway's added time to first token.
+
+Concurrent callers share the connection: each call writes its commands in one ``write`` and awaits as many
+replies, matched in order (Redis answers a connection's commands in the order they arrive). A timeout or a
+lost connection fails every pending call and drops the connection, since a late reply would otherwise be
+handed to the next caller; the next call reconnects. Errors are redis-py's own exception types, so callers
+handle both clients alike (``NoScriptError`` for NOSCRIPT, ``ResponseError`` for the other error replies).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+from collections import deque
+from typing import Any
+
+import hiredis
+from redis.asyncio.connection import SSLConnection, UnixDomainSocketConnection, parse_url
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import NoScriptError, ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+Command = tuple[str | bytes | int | float, ...]
+
+
+def pack_commands(commands: list[Command]) -> bytes:
+    """RESP arrays of bulk strings, as every Redis command is sent."""
+    parts: list[bytes] = []
+    for command in commands:
+        parts.append(b"*%d\r\n" % len(command))
+        for arg in command:
+            data = arg if isinstance(arg, bytes) else str(arg).encode()
+            parts.append(b"$%d\r\n%s\r\n" % (len(data), data))
+    return b"".join(parts)
+
+
+def as_redis_error(reply: hiredis.ReplyError) -> ResponseError:
+    message = str(reply)
+    return NoScriptError(message) if message.startswith("NOSCRIPT") else ResponseError(message)
+
+
+class _Protocol(asyncio.Protocol):
+    def __init__(self) -> None:
+        self.reader = hiredis.Reader(replyError=hiredis.ReplyError)
+        self.waiting: deque[asyncio.Future[Any]] = deque()
+        self.transport: asyncio.Transport | None = None
+        self.lost: BaseException | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        self.reader.feed(data)
+        while self.waiting:
+            reply = self.reader.gets()
+            if reply is False:
+                return
+            future = self.waiting.popleft()
+            if not future.done():
+                future.set_result(as_redis_error(reply) if isinstance(reply, hiredis.ReplyError) else reply)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = RedisConnectionError(f"connection to Redis lost: {exc or 'closed by the server'}")
+        self.fail_all(self.lost)
+
+    def fail_all(self, exc: BaseException) -> None:
+        while self.waiting:
+            future = self.waiting.popleft()
+            if not future.done():
+                future.set_exception(exc)
+
+
+class RedisWire:
+    """``execute`` sends commands in one write and returns their replies in order; an error reply comes back
+    as an exception object in its place (as ``pipeline.execute(raise_on_error=False)`` does). Connection
+    trouble and timeouts raise redis-py's ``ConnectionError`` / ``TimeoutError``."""
+
+    def __init__(self, url: str, timeout_s: float) -> None:
+        self._options = parse_url(url)
+        self._timeout_s = timeout_s
+        self._protocol: _Protocol | None = None
+        self._connecting: asyncio.Lock | None = None
+
+    async def execute(self, commands: list[Command]) -> list[Any]:
+        protocol = await self._connected()
+        loop = asyncio.get_running_loop()
+        futures = [loop.create_future() for _ in commands]
+        protocol.waiting.extend(futures)
+        assert protocol.transport is not None
+        protocol.transport.write(pack_commands(commands))
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                return [await future for future in futures]
+        except TimeoutError:
+            self._drop(protocol, RedisTimeoutError(f"Redis did not answer within {self._timeout_s} s"))
+            raise RedisTimeoutError(f"Redis did not answer within {self._timeout_s} s") from None
+
+    async def close(self) -> None:
+        if self._protocol is not None:
+            self._drop(self._protocol, RedisConnectionError("connection closed"))
+
+    def _drop(self, protocol: _Protocol, exc: BaseException) -> None:
+        protocol.fail_all(exc)
+        if protocol.transport is not None:
+            protocol.transport.abort()
+        if self._protocol is protocol:
+            self._protocol = None
+
+    async def _connected(self) -> _Protocol:
+        protocol = self._protocol
+        if protocol is not None and protocol.lost is None:
+            return protocol
+        if self._connecting is None:
+            self._connecting = asyncio.Lock()
+        async with self._connecting:  # one connect for all the callers that found none
+            if self._protocol is None or self._protocol.lost is not None:
+                self._protocol = await self._open()
+            return self._protocol
+
+    async def _open(self) -> _Protocol:
+        loop = asyncio.get_running_loop()
+        options = self._options
+        protocol: _Protocol | None = None
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                if options.get("connection_class") is UnixDomainSocketConnection:
+                    _, protocol = await loop.create_unix_connection(_Protocol, options["path"])
+                else:
+                    tls = ssl.create_default_context() if options.get("connection_class") is SSLConnection else None
+                    _, protocol = await loop.create_connection(
+                        _Protocol, options.get("host", "localhost"), int(options.get("port", 6379)), ssl=tls)
+                await self._set_up(protocol)
+            return protocol
+        except BaseException as exc:
+            if protocol is not None and protocol.transport is not None:
+                protocol.transport.abort()
+            if isinstance(exc, TimeoutError):
+                raise RedisTimeoutError(f"could not connect to Redis within {self._timeout_s} s") from None
+            if isinstance(exc, OSError):
+                raise RedisConnectionError(f"could not connect to Redis: {exc}") from exc
+            raise
+
+    async def _set_up(self, protocol: _Protocol) -> None:
+        """AUTH and SELECT as the URL asks (the same URL the redis-py clients use)."""
+        options = self._options
+        setup: list[Command] = []
+        if options.get("password"):
+            user = options.get("username")
+            setup.append(("AUTH", user, options["password"]) if user else ("AUTH", options["password"]))
+        if int(options.get("db", 0)):
+            setup.append(("SELECT", int(options["db"])))
+        if not setup:
+            return
+        futures = [asyncio.get_running_loop().create_future() for _ in setup]
+        protocol.waiting.extend(futures)
+        assert protocol.transport is not None
+        protocol.transport.write(pack_commands(setup))
+        for future in futures:
+            reply = await future
+            if isinstance(reply, Exception):
+                raise RedisConnectionError(f"Redis refused the connection set-up: {reply}")

@@ -1,0 +1,137 @@
+"""RedisWire, the gateway's lean request-path connection, against a real Valkey: the same replies as
+redis-py, error replies in place, concurrent callers each get their own replies, and a timeout, a
+cancelled caller or a restarted server never hands one caller another's reply."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+
+import pytest
+import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import NoScriptError, ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from tessera.redis_conn import EmbeddedRedis, connect
+from tessera.redis_wire import RedisWire
+
+SCRIPT = "return {KEYS[1], tonumber(ARGV[1]) + 1, redis.call('EXISTS', KEYS[1])}"
+
+
+@pytest.fixture
+async def client(redis_server: EmbeddedRedis) -> AsyncIterator[aioredis.Redis]:
+    redis = connect(redis_server.url, timeout_s=5.0)
+    yield redis
+    await redis.aclose()
+
+
+async def test_replies_match_redis_py(redis_server: EmbeddedRedis, client: aioredis.Redis) -> None:
+    key = f"wire-{uuid.uuid4().hex}"
+    await client.hset(key, mapping={"a": "1", "b": "two"})
+    sha = await client.script_load(SCRIPT)
+    wire = RedisWire(redis_server.url, timeout_s=2.0)
+    replies = await wire.execute([("HGETALL", key), ("EXISTS", key), ("GET", f"{key}-missing"),
+                                  ("EVALSHA", sha, 1, key, 41), ("INCRBY", f"{key}-n", 5)])
+    pipe = client.pipeline(transaction=False)
+    pipe.execute_command("HGETALL", key)  # raw, as the wire returns it (no response callback)
+    pipe.exists(key).get(f"{key}-missing").evalsha(sha, 1, key, 41).incrby(f"{key}-n", 5)
+    expected = await pipe.execute()
+    assert replies[0] == [b"a", b"1", b"b", b"two"] and expected[0] in ({b"a": b"1", b"b": b"two"}, replies[0])
+    assert replies[1:4] == expected[1:4] == [1, None, [key.encode(), 42, 1]]
+    assert (replies[4], expected[4]) == (5, 10)  # both incremented the same counter
+    await wire.close()
+
+
+async def test_error_replies_come_back_in_place(redis_server: EmbeddedRedis, client: aioredis.Redis) -> None:
+    key = f"wire-{uuid.uuid4().hex}"
+    await client.set(key, "text")
+    wire = RedisWire(redis_server.url, timeout_s=2.0)
+    replies = await wire.execute([("EVALSHA", "0" * 40, 0), ("INCR", key), ("GET", key)])
+    assert isinstance(replies[0], NoScriptError)  # what the gateway's NOSCRIPT fallback looks for
+    assert isinstance(replies[1], ResponseError) and not isinstance(replies[1], NoScriptError)
+    assert "not an integer" in str(replies[1])
+    assert replies[2] == b"text"
+    await wire.close()
+
+
+async def test_concurrent_callers_each_get_their_own_replies(redis_server: EmbeddedRedis,
+                                                             client: aioredis.Redis) -> None:
+    prefix = f"wire-{uuid.uuid4().hex}"
+    await client.mset({f"{prefix}-{i}": str(i) for i in range(300)})
+    wire = RedisWire(redis_server.url, timeout_s=5.0)
+
+    async def read(i: int) -> list[object]:
+        return await wire.execute([("GET", f"{prefix}-{i}"), ("STRLEN", f"{prefix}-{i}")])
+
+    results = await asyncio.gather(*(read(i) for i in range(300)))
+    assert results == [[str(i).encode(), len(str(i))] for i in range(300)]
+    await wire.close()
+
+
+async def test_a_timeout_drops_the_connection_and_no_late_reply_reaches_the_next_caller(
+        redis_server: EmbeddedRedis, client: aioredis.Redis) -> None:
+    key = f"wire-{uuid.uuid4().hex}"
+    await client.mset({f"{key}-a": "a", f"{key}-b": "b"})
+    wire = RedisWire(redis_server.url, timeout_s=0.2)
+    assert await wire.execute([("GET", f"{key}-a")]) == [b"a"]
+    pauser = connect(redis_server.url, timeout_s=5.0)
+    await pauser.execute_command("CLIENT", "PAUSE", 600, "ALL")
+    with pytest.raises(RedisTimeoutError, match=r"did not answer within 0\.2 s"):
+        await wire.execute([("GET", f"{key}-a")])
+    await asyncio.sleep(0.6)  # the pause ends; the late reply to the timed-out GET went to a dropped connection
+    assert await wire.execute([("GET", f"{key}-b")]) == [b"b"]
+    await pauser.aclose()
+    await wire.close()
+
+
+async def test_a_cancelled_caller_leaves_the_replies_aligned(redis_server: EmbeddedRedis,
+                                                             client: aioredis.Redis) -> None:
+    key = f"wire-{uuid.uuid4().hex}"
+    await client.mset({f"{key}-a": "a", f"{key}-b": "b"})
+    wire = RedisWire(redis_server.url, timeout_s=2.0)
+    cancelled = asyncio.ensure_future(wire.execute([("GET", f"{key}-a"), ("GET", f"{key}-a")]))
+    await asyncio.sleep(0)  # sent
+    cancelled.cancel()
+    assert await wire.execute([("GET", f"{key}-b")]) == [b"b"]
+    assert cancelled.cancelled()
+    await wire.close()
+
+
+async def test_a_restarted_server_fails_calls_then_serves_again() -> None:
+    server = EmbeddedRedis().start()
+    port = server.port
+    wire = RedisWire(server.url, timeout_s=1.0)
+    assert await wire.execute([("SET", "k", "v"), ("GET", "k")]) == [b"OK", b"v"]
+    server.stop()
+    with pytest.raises(RedisConnectionError):
+        await wire.execute([("GET", "k")])
+    with pytest.raises(RedisConnectionError, match="could not connect"):
+        await wire.execute([("GET", "k")])  # refused while it is down
+    server = EmbeddedRedis(port=port).start()
+    try:
+        assert await wire.execute([("SET", "k", "again"), ("GET", "k")]) == [b"OK", b"again"]
+    finally:
+        await wire.close()
+        server.stop()
+
+
+async def test_password_and_database_from_the_url() -> None:
+    server = EmbeddedRedis(password="s3cret").start()
+    try:
+        url = server.url.rsplit("/", 1)[0] + "/3"
+        wire = RedisWire(url, timeout_s=1.0)
+        await wire.execute([("SET", "in-db-3", "yes")])
+        reader = connect(url, timeout_s=1.0)
+        assert await reader.get("in-db-3") == b"yes"
+        other_db = connect(server.url, timeout_s=1.0)
+        assert await other_db.get("in-db-3") is None
+        await reader.aclose()
+        await other_db.aclose()
+        await wire.close()
+        wrong = RedisWire(url.replace("s3cret", "wrong"), timeout_s=1.0)
+        with pytest.raises(RedisConnectionError, match="refused the connection set-up"):
+            await wrong.execute([("PING",)])
+    finally:
+        server.stop()
