@@ -1,4 +1,4 @@
-"""Streams one generation from an engine replica over a pooled keep-alive HTTP connection.
+"""Streams one generation from an engine replica over a pooled keep-alive HTTP connection (http_wire).
 
 Retries: a replica that refuses the connection, answers 5xx before streaming, or ends the stream with a
 ``retryable`` error (the KV-eviction controller aborted it) is replaced by the next engine in the route's
@@ -12,10 +12,10 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import aiohttp
 import orjson
 
 from tessera.gateway.errors import APIError
+from tessera.gateway.http_wire import EngineHTTP, EngineUnreachable
 
 MAX_ATTEMPTS = 3
 
@@ -40,20 +40,10 @@ class StreamResult:
 
 class EngineClient:
     def __init__(self) -> None:
-        self._session: aiohttp.ClientSession | None = None
-
-    def session(self) -> aiohttp.ClientSession:
-        if self._session is None or self._session.closed:
-            connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60, enable_cleanup_closed=True)
-            self._session = aiohttp.ClientSession(
-                connector=connector, timeout=aiohttp.ClientTimeout(total=None, sock_connect=2.0),
-                json_serialize=lambda o: orjson.dumps(o).decode(),
-            )
-        return self._session
+        self.http = EngineHTTP()
 
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
+        await self.http.close()
 
     async def stream(self, urls: list[tuple[str, str]], body: dict[str, Any], headers: dict[str, str],
                      result: StreamResult) -> AsyncIterator[Delta]:
@@ -73,14 +63,14 @@ class EngineClient:
             result.engines_tried.append(engine_id)
             result.retries = attempt
             try:
-                async with self.session().post(f"{url}/generate", data=orjson.dumps(body), headers=headers) as resp:
+                async with self.http.post(f"{url}/generate", orjson.dumps(body), headers) as resp:
                     if resp.status != 200:
                         last_error = f"engine {engine_id} answered {resp.status}: {(await resp.text())[:200]}"
                         if resp.status >= 500:
                             continue
                         raise APIError(502, last_error, "engine_error")
                     retry = False
-                    async for line in resp.content:
+                    async for line in resp.lines():
                         message = orjson.loads(line)
                         if "t" in message:
                             ids = message["d"]
@@ -91,6 +81,7 @@ class EngineClient:
                         elif message.get("done"):
                             result.finish = {int(k): v for k, v in message["finish"].items()}
                             result.stats = message["stats"]
+                            await resp.drain()  # the closing chunk follows: then the connection is reusable
                             return
                         else:
                             last_error = str(message.get("error"))
@@ -99,7 +90,7 @@ class EngineClient:
                             break
                     if not retry:
                         raise APIError(502, f"engine {engine_id} ended the stream early: {last_error}", "engine_error")
-            except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, TimeoutError) as exc:
+            except (EngineUnreachable, TimeoutError) as exc:
                 last_error = f"engine {engine_id} unreachable: {exc}"
                 continue
         raise APIError(503, f"No engine could serve the request ({last_error}); retry shortly.",

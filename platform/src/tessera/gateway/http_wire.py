@@ -1,0 +1,240 @@
+"""A lean HTTP/1.1 client for the one call the gateway makes per request: POST to an engine replica and
+read its streamed, chunked NDJSON answer over a pooled keep-alive connection.
+
+Why not aiohttp: measured here (uvloop), from the call to the request's first byte at the server, aiohttp
+takes 62 µs back to back and 446 µs as the first call after 100 ms idle; writing the same request on a
+plain asyncio protocol takes 6 and 132 µs. That is on every request's time to first token, once each way.
+Parsing is httptools' (llhttp, the parser uvicorn uses), so chunked framing and keep-alive follow the spec.
+
+Closing a response before its end closes its connection: that is how the engine learns the caller went
+away and aborts the vLLM request. A finished response returns its connection to the pool. A request sent
+on a reused connection that the engine had meanwhile closed (no byte of a response came back) is sent once
+more on a new connection, as HTTP clients do for idempotent-by-construction failures: the engine never
+saw it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from urllib.parse import urlsplit
+
+import httptools
+
+# Idle pooled connections older than this are closed instead of reused (the engine keeps them 300 s).
+IDLE_KEEP_S = 60.0
+CONNECT_TIMEOUT_S = 2.0
+# Reading pauses while this much body waits for the consumer (engine streams are small; this is a guard).
+MAX_BUFFER_BYTES = 1 << 20
+
+
+class EngineUnreachable(ConnectionError):
+    """The engine refused the connection, or closed it before the response ended."""
+
+
+class _Connection(asyncio.Protocol):
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.closed = False
+        self.reset()
+
+    def reset(self) -> None:
+        """Fresh per-response state, for the next request on the same connection."""
+        self.parser = httptools.HttpResponseParser(self)
+        self.status = 0
+        self.got_bytes = False
+        self.complete = False
+        self.keep_alive = False
+        self.failure: BaseException | None = None
+        self.buffer = bytearray()
+        self.headers_done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._wakeup: asyncio.Future[None] | None = None
+        self._paused = False
+
+    # asyncio.Protocol
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        self.got_bytes = True
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            self._fail(EngineUnreachable(f"the engine sent a malformed response: {exc}"))
+            self.transport.abort()  # type: ignore[union-attr]
+            return
+        if len(self.buffer) > MAX_BUFFER_BYTES and not self._paused and self.transport is not None:
+            self.transport.pause_reading()
+            self._paused = True
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        if not self.complete:
+            self._fail(EngineUnreachable(f"the engine closed the connection: {exc or 'end of stream'}"))
+
+    # httptools callbacks
+    def on_headers_complete(self) -> None:
+        self.status = self.parser.get_status_code()
+        if not self.headers_done.done():
+            self.headers_done.set_result(None)
+
+    def on_body(self, body: bytes) -> None:
+        self.buffer += body
+        self._wake()
+
+    def on_message_complete(self) -> None:
+        self.complete = True
+        self.keep_alive = self.parser.should_keep_alive()  # read now: the parser resets after the message
+        self._wake()
+
+    # for the response
+    def _fail(self, exc: BaseException) -> None:
+        self.failure = exc
+        if not self.headers_done.done():
+            self.headers_done.set_exception(exc)
+        self._wake()
+
+    def _wake(self) -> None:
+        if self._wakeup is not None and not self._wakeup.done():
+            self._wakeup.set_result(None)
+
+    async def wait_for_body(self) -> None:
+        if self._paused and self.transport is not None:
+            self._paused = False
+            self.transport.resume_reading()
+        self._wakeup = asyncio.get_running_loop().create_future()
+        await self._wakeup
+
+    @property
+    def reusable(self) -> bool:
+        return self.complete and self.keep_alive and not self.closed
+
+
+class StreamResponse:
+    def __init__(self, connection: _Connection) -> None:
+        self._conn = connection
+        self.status = connection.status
+
+    async def lines(self) -> AsyncIterator[bytes]:
+        """The body's newline-terminated lines (the last one also when it has no newline)."""
+        conn = self._conn
+        while True:
+            end = conn.buffer.find(b"\n")
+            if end >= 0:
+                line = bytes(conn.buffer[:end + 1])
+                del conn.buffer[:end + 1]
+                yield line
+                continue
+            if conn.complete:
+                if conn.buffer:
+                    yield bytes(conn.buffer)
+                    conn.buffer.clear()
+                return
+            if conn.failure is not None:
+                raise conn.failure
+            await conn.wait_for_body()
+
+    async def drain(self) -> None:
+        """Reads to the end of the response (after the last line that matters), so the connection can
+        go back to the pool instead of being closed."""
+        async for _ in self.lines():
+            pass
+
+    async def read(self) -> bytes:
+        return b"".join([line async for line in self.lines()])
+
+    async def text(self) -> str:
+        return (await self.read()).decode(errors="replace")
+
+
+class EngineHTTP:
+    """Keep-alive connections per engine address, most recently used first (the warmest one)."""
+
+    def __init__(self, connect_timeout_s: float = CONNECT_TIMEOUT_S, idle_keep_s: float = IDLE_KEEP_S) -> None:
+        self._connect_timeout_s = connect_timeout_s
+        self._idle_keep_s = idle_keep_s
+        self._idle: dict[tuple[str, int], list[tuple[_Connection, float]]] = {}
+
+    @asynccontextmanager
+    async def post(self, url: str, body: bytes, headers: dict[str, str]) -> AsyncIterator[StreamResponse]:
+        parts = urlsplit(url)
+        if parts.scheme != "http" or not parts.hostname:
+            raise ValueError(f"engine URL must be http://host:port/..., got {url!r}")
+        address = (parts.hostname, parts.port or 80)
+        request = _request_bytes(parts.netloc, parts.path or "/", body, headers)
+        conn = await self._send(address, request)
+        try:
+            yield StreamResponse(conn)
+        finally:
+            if conn.reusable:
+                self._idle.setdefault(address, []).append((conn, time.monotonic()))
+            elif conn.transport is not None:
+                conn.transport.close()  # mid-stream: the engine sees the disconnect and aborts
+
+    async def _send(self, address: tuple[str, int], request: bytes) -> _Connection:
+        """Writes the request and waits for the response's headers. Any failure or cancellation on the way
+        closes the connection, so an engine that got the request sees its caller go."""
+        reused = self._pooled(address)
+        if reused is not None:
+            try:
+                return await _exchange(reused, request)
+            except EngineUnreachable:
+                if reused.got_bytes:
+                    raise
+                # Stale: the engine had closed it while idle and never saw this request. Once more, fresh.
+        return await _exchange(await self._connect(address), request)
+
+    def _pooled(self, address: tuple[str, int]) -> _Connection | None:
+        idle = self._idle.get(address)
+        now = time.monotonic()
+        while idle:
+            conn, since = idle.pop()
+            if not conn.closed and now - since < self._idle_keep_s:
+                conn.reset()
+                return conn
+            if conn.transport is not None:
+                conn.transport.close()
+        return None
+
+    async def _connect(self, address: tuple[str, int]) -> _Connection:
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(self._connect_timeout_s):
+                _, conn = await loop.create_connection(_Connection, *address)
+        except TimeoutError:
+            raise EngineUnreachable(f"no connection to {address[0]}:{address[1]} within "
+                                    f"{self._connect_timeout_s} s") from None
+        except OSError as exc:
+            raise EngineUnreachable(f"cannot connect to {address[0]}:{address[1]}: {exc}") from exc
+        return conn
+
+    async def close(self) -> None:
+        for idle in self._idle.values():
+            for conn, _ in idle:
+                if conn.transport is not None:
+                    conn.transport.close()
+        self._idle.clear()
+
+
+async def _exchange(conn: _Connection, request: bytes) -> _Connection:
+    assert conn.transport is not None
+    try:
+        conn.transport.write(request)
+        await conn.headers_done
+    except BaseException:
+        conn.transport.abort()
+        raise
+    return conn
+
+
+def _request_bytes(host: str, path: str, body: bytes, headers: dict[str, str]) -> bytes:
+    for name, value in headers.items():
+        if "\r" in value or "\n" in value or "\r" in name or "\n" in name:
+            raise ValueError(f"header {name!r} has a line break in its name or value")
+    head = [f"POST {path} HTTP/1.1\r\nhost: {host}\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(body)}\r\n"]
+    head.extend(f"{name}: {value}\r\n" for name, value in headers.items())
+    head.append("\r\n")
+    return "".join(head).encode("latin-1") + body

@@ -1,0 +1,161 @@
+"""The gateway's engine HTTP client (http_wire) against a real uvicorn server with httptools, as the engine
+host runs it: chunked NDJSON streams line by line, keep-alive reuse, error bodies, an early close reaching
+the server as a disconnect, a stale pooled connection replaced, refused and broken connections."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import AsyncIterator
+from typing import Any
+
+import orjson
+import pytest
+import uvicorn
+
+from tessera.gateway.http_wire import EngineHTTP, EngineUnreachable
+
+
+class StreamingApp:
+    """POST /stream {"n": k, "gap_s": g} answers k NDJSON lines; /fail answers 503; /die drops the
+    connection mid-stream. Records the client ports it served and the disconnects it saw."""
+
+    def __init__(self) -> None:
+        self.client_ports: list[int] = []
+        self.disconnects = 0
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        self.client_ports.append(scope["client"][1])
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        if scope["path"] == "/fail":
+            await send({"type": "http.response.start", "status": 503, "headers": []})
+            await send({"type": "http.response.body", "body": b"engine is dead"})
+            return
+        args = orjson.loads(body)
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"application/x-ndjson")]})
+        for i in range(args["n"]):
+            if scope["path"] == "/die" and i == 2:
+                raise RuntimeError("engine crashed mid-stream")  # uvicorn drops the connection
+            await send({"type": "http.response.body", "body": orjson.dumps({"i": i}) + b"\n", "more_body": True})
+            if args.get("gap_s"):
+                waiter = asyncio.ensure_future(receive())
+                done, _ = await asyncio.wait({waiter}, timeout=args["gap_s"])
+                if waiter in done and waiter.result()["type"] == "http.disconnect":
+                    self.disconnects += 1
+                    return
+                waiter.cancel()
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+@pytest.fixture
+async def server() -> AsyncIterator[tuple[StreamingApp, str]]:
+    app = StreamingApp()
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    config = uvicorn.Config(app, http="httptools", loop="none", lifespan="off", log_level="critical",
+                            timeout_keep_alive=1)
+    srv = uvicorn.Server(config)
+    task = asyncio.ensure_future(srv.serve(sockets=[sock]))
+    while not srv.started:
+        await asyncio.sleep(0.01)
+    yield app, f"http://127.0.0.1:{sock.getsockname()[1]}"
+    srv.should_exit = True
+    await task
+
+
+async def _lines(http: EngineHTTP, url: str, body: dict[str, Any]) -> list[Any]:
+    async with http.post(url, orjson.dumps(body), {"x-request-id": "r1"}) as resp:
+        assert resp.status == 200
+        return [orjson.loads(line) async for line in resp.lines()]
+
+
+async def test_streams_every_line_and_reuses_the_connection(server: tuple[StreamingApp, str]) -> None:
+    app, base = server
+    http = EngineHTTP()
+    assert await _lines(http, f"{base}/stream", {"n": 50}) == [{"i": i} for i in range(50)]
+    assert await _lines(http, f"{base}/stream", {"n": 3, "gap_s": 0.01}) == [{"i": i} for i in range(3)]
+    assert len(app.client_ports) == 2 and app.client_ports[0] == app.client_ports[1]  # one keep-alive connection
+    await http.close()
+
+
+async def test_an_error_status_comes_with_its_body(server: tuple[StreamingApp, str]) -> None:
+    _, base = server
+    http = EngineHTTP()
+    async with http.post(f"{base}/fail", b"{}", {}) as resp:
+        assert resp.status == 503 and await resp.text() == "engine is dead"
+    await http.close()
+
+
+async def test_closing_early_reaches_the_server_as_a_disconnect(server: tuple[StreamingApp, str]) -> None:
+    app, base = server
+    http = EngineHTTP()
+    async with http.post(f"{base}/stream", orjson.dumps({"n": 1000, "gap_s": 0.05}), {}) as resp:
+        async for line in resp.lines():
+            if orjson.loads(line)["i"] == 2:
+                break
+    for _ in range(100):
+        if app.disconnects:
+            break
+        await asyncio.sleep(0.02)
+    assert app.disconnects == 1
+    await http.close()
+
+
+async def test_a_pooled_connection_the_server_closed_is_replaced(server: tuple[StreamingApp, str]) -> None:
+    app, base = server
+    http = EngineHTTP()
+    assert len(await _lines(http, f"{base}/stream", {"n": 2})) == 2
+    await asyncio.sleep(1.5)  # past the server's 1 s keep-alive: it closes the idle connection
+    assert len(await _lines(http, f"{base}/stream", {"n": 2})) == 2
+    assert len(set(app.client_ports)) == 2
+    await http.close()
+
+
+async def test_a_stale_connection_whose_close_was_not_yet_seen_is_retried_once(
+        server: tuple[StreamingApp, str]) -> None:
+    app, base = server
+    http = EngineHTTP()
+    assert len(await _lines(http, f"{base}/stream", {"n": 2})) == 2
+    [(conn, _)] = next(iter(http._idle.values()))
+    conn.transport.abort()  # type: ignore[union-attr]  # as if the engine had reset it just now
+    conn.closed = False  # ...and the pool had not noticed yet
+    assert len(await _lines(http, f"{base}/stream", {"n": 2})) == 2
+    assert len(app.client_ports) == 2 and app.client_ports[0] != app.client_ports[1]  # sent once more, fresh
+    await http.close()
+
+
+async def test_a_refused_connection_names_the_address() -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    http = EngineHTTP()
+    with pytest.raises(EngineUnreachable, match=f"127.0.0.1:{port}"):
+        async with http.post(f"http://127.0.0.1:{port}/generate", b"{}", {}):
+            pass
+
+
+async def test_a_stream_cut_mid_way_raises(server: tuple[StreamingApp, str]) -> None:
+    _, base = server
+    http = EngineHTTP()
+    got: list[Any] = []
+    with pytest.raises(EngineUnreachable, match="closed the connection"):
+        async with http.post(f"{base}/die", orjson.dumps({"n": 10}), {}) as resp:
+            async for line in resp.lines():
+                got.append(orjson.loads(line))
+    assert got == [{"i": 0}, {"i": 1}]
+    await http.close()
+
+
+async def test_a_header_with_a_line_break_is_refused() -> None:
+    http = EngineHTTP()
+    with pytest.raises(ValueError, match="line break"):
+        async with http.post("http://127.0.0.1:1/generate", b"{}", {"x-request-id": "a\r\nx-evil: 1"}):
+            pass
