@@ -98,7 +98,7 @@ async def test_lost_scripts_still_admit_once_and_route_later(gateway: Gateway) -
     decision, cached, _ = await flow._admit(tenant, 100, plan)
     assert isinstance(decision, Lease)
     assert cached is None  # the lookup failed with NOSCRIPT: the route does its own
-    route, _ = await flow._route_traced((request, plan, cached))
+    route, _ = await flow._route((request, plan, cached))
     assert route.ranked[0].endswith("-a")
     # Admitted exactly once: one more fits under 2/min, the next does not.
     assert isinstance(await gateway.admission.admit(tenant.name, tenant.policy, 100), Lease)

@@ -24,6 +24,7 @@ from tessera.redis_wire import Command
 from tessera.routing.hashing import block_hash_chain
 from tessera.routing.router import RoutePlan
 from tessera.routing.snapshot import RouteDecision, RouteRequest
+from tessera.telemetry.late_spans import LateSpans
 from tessera.tenancy.admission import Lease, Rejection
 from tessera.tenancy.billing import FinishQueue
 from tessera.tenancy.demotion import demoted_key
@@ -93,15 +94,23 @@ class GenerationFlow:
 
     async def handle(self, chat: bool, scope: Scope, receive: Receive, send: Send, headers: dict[str, str],
                      request_id: str, trace_carrier: dict[str, str], span: Span) -> None:
+        notes = LateSpans(span)
+        try:
+            await self._handle(chat, scope, receive, send, headers, request_id, trace_carrier, notes)
+        finally:
+            notes.emit(self.gw.tracer)  # the request's spans, made after its latency-critical part
+
+    async def _handle(self, chat: bool, scope: Scope, receive: Receive, send: Send, headers: dict[str, str],
+                      request_id: str, trace_carrier: dict[str, str], notes: LateSpans) -> None:
         gw = self.gw
         t_start = time.monotonic()
         raw = await read_body(receive, headers, gw.settings.max_body_bytes)
         tenant = await gw.auth.tenant_for(headers.get("authorization"))
         if tenant is None:
             raise unauthorized()
-        span.set_attribute("tessera.tenant", tenant.name)
+        notes.attributes["tessera.tenant"] = tenant.name
         req = parse_request(chat, raw)
-        span.set_attribute("gen_ai.request.model", req.model)
+        notes.attributes["gen_ai.request.model"] = req.model
         model = await self._model(req.model)
         if model is None:
             raise APIError(404, f"The model {req.model!r} does not exist; GET /v1/models lists yours.",
@@ -110,11 +119,11 @@ class GenerationFlow:
             raise APIError(403, f"Your tenant may not use the model {req.model!r}.", "model_not_allowed", "model")
         prompt_ids = tokenize(chat, req, model)
         max_tokens = check_limits(chat, req, tenant, model, len(prompt_ids))
-        span.set_attributes({"gen_ai.usage.input_tokens": len(prompt_ids), "gen_ai.request.max_tokens": max_tokens})
+        notes.attributes.update({"gen_ai.usage.input_tokens": len(prompt_ids), "gen_ai.request.max_tokens": max_tokens})
 
         if tenant.policy.priority >= SHED_UNDER_PRESSURE_FROM and await self._all_engines_pressured(req.model):
             gw.metrics.rejected(tenant.name, "engine_under_pressure")
-            span.set_attribute("tessera.rejected", "engine_under_pressure")
+            notes.attributes["tessera.rejected"] = "engine_under_pressure"
             raise APIError(503, f"Every engine serving {req.model!r} is short of KV cache; low and batch "
                            "priority requests wait until it frees.", "engine_under_pressure",
                            headers={"Retry-After": "1"})
@@ -122,28 +131,27 @@ class GenerationFlow:
         salt = tenant.cache_salt if tenant.policy.prefix_cache_isolation else None
         route_request = self._route_request(req, tenant, model, prompt_ids, salt)
         plan = await self._plan(route_request)
-        t_admit = time.monotonic()
+        t_admit, t_admit_ns = time.monotonic(), time.time_ns()
         # Routing waits for admission's verdict, but its prefix lookup rides in admission's round trip (see
         # _admit): a rejected request costs no routing work beyond that, an admitted one saves a round trip.
-        with gw.tracer.start_as_current_span("admission") as adm_span:
-            decision, cached, demoted = await self._admit(tenant, reserve, plan)
-            adm_span.set_attribute("tessera.admitted", isinstance(decision, Lease))
+        decision, cached, demoted = await self._admit(tenant, reserve, plan)
+        notes.child("admission", t_admit_ns, {"tessera.admitted": isinstance(decision, Lease)})
         if isinstance(decision, Rejection):
             if len(self._rejected_at) >= MAX_REJECTION_HINTS:
                 self._rejected_at.clear()
             self._rejected_at[tenant.name] = time.monotonic()
             gw.metrics.rejected(tenant.name, decision.limit)
-            span.set_attribute("tessera.rejected", decision.limit)
+            notes.attributes["tessera.rejected"] = decision.limit
             raise APIError(429, decision.message, decision.limit,
                            headers={"Retry-After": str(decision.retry_after_s or 1)})
         lease = decision
         admission_s = time.monotonic() - t_admit
-        span.set_attribute("tessera.admission_wait_s", admission_s)
+        notes.attributes["tessera.admission_wait_s"] = admission_s
         result = StreamResult()
         keeper = None if lease.detached else asyncio.ensure_future(self._keep_lease(lease))
         try:
             await self._serve(chat, req, tenant, prompt_ids, max_tokens, salt, (route_request, plan, cached),
-                               demoted, request_id, trace_carrier, span, send, receive, result, t_start)
+                               demoted, request_id, trace_carrier, notes, send, receive, result, t_start)
         finally:
             if keeper is not None:
                 keeper.cancel()
@@ -253,25 +261,27 @@ class GenerationFlow:
                             block_hashes=block_hash_chain(prompt_ids, model.info.block_size, salt),
                             prompt_prefix=prompt_text, session_id=req.user)
 
-    async def _route_traced(self, routing: Routing) -> tuple[RouteDecision, dict[str, EngineRecord]]:
-        with self.gw.tracer.start_as_current_span("route") as route_span:
-            decision, records = await self._route(routing)
-            hashes = routing[0].block_hashes
-            route_span.set_attributes({"tessera.route.reason": decision.reason,
-                                       "tessera.route.expected_cached_tokens": decision.expected_cached_tokens,
-                                       # The chain's first block names the prefix in the controller's
-                                       # eviction spans (``tessera traces analyze`` joins on it).
-                                       "tessera.prefix_root": f"{hashes[0]:016x}" if hashes else "",
-                                       "tessera.prompt_blocks": len(hashes)})
+    async def _route_traced(self, routing: Routing,
+                            notes: LateSpans) -> tuple[RouteDecision, dict[str, EngineRecord]]:
+        started_ns = time.time_ns()
+        decision, records = await self._route(routing)
+        hashes = routing[0].block_hashes
+        notes.child("route", started_ns, {
+            "tessera.route.reason": decision.reason,
+            "tessera.route.expected_cached_tokens": decision.expected_cached_tokens,
+            # The chain's first block names the prefix in the controller's eviction spans (``tessera traces
+            # analyze`` joins on it).
+            "tessera.prefix_root": f"{hashes[0]:016x}" if hashes else "",
+            "tessera.prompt_blocks": len(hashes)})
         return decision, records
 
     async def _serve(self, chat: bool, req: CompletionRequest | ChatCompletionRequest, tenant: Tenant,
                      prompt_ids: list[int], max_tokens: int, salt: str | None, routing: Routing, demoted: bool,
                      request_id: str,
-                     carrier: dict[str, str], span: Span, send: Send, receive: Receive, result: StreamResult,
-                     t_start: float) -> None:
+                     carrier: dict[str, str], notes: LateSpans, send: Send, receive: Receive,
+                     result: StreamResult, t_start: float) -> None:
         gw = self.gw
-        decision, records = await self._route_traced(routing)
+        decision, records = await self._route_traced(routing, notes)
         if not decision.ranked:
             raise APIError(503, f"No engine is serving {req.model!r} right now; retry shortly.",
                            "engine_unavailable", headers={"Retry-After": "2"})
@@ -287,15 +297,15 @@ class GenerationFlow:
         first = decision.ranked[0]
         out_headers = [(b"x-request-id", request_id.encode()), (b"x-tessera-engine", first.encode()),
                        (b"x-tessera-route-reason", decision.reason.encode())]
-        span.set_attributes({"tessera.engine": first, "tessera.route.reason": decision.reason,
-                             "tessera.priority": priority})
+        notes.attributes.update({"tessera.engine": first, "tessera.route.reason": decision.reason,
+                                 "tessera.priority": priority})
         gw.router.started(first)
         try:
             with gw.tracer.start_as_current_span("engine.call") as call_span:
                 from opentelemetry.propagate import inject
 
                 inject(engine_headers)
-                stream = _first_token_event(gw.engines.stream(targets, body, engine_headers, result), span)
+                stream = _first_token_event(gw.engines.stream(targets, body, engine_headers, result), notes)
                 if req.stream:
                     await self._stream_out(chat, req, stream, send, receive, out_headers, response_id, created,
                                            len(prompt_ids), result)
@@ -306,7 +316,7 @@ class GenerationFlow:
         finally:
             gw.router.finished(first)
             stats = result.stats
-            span.set_attributes({
+            notes.attributes.update({
                 "gen_ai.usage.output_tokens": result.completion_tokens,
                 "tessera.cached_tokens": int(stats.get("num_cached_tokens", 0)),
                 "tessera.preemptions": int(stats.get("num_preemptions", 0)),
@@ -345,15 +355,14 @@ class GenerationFlow:
 
         async def pump() -> None:
             async for delta in stream:
+                body = writer.text(delta.index, delta.text) if delta.text else b""
                 if not state["started"]:
                     await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS + out_headers})
                     state["started"] = True
-                    if chat:
-                        await send({"type": "http.response.body",
-                                    "body": b"".join(writer.role(i) for i in range(req.n)), "more_body": True})
-                if delta.text:
-                    await send({"type": "http.response.body", "body": writer.text(delta.index, delta.text),
-                                "more_body": True})
+                    if chat:  # the role chunks and the first text leave in one write
+                        body = b"".join(writer.role(i) for i in range(req.n)) + body
+                if body:
+                    await send({"type": "http.response.body", "body": body, "more_body": True})
             if not state["started"]:
                 state["started"] = True
                 await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS + out_headers})
@@ -464,14 +473,14 @@ def check_limits(chat: bool, req: CompletionRequest | ChatCompletionRequest, ten
     return requested
 
 
-async def _first_token_event(stream: AsyncIterator[Any], span: Span) -> AsyncIterator[Any]:
+async def _first_token_event(stream: AsyncIterator[Any], notes: LateSpans) -> AsyncIterator[Any]:
     """Passes the engine stream through, marking the first delta on the ``gateway.request`` span (the
     analyzer's TTFT as the gateway saw it)."""
     first = True
     try:
         async for delta in stream:
             if first:
-                span.add_event("first_token")
+                notes.event("first_token")
                 first = False
             yield delta
     finally:
