@@ -14,7 +14,7 @@ from typing import Any
 
 import orjson
 from opentelemetry import trace
-from opentelemetry.propagate import extract, inject
+from opentelemetry.propagate import extract
 from pydantic import ValidationError
 
 from tessera.gateway.admin import AdminAPI, usage_report
@@ -29,6 +29,7 @@ from tessera.redis_conn import connect
 from tessera.redis_wire import RedisWire
 from tessera.routing.router import Router
 from tessera.settings import TesseraSettings, load_settings
+from tessera.telemetry.late_spans import LateTrace
 from tessera.telemetry.tracing import configure_tracing
 from tessera.tenancy.admission import Admission
 from tessera.tenancy.store import TenantStore
@@ -89,15 +90,18 @@ class Gateway:
             if path in ("/v1/completions", "/v1/chat/completions"):
                 if method != "POST":
                     raise APIError(405, f"{path} only accepts POST", "method_not_allowed")
-                ctx = extract(headers)
-                with self.tracer.start_as_current_span(
-                    "gateway.request", context=ctx, kind=trace.SpanKind.SERVER,
-                    attributes={"tessera.request_id": request_id, "http.route": path},
-                ) as span:
-                    carrier: dict[str, str] = {}
-                    inject(carrier)
+                # The request's spans are noted as it runs and made after it (see telemetry/late_spans.py).
+                late = LateTrace(self.tracer, extract(headers), {"tessera.request_id": request_id,
+                                                                 "http.route": path})
+                error: Exception | None = None
+                try:
                     await self.flow.handle(path == "/v1/chat/completions", scope, receive, send, headers,
-                                           request_id, carrier, span)
+                                           request_id, late)
+                except Exception as exc:
+                    error = exc
+                    raise
+                finally:
+                    late.emit(error)
             elif path == "/v1/models" and method == "GET":
                 await self._models(send, headers, request_id)
             elif path == "/v1/usage" and method == "GET":

@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jinja2
 import orjson
-from opentelemetry.trace import Span
 from pydantic import ValidationError
 from redis.exceptions import NoScriptError
 
@@ -24,7 +23,7 @@ from tessera.redis_wire import Command
 from tessera.routing.hashing import block_hash_chain
 from tessera.routing.router import RoutePlan
 from tessera.routing.snapshot import RouteDecision, RouteRequest
-from tessera.telemetry.late_spans import LateSpans
+from tessera.telemetry.late_spans import LateTrace
 from tessera.tenancy.admission import Lease, Rejection
 from tessera.tenancy.billing import FinishQueue
 from tessera.tenancy.demotion import demoted_key
@@ -93,15 +92,7 @@ class GenerationFlow:
         self._rejected_at: dict[str, float] = {}
 
     async def handle(self, chat: bool, scope: Scope, receive: Receive, send: Send, headers: dict[str, str],
-                     request_id: str, trace_carrier: dict[str, str], span: Span) -> None:
-        notes = LateSpans(span)
-        try:
-            await self._handle(chat, scope, receive, send, headers, request_id, trace_carrier, notes)
-        finally:
-            notes.emit(self.gw.tracer)  # the request's spans, made after its latency-critical part
-
-    async def _handle(self, chat: bool, scope: Scope, receive: Receive, send: Send, headers: dict[str, str],
-                      request_id: str, trace_carrier: dict[str, str], notes: LateSpans) -> None:
+                     request_id: str, notes: LateTrace) -> None:
         gw = self.gw
         t_start = time.monotonic()
         raw = await read_body(receive, headers, gw.settings.max_body_bytes)
@@ -151,7 +142,7 @@ class GenerationFlow:
         keeper = None if lease.detached else asyncio.ensure_future(self._keep_lease(lease))
         try:
             await self._serve(chat, req, tenant, prompt_ids, max_tokens, salt, (route_request, plan, cached),
-                               demoted, request_id, trace_carrier, notes, send, receive, result, t_start)
+                               demoted, request_id, notes, send, receive, result, t_start)
         finally:
             if keeper is not None:
                 keeper.cancel()
@@ -262,7 +253,7 @@ class GenerationFlow:
                             prompt_prefix=prompt_text, session_id=req.user)
 
     async def _route_traced(self, routing: Routing,
-                            notes: LateSpans) -> tuple[RouteDecision, dict[str, EngineRecord]]:
+                            notes: LateTrace) -> tuple[RouteDecision, dict[str, EngineRecord]]:
         started_ns = time.time_ns()
         decision, records = await self._route(routing)
         hashes = routing[0].block_hashes
@@ -277,9 +268,8 @@ class GenerationFlow:
 
     async def _serve(self, chat: bool, req: CompletionRequest | ChatCompletionRequest, tenant: Tenant,
                      prompt_ids: list[int], max_tokens: int, salt: str | None, routing: Routing, demoted: bool,
-                     request_id: str,
-                     carrier: dict[str, str], notes: LateSpans, send: Send, receive: Receive,
-                     result: StreamResult, t_start: float) -> None:
+                     request_id: str, notes: LateTrace, send: Send, receive: Receive, result: StreamResult,
+                     t_start: float) -> None:
         gw = self.gw
         decision, records = await self._route_traced(routing, notes)
         if not decision.ranked:
@@ -291,7 +281,8 @@ class GenerationFlow:
                 "n": req.n, "cache_salt": salt, "priority": priority,
                 "ignore_eos": req.ignore_eos}
         targets = [(eid, records[eid].url) for eid in decision.ranked]
-        engine_headers = {"x-tessera-tenant": tenant.name, "x-request-id": request_id, **carrier}
+        engine_headers = {"x-tessera-tenant": tenant.name, "x-request-id": request_id}
+        notes.engine_headers(engine_headers)
         response_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         created = int(time.time())
         first = decision.ranked[0]
@@ -301,10 +292,9 @@ class GenerationFlow:
                                  "tessera.priority": priority})
         gw.router.started(first)
         try:
-            with gw.tracer.start_as_current_span("engine.call") as call_span:
-                from opentelemetry.propagate import inject
-
-                inject(engine_headers)
+            notes.call_started()
+            call_error: Exception | None = None
+            try:
                 stream = _first_token_event(gw.engines.stream(targets, body, engine_headers, result), notes)
                 if req.stream:
                     await self._stream_out(chat, req, stream, send, receive, out_headers, response_id, created,
@@ -312,7 +302,11 @@ class GenerationFlow:
                 else:
                     await self._collect(chat, req, stream, send, out_headers, response_id, created,
                                         len(prompt_ids), result)
-                call_span.set_attribute("tessera.engines_tried", ",".join(result.engines_tried))
+            except Exception as exc:
+                call_error = exc
+                raise
+            finally:
+                notes.call_ended({"tessera.engines_tried": ",".join(result.engines_tried)}, call_error)
         finally:
             gw.router.finished(first)
             stats = result.stats
@@ -473,7 +467,7 @@ def check_limits(chat: bool, req: CompletionRequest | ChatCompletionRequest, ten
     return requested
 
 
-async def _first_token_event(stream: AsyncIterator[Any], notes: LateSpans) -> AsyncIterator[Any]:
+async def _first_token_event(stream: AsyncIterator[Any], notes: LateTrace) -> AsyncIterator[Any]:
     """Passes the engine stream through, marking the first delta on the ``gateway.request`` span (the
     analyzer's TTFT as the gateway saw it)."""
     first = True

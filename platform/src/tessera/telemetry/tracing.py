@@ -20,6 +20,8 @@ from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 
+from tessera.telemetry.late_spans import AnnouncedIds
+
 _configured_lock = threading.Lock()
 _configured = False
 
@@ -77,6 +79,8 @@ def configure_tracing(service_name: str, exporter: str, run_dir: Path | None = N
         provider = TracerProvider(
             resource=Resource.create({"service.name": service_name}),
             sampler=ParentBased(TraceIdRatioBased(sample_ratio)),
+            # Random ids, and the ones the gateway announced for spans it makes after the fact (late_spans.py).
+            id_generator=AnnouncedIds(),
         )
         span_exporter: SpanExporter
         if exporter == "jsonl":
