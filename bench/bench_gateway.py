@@ -43,9 +43,9 @@ from _support import (
 
 RATES = (2.0, 4.0, 8.0)
 LENGTHS = (16, 64)
-# Long enough for 20-80 requests per path and rate: p50 over a handful of requests moved by 2-3 ms
-# between runs on this machine.
-PHASE_S = 20.0
+# Long enough for 30-120 requests per path and rate: p50 over a handful of requests moved by 2-3 ms
+# between runs on this machine, over 20 s phases still by ~0.5 ms.
+PHASE_S = 30.0
 IDLE_S = 5.0
 PROMPT = "Tell me about the KV cache and speculative decoding in one paragraph."
 

@@ -36,7 +36,7 @@ from tessera.gateway.models import load_served_model
 from tessera.telemetry.spanfile import SpanRecord, load_spans
 
 PROMPT = "Tell me about the KV cache and speculative decoding in one paragraph."
-REQUESTS = 60
+REQUESTS = 150
 GAP_S = 0.1
 # The gateway's span processor exports every 5 s: wait that long for the last spans to reach the file.
 EXPORT_WAIT_S = 7.0

@@ -14,7 +14,8 @@ from typing import Any
 
 import orjson
 from opentelemetry import trace
-from opentelemetry.propagate import extract
+from opentelemetry.context import Context
+from opentelemetry.propagate import extract, get_global_textmap
 from pydantic import ValidationError
 
 from tessera.gateway.admin import AdminAPI, usage_report
@@ -72,6 +73,8 @@ class Gateway:
         self.engines = EngineClient()
         self.metrics = GatewayMetrics()
         self.tracer = trace.get_tracer("tessera.gateway")
+        # The headers the configured propagators read (traceparent, tracestate, baggage by default).
+        self._trace_fields = frozenset(get_global_textmap().fields)
         self.flow = GenerationFlow(self)
         self.admin = AdminAPI(self.store, self.admission, settings.admin_token)
 
@@ -91,8 +94,9 @@ class Gateway:
                 if method != "POST":
                     raise APIError(405, f"{path} only accepts POST", "method_not_allowed")
                 # The request's spans are noted as it runs and made after it (see telemetry/late_spans.py).
-                late = LateTrace(self.tracer, extract(headers), {"tessera.request_id": request_id,
-                                                                 "http.route": path})
+                # Most requests carry no trace context: then there is nothing to extract.
+                context = extract(headers) if not self._trace_fields.isdisjoint(headers) else Context()
+                late = LateTrace(self.tracer, context, {"tessera.request_id": request_id, "http.route": path})
                 error: Exception | None = None
                 try:
                     await self.flow.handle(path == "/v1/chat/completions", scope, receive, send, headers,

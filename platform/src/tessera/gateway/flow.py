@@ -7,7 +7,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jinja2
@@ -139,7 +139,7 @@ class GenerationFlow:
         admission_s = time.monotonic() - t_admit
         notes.attributes["tessera.admission_wait_s"] = admission_s
         result = StreamResult()
-        keeper = None if lease.detached else asyncio.ensure_future(self._keep_lease(lease))
+        keeper = None if lease.detached else _LaterTask(lambda: self._keep_lease(lease), gw.admission.lease_ttl_s / 3)
         try:
             await self._serve(chat, req, tenant, prompt_ids, max_tokens, salt, (route_request, plan, cached),
                                demoted, request_id, notes, send, receive, result, t_start)
@@ -152,22 +152,21 @@ class GenerationFlow:
 
     async def _keep_lease(self, lease: Lease) -> None:
         """Renews the concurrency lease every third of its TTL while the request runs (long streams keep
-        their slot; a dead gateway stops renewing and the lease expires). A failed renewal is retried
-        soon rather than a third of a TTL later: by then the lease may be gone."""
+        their slot; a dead gateway stops renewing and the lease expires). Started a third of a TTL after
+        admission. A failed renewal is retried soon rather than a third of a TTL later: by then the lease
+        may be gone."""
         admission = self.gw.admission
-        interval = admission.lease_ttl_s / 3
         while True:
-            await asyncio.sleep(interval)
             try:
                 renewed = await admission.renew(lease)
             except STORE_ERRORS as exc:
                 logger.warning("lease %s not renewed: %s", lease.lease_id, exc)
-                interval = min(admission.lease_ttl_s / 3, LEASE_RETRY_S)
+                await asyncio.sleep(min(admission.lease_ttl_s / 3, LEASE_RETRY_S))
                 continue
             if not renewed:
                 logger.warning("lease %s of tenant %s expired before renewal", lease.lease_id, lease.tenant)
                 return
-            interval = admission.lease_ttl_s / 3
+            await asyncio.sleep(admission.lease_ttl_s / 3)
 
     async def _model(self, name: str) -> ServedModel | None:
         try:
@@ -387,6 +386,23 @@ class GenerationFlow:
             gone_task.cancel()
             with contextlib.suppress(BaseException):
                 await stream.aclose()
+
+
+class _LaterTask:
+    """A coroutine run as a task from ``delay_s`` on, cancellable before and after it starts. Until then it
+    is a timer: on the request path that is cheaper than a task whose first step only goes to sleep."""
+
+    def __init__(self, start: Callable[[], Coroutine[Any, Any, None]], delay_s: float) -> None:
+        self._task: asyncio.Task[None] | None = None
+        self._timer = asyncio.get_running_loop().call_later(delay_s, self._start, start)
+
+    def _start(self, start: Callable[[], Coroutine[Any, Any, None]]) -> None:
+        self._task = asyncio.ensure_future(start())
+
+    def cancel(self) -> None:
+        self._timer.cancel()
+        if self._task is not None:
+            self._task.cancel()
 
 
 async def _wait_disconnect(receive: Receive) -> None:

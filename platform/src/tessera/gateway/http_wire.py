@@ -16,6 +16,7 @@ saw it.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -159,11 +160,8 @@ class EngineHTTP:
 
     @asynccontextmanager
     async def post(self, url: str, body: bytes, headers: dict[str, str]) -> AsyncIterator[StreamResponse]:
-        parts = urlsplit(url)
-        if parts.scheme != "http" or not parts.hostname:
-            raise ValueError(f"engine URL must be http://host:port/..., got {url!r}")
-        address = (parts.hostname, parts.port or 80)
-        request = _request_bytes(parts.netloc, parts.path or "/", body, headers)
+        netloc, path, address = _target(url)
+        request = _request_bytes(netloc, path, body, headers)
         conn = await self._send(address, request)
         try:
             yield StreamResponse(conn)
@@ -216,6 +214,15 @@ class EngineHTTP:
                 if conn.transport is not None:
                     conn.transport.close()
         self._idle.clear()
+
+
+@functools.lru_cache(maxsize=1024)
+def _target(url: str) -> tuple[str, str, tuple[str, int]]:
+    """(host header, path, address) of an engine URL; a handful of URLs, parsed once each."""
+    parts = urlsplit(url)
+    if parts.scheme != "http" or not parts.hostname:
+        raise ValueError(f"engine URL must be http://host:port/..., got {url!r}")
+    return parts.netloc, parts.path or "/", (parts.hostname, parts.port or 80)
 
 
 async def _exchange(conn: _Connection, request: bytes) -> _Connection:
