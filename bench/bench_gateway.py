@@ -43,9 +43,10 @@ from _support import (
 
 RATES = (2.0, 4.0, 8.0)
 LENGTHS = (16, 64)
-# Long enough for 30-120 requests per path and rate: p50 over a handful of requests moved by 2-3 ms
-# between runs on this machine, over 20 s phases still by ~0.5 ms.
+# At least this long and this many requests (both paths together) per phase: p50 over a handful of requests
+# moved by 2-3 ms between runs on this machine, over 20-40 requests still by ~0.5 ms.
 PHASE_S = 30.0
+MIN_PHASE_REQUESTS = 120
 IDLE_S = 5.0
 PROMPT = "Tell me about the KV cache and speculative decoding in one paragraph."
 
@@ -83,7 +84,7 @@ async def phase(rate: float, length: int, engine_url: str, gateway_url: str, key
                 gateway_proc: psutil.Process) -> dict[str, Any]:
     rng = random.Random(int(rate * 1000) + length)
     schedule, t = [], 0.0
-    while t < PHASE_S:
+    while t < PHASE_S or len(schedule) < MIN_PHASE_REQUESTS:
         t += rng.expovariate(rate)
         schedule.append(t)
     results: list[dict[str, Any]] = []
