@@ -151,6 +151,20 @@ def issue_keys(redis_url: str, tenants: dict[str, Any]) -> dict[str, str]:
     return asyncio.run(create())
 
 
+def median_difference_ci(base: Sequence[float], other: Sequence[float], rounds: int = 2000,
+                         seed: int = 0) -> tuple[float, float]:
+    """95% bootstrap interval of median(other) - median(base): how far the noise of two samples of a few
+    dozen requests each lets their difference move (each sample resampled on its own)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    a, b = np.asarray(base, dtype=float), np.asarray(other, dtype=float)
+    diffs = (np.median(rng.choice(b, (rounds, len(b))), axis=1)
+             - np.median(rng.choice(a, (rounds, len(a))), axis=1))
+    low, high = np.percentile(diffs, [2.5, 97.5])
+    return float(low), float(high)
+
+
 def write_results(name: str, payload: dict[str, Any]) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{name}.json"

@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _support import (
     bench_setup,
     issue_keys,
+    median_difference_ci,
     print_table,
     start_engine,
     start_gateway,
@@ -149,10 +150,13 @@ def main() -> None:
             rows.append([path, name, len(values), p50])
             payload[f"{path}: {name}"] = p50
     added = payload["gateway: TTFT"] - payload["direct: TTFT"]
+    low, high = median_difference_ci(table["direct"]["TTFT"], table["gateway"]["TTFT"])
     print(f"\nTTFT hop by hop, one request at a time, {GAP_S * 1e3:.0f} ms apart (p50, ms)")
     print_table(["path", "hop", "n", "p50 ms"], rows)
-    print(f"\ngateway - direct TTFT p50: {added:.3f} ms")
-    print(f"results: {write_results('gateway_hops', {'p50_ms': payload, 'added_ttft_p50_ms': added})}")
+    print(f"\ngateway - direct TTFT p50: {added:.3f} ms "
+          f"(95% bootstrap interval {low / 1e6:.3f} to {high / 1e6:.3f} ms)")
+    result = {"p50_ms": payload, "added_ttft_p50_ms": added, "ci95_ms": [low / 1e6, high / 1e6]}
+    print(f"results: {write_results('gateway_hops', result)}")
 
 
 if __name__ == "__main__":
