@@ -33,6 +33,7 @@ import psutil
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _support import (
     bench_setup,
+    cpu_seconds,
     issue_keys,
     median_difference_ci,
     percentiles,
@@ -93,7 +94,7 @@ async def phase(rate: float, length: int, engine_url: str, gateway_url: str, key
         t += rng.expovariate(rate)
         schedule.append(t)
     results: list[dict[str, Any]] = []
-    cpu0 = sum(gateway_proc.cpu_times()[:2])
+    cpu0 = cpu_seconds(gateway_proc.pid)
     wall0 = time.perf_counter()
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
         start = time.perf_counter()
@@ -106,7 +107,7 @@ async def phase(rate: float, length: int, engine_url: str, gateway_url: str, key
                 results.append(await one_gateway(session, gateway_url, key, length))
 
         await asyncio.gather(*(fire(i, at) for i, at in enumerate(schedule)))
-    cpu = sum(gateway_proc.cpu_times()[:2]) - cpu0
+    cpu = cpu_seconds(gateway_proc.pid) - cpu0
     gw = [r for r in results if r["path"] == "gateway"]
     return {"rate": rate, "length": length, "results": results, "gateway_cpu_s": cpu,
             "wall_s": time.perf_counter() - wall0,
@@ -122,9 +123,9 @@ async def main_async(engine_url: str, gateway_url: str, key: str, ids: list[int]
             await one_gateway(session, gateway_url, key, 8)
         # The gateway's background CPU while it serves nothing, right after the warm-up (its registry
         # refresher keeps running for 10 s after the last request, as it does between the phases' requests).
-        cpu0, wall0 = sum(proc.cpu_times()[:2]), time.perf_counter()
+        cpu0, wall0 = cpu_seconds(proc.pid), time.perf_counter()
         await asyncio.sleep(IDLE_S)
-        idle_cpu_per_s = (sum(proc.cpu_times()[:2]) - cpu0) / (time.perf_counter() - wall0)
+        idle_cpu_per_s = (cpu_seconds(proc.pid) - cpu0) / (time.perf_counter() - wall0)
     phases: list[dict[str, Any]] = []
     for length in LENGTHS:
         for rate in RATES:
@@ -141,10 +142,10 @@ async def chunk_cost(gateway_url: str, key: str, proc: psutil.Process, idle_cpu_
     totals: dict[int, tuple[float, int]] = {}
     async with aiohttp.ClientSession() as session:
         for length in (CHUNK_COST_SHORT, CHUNK_COST_LONG):
-            cpu0, wall0, chunks = sum(proc.cpu_times()[:2]), time.perf_counter(), 0
+            cpu0, wall0, chunks = cpu_seconds(proc.pid), time.perf_counter(), 0
             for _ in range(CHUNK_COST_REQUESTS):
                 chunks += (await one_gateway(session, gateway_url, key, length))["chunks"]
-            busy = sum(proc.cpu_times()[:2]) - cpu0 - idle_cpu_per_s * (time.perf_counter() - wall0)
+            busy = cpu_seconds(proc.pid) - cpu0 - idle_cpu_per_s * (time.perf_counter() - wall0)
             totals[length] = (busy, chunks)
     (cpu_short, chunks_short), (cpu_long, chunks_long) = totals[CHUNK_COST_SHORT], totals[CHUNK_COST_LONG]
     return {"per_chunk_ms": (cpu_long - cpu_short) / (chunks_long - chunks_short) * 1e3,

@@ -8,6 +8,7 @@ so the client sees every token once and usage counts every token once.
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,6 +37,7 @@ class StreamResult:
     engines_tried: list[str] = field(default_factory=list)
     completion_tokens: int = 0
     retries: int = 0
+    first_delta_ns: int | None = None  # wall clock (time.time_ns) of the first delta received
 
 
 class EngineClient:
@@ -70,12 +72,15 @@ class EngineClient:
                             continue
                         raise APIError(502, last_error, "engine_error")
                     retry = False
+                    single = body.get("n", 1) == 1
                     async for line in resp.lines():
                         message = orjson.loads(line)
                         if "t" in message:
                             ids = message["d"]
                             result.completion_tokens += len(ids)
-                            if body.get("n", 1) == 1:
+                            if result.first_delta_ns is None:
+                                result.first_delta_ns = time.time_ns()
+                            if single:
                                 generated.extend(ids)
                             yield Delta(message["i"], message["t"], ids)
                         elif message.get("done"):

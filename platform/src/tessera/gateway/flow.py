@@ -7,7 +7,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jinja2
@@ -294,7 +294,7 @@ class GenerationFlow:
             notes.call_started()
             call_error: Exception | None = None
             try:
-                stream = _first_token_event(gw.engines.stream(targets, body, engine_headers, result), notes)
+                stream = gw.engines.stream(targets, body, engine_headers, result)
                 if req.stream:
                     await self._stream_out(chat, req, stream, send, receive, out_headers, response_id, created,
                                            len(prompt_ids), result)
@@ -305,6 +305,9 @@ class GenerationFlow:
                 call_error = exc
                 raise
             finally:
+                if result.first_delta_ns is not None:
+                    # The analyzer's TTFT as the gateway saw it.
+                    notes.event("first_token", result.first_delta_ns)
                 notes.call_ended({"tessera.engines_tried": ",".join(result.engines_tried)}, call_error)
         finally:
             gw.router.finished(first)
@@ -330,8 +333,11 @@ class GenerationFlow:
     async def _collect(self, chat: bool, req: Any, stream: Any, send: Send, out_headers: list[tuple[bytes, bytes]],
                        response_id: str, created: int, num_prompt: int, result: StreamResult) -> None:
         texts: dict[int, list[str]] = {i: [] for i in range(req.n)}
-        async for delta in stream:
-            texts.setdefault(delta.index, []).append(delta.text)
+        try:
+            async for delta in stream:
+                texts.setdefault(delta.index, []).append(delta.text)
+        finally:
+            await stream.aclose()
         cached = int(result.stats.get("num_cached_tokens", 0))
         body = full_response(chat, response_id, req.model, created, {i: "".join(t) for i, t in texts.items()},
                              result.finish, usage(num_prompt, result.completion_tokens, cached))
@@ -481,17 +487,3 @@ def check_limits(chat: bool, req: CompletionRequest | ChatCompletionRequest, ten
             f"max_tokens is {requested} ({num_prompt + requested} in all). Lower max_tokens or the prompt.",
             "context_length_exceeded", param)
     return requested
-
-
-async def _first_token_event(stream: AsyncIterator[Any], notes: LateTrace) -> AsyncIterator[Any]:
-    """Passes the engine stream through, marking the first delta on the ``gateway.request`` span (the
-    analyzer's TTFT as the gateway saw it)."""
-    first = True
-    try:
-        async for delta in stream:
-            if first:
-                notes.event("first_token")
-                first = False
-            yield delta
-    finally:
-        await stream.aclose()  # type: ignore[attr-defined]

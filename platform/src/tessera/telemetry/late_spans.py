@@ -111,9 +111,9 @@ class LateTrace:
             self._call = None
             self.child("engine.call", started_ns, attributes, error)
 
-    def event(self, name: str) -> None:
-        """An event on the request span, stamped now."""
-        self._events.append((name, time.time_ns()))
+    def event(self, name: str, ts_ns: int | None = None) -> None:
+        """An event on the request span, at ``ts_ns`` (``time.time_ns()``; default: now)."""
+        self._events.append((name, time.time_ns() if ts_ns is None else ts_ns))
 
     def emit(self, error: BaseException | None = None) -> None:
         """Makes the spans (once); ``error``: the exception the request ended with, as the SDK records it."""
