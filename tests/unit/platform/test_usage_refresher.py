@@ -6,7 +6,7 @@ import asyncio
 
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from tessera.gateway.refresher import UsageRefresher
+from tessera.refresher import MIN_INTERVAL_S, UsageRefresher
 
 
 async def test_it_refreshes_while_used_and_stops_when_idle() -> None:
@@ -53,3 +53,17 @@ async def test_a_failing_refresh_does_not_end_the_loop() -> None:
         await asyncio.sleep(0.01)
     await refresher.close()
     assert outcomes[:3] == ["failed", "failed", "ok"]
+
+
+async def test_a_zero_period_does_not_spin() -> None:
+    calls = 0
+
+    async def refresh() -> None:
+        nonlocal calls
+        calls += 1
+
+    refresher = UsageRefresher("test", refresh, interval_s=0.0, idle_s=5.0)
+    refresher.used()
+    await asyncio.sleep(0.1)
+    await refresher.close()
+    assert 1 <= calls <= 0.1 / MIN_INTERVAL_S + 1

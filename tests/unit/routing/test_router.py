@@ -132,6 +132,7 @@ async def test_the_router_sweeps_departed_engines_out_of_the_index(
         if await index.blocks_of("gone") == {}:
             break
         await asyncio.sleep(0.05)
+    await router.close()
     assert await index.blocks_of("gone") == {}
     assert await index.blocks_of("a") == {h: 1 for h in hashes}
 

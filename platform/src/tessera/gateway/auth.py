@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from tessera.gateway.refresher import REFRESHER_IDLE_S, UsageRefresher
+from tessera.refresher import REFRESHER_IDLE_S, UsageRefresher
 from tessera.tenancy.keys import parse_key_id
 from tessera.tenancy.store import Tenant, TenantStore
 

@@ -11,7 +11,7 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from tessera.engine.registry import ModelInfo, list_models
-from tessera.gateway.refresher import UsageRefresher
+from tessera.refresher import UsageRefresher
 
 # Re-read in the background this often while requests come (models change on deploys, not per request).
 CATALOG_REFRESH_S = 2.0

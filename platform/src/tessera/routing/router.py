@@ -20,6 +20,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from tessera.engine.registry import EngineRecord, EngineRegistry
+from tessera.refresher import REFRESHER_IDLE_S, UsageRefresher
 from tessera.routing.policies import make_policy
 from tessera.routing.prefix_index import PrefixIndex
 from tessera.routing.snapshot import EngineView, RouteDecision, RouteRequest, RouteSnapshot
@@ -31,8 +32,6 @@ logger = logging.getLogger(__name__)
 REGISTRY_CACHE_S = 0.25
 # Older than this, a request does not trust the refresher's copy and reads the registry itself.
 REGISTRY_MAX_AGE_S = 1.0
-# The refresher stops after this long without a request (an idle gateway leaves Redis alone).
-REFRESHER_IDLE_S = 10.0
 # How often one gateway process garbage-collects index entries of engines that left the registry.
 SWEEP_INTERVAL_S = 30.0
 # Policies that read the prefix index; the others skip the lookup round trip.
@@ -65,23 +64,20 @@ class Router:
         self._read_at = 0.0
         self._swept_at = time.monotonic()
         self._sweep_task: asyncio.Task[None] | None = None
-        self._refresher: asyncio.Task[None] | None = None
-        self._used_at = 0.0
+        self._refresher = UsageRefresher("registry", self._read_registry, REGISTRY_CACHE_S, REFRESHER_IDLE_S)
         self.in_flight: dict[str, int] = defaultdict(int)
 
     async def engines(self, model: str) -> list[EngineRecord]:
-        self._used_at = time.monotonic()
-        if self._used_at - self._read_at > REGISTRY_MAX_AGE_S:
+        self._refresher.used()
+        if time.monotonic() - self._read_at > REGISTRY_MAX_AGE_S:
             await self._read_registry()
-        if self._refresher is None or self._refresher.done():
-            self._refresher = asyncio.get_running_loop().create_task(self._refresh())
         return [e for e in self._engines if e.model == model]
 
     async def close(self) -> None:
-        for task in (self._refresher, self._sweep_task):
-            if task is not None:
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
+        await self._refresher.close()
+        if self._sweep_task is not None:
+            self._sweep_task.cancel()
+            await asyncio.gather(self._sweep_task, return_exceptions=True)
 
     async def _read_registry(self) -> None:
         started = time.monotonic()
@@ -89,16 +85,6 @@ class Router:
         self._read_at = started
         if started - self._swept_at > SWEEP_INTERVAL_S:
             self._start_sweep()
-
-    async def _refresh(self) -> None:
-        while time.monotonic() - self._used_at < REFRESHER_IDLE_S:
-            await asyncio.sleep(max(REGISTRY_CACHE_S - (time.monotonic() - self._read_at), 0.005))
-            try:
-                await self._read_registry()
-            except (RedisError, OSError) as exc:
-                # The request path notices (REGISTRY_MAX_AGE_S) and answers according to the fail mode.
-                logger.debug("registry refresh failed: %s", exc)
-                await asyncio.sleep(REGISTRY_CACHE_S)
 
     async def route(self, request: RouteRequest) -> tuple[RouteDecision, dict[str, EngineRecord]]:
         plan = await self.plan(request)

@@ -1,4 +1,5 @@
-"""Keeps a per-process cache fresh off the request path while requests use it.
+"""Keeps a per-process cache fresh off the request path while requests use it (the gateway's key cache and
+model catalog, the router's engine registry).
 
 A cache that refreshes inline on expiry puts a Redis round trip on the request that finds it expired, and at
 low request rates that is nearly every request (a 1 s TTL and one request a second). A ``UsageRefresher``
@@ -20,6 +21,8 @@ logger = logging.getLogger(__name__)
 
 # The refresher stops after this long without a request.
 REFRESHER_IDLE_S = 10.0
+# However short the period asked for, the loop yields this long between reads (a period of 0 must not spin).
+MIN_INTERVAL_S = 0.005
 
 
 class UsageRefresher:
@@ -27,7 +30,7 @@ class UsageRefresher:
                  idle_s: float = REFRESHER_IDLE_S) -> None:
         self._name = name
         self._refresh = refresh
-        self.interval_s = interval_s
+        self.interval_s = max(interval_s, MIN_INTERVAL_S)
         self._idle_s = idle_s
         self._used_at = 0.0
         self._task: asyncio.Task[None] | None = None
