@@ -70,7 +70,7 @@ class LateTrace:
         self.attributes = attributes
         self._children: list[Child] = []
         self._events: list[tuple[str, int]] = []
-        self._call: tuple[int, dict[str, Any]] | None = None
+        self._call_started_ns: int | None = None
         self._call_context: SpanContext | None = None
         self._new_trace_id: int | None = None
         provider = provider or trace.get_tracer_provider()
@@ -103,13 +103,12 @@ class LateTrace:
         self._children.append((name, start_ns, time.time_ns(), attributes, error))
 
     def call_started(self) -> None:
-        self._call = (time.time_ns(), {})
+        self._call_started_ns = time.time_ns()
 
     def call_ended(self, attributes: dict[str, Any], error: BaseException | None) -> None:
-        if self._call is not None:
-            started_ns, _ = self._call
-            self._call = None
-            self.child("engine.call", started_ns, attributes, error)
+        if self._call_started_ns is not None:
+            self.child("engine.call", self._call_started_ns, attributes, error)
+            self._call_started_ns = None
 
     def event(self, name: str, ts_ns: int | None = None) -> None:
         """An event on the request span, at ``ts_ns`` (``time.time_ns()``; default: now)."""
