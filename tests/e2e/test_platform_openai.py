@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import httpx
 import openai
 import pytest
 
+from tessera.engine.registry import EngineRegistry
 from tessera.local.platform import LocalPlatform
+from tessera.redis_conn import connect
 
 
 @pytest.fixture(scope="module")
@@ -81,3 +84,39 @@ def test_every_response_has_a_request_id(platform_stack: LocalPlatform, tenant_k
                                                                           "x-request-id": "mine-123"})
     assert response.headers["x-request-id"] == "mine-123"
     assert httpx.get(f"{platform_stack.base_url}/nope").headers["x-request-id"].startswith("req-")
+
+
+def _engine_url(platform: LocalPlatform) -> str:
+    async def read() -> str:
+        redis = connect(platform.redis_url)
+        try:
+            (record,) = await EngineRegistry(redis).live_engines()
+            return record.url
+        finally:
+            await redis.aclose()
+
+    return asyncio.run(read())
+
+
+def test_a_client_leaving_mid_stream_leaves_no_request_in_the_engine(platform_stack: LocalPlatform,
+                                                                     tenant_key: str) -> None:
+    engine = _engine_url(platform_stack)
+    url, headers = f"{platform_stack.base_url}/v1/chat/completions", {"Authorization": f"Bearer {tenant_key}"}
+    body = {"model": platform_stack.model, "messages": [{"role": "user", "content": "count with me"}],
+            "max_tokens": 990, "ignore_eos": True}
+    started = time.monotonic()
+    assert httpx.post(url, json=body, headers=headers, timeout=60).status_code == 200
+    whole_stream_s = time.monotonic() - started  # what the engine would keep working if nobody aborted
+    with httpx.stream("POST", url, json={**body, "stream": True}, timeout=60, headers=headers) as response:
+        assert response.status_code == 200
+        lines = (line for line in response.iter_lines() if line.startswith("data: {"))
+        next(lines)
+        next(lines)
+        request_id = response.headers["x-request-id"]
+        assert any(r["request_id"] == request_id for r in httpx.get(f"{engine}/requests").json())
+    left = time.monotonic()
+    while time.monotonic() - left < 2.0 and httpx.get(f"{engine}/requests").json():
+        time.sleep(0.02)
+    gone_after_s = time.monotonic() - left
+    assert httpx.get(f"{engine}/requests").json() == []
+    assert gone_after_s < whole_stream_s / 2, (gone_after_s, whole_stream_s)  # aborted, not finished

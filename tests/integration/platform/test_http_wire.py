@@ -159,3 +159,94 @@ async def test_a_header_with_a_line_break_is_refused() -> None:
     with pytest.raises(ValueError, match="line break"):
         async with http.post("http://127.0.0.1:1/generate", b"{}", {"x-request-id": "a\r\nx-evil: 1"}):
             pass
+
+
+class Recorder:
+    """A LineSink that keeps what it gets; optionally pauses the response after its first batch."""
+
+    def __init__(self, pause_first: bool = False) -> None:
+        self.lines: list[Any] = []
+        self.batches = 0
+        self.pause_first = pause_first
+        self.response: Any = None
+        self.ended: asyncio.Future[BaseException | None] = asyncio.get_running_loop().create_future()
+
+    def lines_received(self, lines: list[bytes]) -> None:
+        assert not self.ended.done(), "a line after the end"
+        self.lines.extend(orjson.loads(line) for line in lines)
+        self.batches += 1
+        if self.pause_first and self.batches == 1:
+            self.response.pause()
+
+    def body_ended(self, failure: BaseException | None) -> None:
+        assert not self.ended.done(), "ended twice"
+        self.ended.set_result(failure)
+
+
+async def _relayed(http: EngineHTTP, url: str, body: dict[str, Any], late: bool = False) -> Recorder:
+    sink = Recorder()
+    async with http.post(url, orjson.dumps(body), {}) as resp:
+        assert resp.status == 200
+        while late and not resp._conn.complete:  # the whole body is here before the relay starts
+            await asyncio.sleep(0.01)
+        resp.relay(sink)
+        assert await sink.ended is None
+    return sink
+
+
+async def test_relay_hands_every_line_in_order_then_the_end(server: tuple[StreamingApp, str]) -> None:
+    app, base = server
+    http = EngineHTTP()
+    assert (await _relayed(http, f"{base}/stream", {"n": 50})).lines == [{"i": i} for i in range(50)]
+    paced = await _relayed(http, f"{base}/stream", {"n": 5, "gap_s": 0.02})
+    assert paced.lines == [{"i": i} for i in range(5)]
+    buffered = await _relayed(http, f"{base}/stream", {"n": 20}, late=True)
+    assert buffered.lines == [{"i": i} for i in range(20)] and buffered.batches == 1  # all at relay()
+    assert len(set(app.client_ports)) == 1  # the relayed responses left the connection reusable
+    await http.close()
+
+
+async def test_a_paused_relay_reads_nothing_until_resumed(server: tuple[StreamingApp, str]) -> None:
+    _, base = server
+    http = EngineHTTP()
+    sink = Recorder(pause_first=True)
+    async with http.post(f"{base}/stream", orjson.dumps({"n": 40, "gap_s": 0.002}), {}) as resp:
+        sink.response = resp
+        resp.relay(sink)
+        while not sink.lines:
+            await asyncio.sleep(0.005)
+        await asyncio.sleep(0.3)  # the server sends everything meanwhile; it waits in the socket
+        held = len(sink.lines)
+        assert held < 40 and not sink.ended.done()
+        resp.resume()
+        assert await sink.ended is None
+    assert sink.lines == [{"i": i} for i in range(40)]
+    await http.close()
+
+
+async def test_a_relay_cut_mid_way_ends_with_the_failure(server: tuple[StreamingApp, str]) -> None:
+    _, base = server
+    http = EngineHTTP()
+    sink = Recorder()
+    async with http.post(f"{base}/die", orjson.dumps({"n": 10}), {}) as resp:
+        resp.relay(sink)
+        failure = await sink.ended
+    assert isinstance(failure, EngineUnreachable) and "closed the connection" in str(failure)
+    assert sink.lines == [{"i": 0}, {"i": 1}]
+    await http.close()
+
+
+async def test_leaving_a_relay_early_reaches_the_server_as_a_disconnect(server: tuple[StreamingApp, str]) -> None:
+    app, base = server
+    http = EngineHTTP()
+    sink = Recorder()
+    async with http.post(f"{base}/stream", orjson.dumps({"n": 1000, "gap_s": 0.05}), {}) as resp:
+        resp.relay(sink)
+        while len(sink.lines) < 2:
+            await asyncio.sleep(0.01)
+    for _ in range(100):
+        if app.disconnects:
+            break
+        await asyncio.sleep(0.02)
+    assert app.disconnects == 1 and not sink.ended.done()  # nothing reaches a relay after it was left
+    await http.close()

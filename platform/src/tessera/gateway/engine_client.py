@@ -1,5 +1,10 @@
 """Streams one generation from an engine replica over a pooled keep-alive HTTP connection (http_wire).
 
+The engine's NDJSON lines are relayed from the connection's callbacks (``StreamResponse.relay``): each batch
+of deltas that one read brings goes to the caller's ``DeltaSink`` in the callback that read it. The sink
+returns None when it took them, or a future when its consumer is behind: reading from the engine then
+pauses until that future is done.
+
 Retries: a replica that refuses the connection, answers 5xx before streaming, or ends the stream with a
 ``retryable`` error (the KV-eviction controller aborted it) is replaced by the next engine in the route's
 ranking. A continued request sends prompt + the token ids already generated, with ``max_tokens`` reduced,
@@ -8,15 +13,16 @@ so the client sees every token once and usage counts every token once.
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
 
 from tessera.gateway.errors import APIError
-from tessera.gateway.http_wire import EngineHTTP, EngineUnreachable
+from tessera.gateway.http_wire import EngineHTTP, EngineUnreachable, StreamResponse
 
 MAX_ATTEMPTS = 3
 
@@ -40,6 +46,78 @@ class StreamResult:
     first_delta_ns: int | None = None  # wall clock (time.time_ns) of the first delta received
 
 
+# Takes a batch of deltas (in stream order); returns None, or a future to wait for before the next batch.
+DeltaSink = Callable[[list[Delta]], "asyncio.Future[None] | None"]
+
+
+class _Attempt:
+    """One engine's answer, fed line by line from the connection's callbacks (http_wire's ``LineSink``).
+    ``ended`` resolves once the response is over: its value is None when it completed, else the failure."""
+
+    def __init__(self, response: StreamResponse, result: StreamResult, generated: list[int] | None,
+                 on_deltas: DeltaSink) -> None:
+        self.response = response
+        self.result = result
+        self.generated = generated  # ids so far, for a continuation elsewhere (one sequence only)
+        self.on_deltas = on_deltas
+        self.done = False  # the engine's closing line came
+        self.error: str | None = None  # the engine's error line, if one came
+        self.retryable = False
+        self.ended: asyncio.Future[BaseException | None] = asyncio.get_running_loop().create_future()
+
+    def lines_received(self, lines: list[bytes]) -> None:
+        if self.ended.done():
+            return  # failed already: the connection is being closed
+        try:
+            self._take(lines)
+        except Exception as exc:  # raised in a protocol callback: hand it to the waiter
+            self.ended.set_exception(exc)
+
+    def _take(self, lines: list[bytes]) -> None:
+        result, deltas = self.result, []
+        for line in lines:
+            try:
+                message = orjson.loads(line)
+            except orjson.JSONDecodeError:
+                raise APIError(502, f"the engine sent a malformed line: {line[:200]!r}", "engine_error") from None
+            if "t" in message:
+                ids = message["d"]
+                result.completion_tokens += len(ids)
+                if self.generated is not None:
+                    self.generated.extend(ids)
+                deltas.append(Delta(message["i"], message["t"], ids))
+            elif message.get("done"):
+                result.finish = {int(k): v for k, v in message["finish"].items()}
+                result.stats = message["stats"]
+                self.done = True
+            else:
+                self.error = str(message.get("error"))
+                result.stats = message.get("stats", {})
+                self.retryable = bool(message.get("retryable"))
+        if not deltas:
+            return
+        if result.first_delta_ns is None:
+            result.first_delta_ns = time.time_ns()
+        behind = self.on_deltas(deltas)
+        if behind is not None:
+            self.response.pause()
+            behind.add_done_callback(self._caught_up)
+
+    def _caught_up(self, behind: asyncio.Future[None]) -> None:
+        if behind.cancelled():
+            self.ended.cancel()
+            return
+        if behind.exception() is not None:
+            if not self.ended.done():
+                self.ended.set_exception(behind.exception())  # type: ignore[arg-type]
+            return
+        self.response.resume()
+
+    def body_ended(self, failure: BaseException | None) -> None:
+        if not self.ended.done():
+            self.ended.set_result(failure)
+
+
 class EngineClient:
     def __init__(self) -> None:
         self.http = EngineHTTP()
@@ -47,9 +125,10 @@ class EngineClient:
     async def close(self) -> None:
         await self.http.close()
 
-    async def stream(self, urls: list[tuple[str, str]], body: dict[str, Any], headers: dict[str, str],
-                     result: StreamResult) -> AsyncIterator[Delta]:
-        """Yields deltas from the first engine that serves the request; ``urls`` is [(engine_id, url)]."""
+    async def relay(self, urls: list[tuple[str, str]], body: dict[str, Any], headers: dict[str, str],
+                    result: StreamResult, on_deltas: DeltaSink) -> None:
+        """Relays the deltas of the first engine that serves the request to ``on_deltas``; ``urls`` is
+        [(engine_id, url)] in the route's order. Returns once the engine's closing line came."""
         generated: list[int] = []
         original_prompt = body["prompt_token_ids"]
         last_error = "no engine available"
@@ -71,32 +150,22 @@ class EngineClient:
                         if resp.status >= 500:
                             continue
                         raise APIError(502, last_error, "engine_error")
-                    retry = False
-                    single = body.get("n", 1) == 1
-                    async for line in resp.lines():
-                        message = orjson.loads(line)
-                        if "t" in message:
-                            ids = message["d"]
-                            result.completion_tokens += len(ids)
-                            if result.first_delta_ns is None:
-                                result.first_delta_ns = time.time_ns()
-                            if single:
-                                generated.extend(ids)
-                            yield Delta(message["i"], message["t"], ids)
-                        elif message.get("done"):
-                            result.finish = {int(k): v for k, v in message["finish"].items()}
-                            result.stats = message["stats"]
-                            await resp.drain()  # the closing chunk follows: then the connection is reusable
-                            return
-                        else:
-                            last_error = str(message.get("error"))
-                            result.stats = message.get("stats", {})
-                            retry = bool(message.get("retryable"))
-                            break
-                    if not retry:
-                        raise APIError(502, f"engine {engine_id} ended the stream early: {last_error}", "engine_error")
+                    answer = _Attempt(resp, result, generated if body.get("n", 1) == 1 else None, on_deltas)
+                    resp.relay(answer)
+                    failure = await answer.ended
             except (EngineUnreachable, TimeoutError) as exc:
                 last_error = f"engine {engine_id} unreachable: {exc}"
                 continue
+            if answer.done:
+                return  # a connection lost after the closing line loses nothing
+            if answer.error is not None:
+                last_error = answer.error
+                if answer.retryable:
+                    continue
+                raise APIError(502, f"engine {engine_id} ended the stream early: {last_error}", "engine_error")
+            if failure is not None:
+                last_error = f"engine {engine_id} unreachable: {failure}"
+                continue
+            raise APIError(502, f"engine {engine_id} ended the stream early: no closing line", "engine_error")
         raise APIError(503, f"No engine could serve the request ({last_error}); retry shortly.",
                        "engine_unavailable", headers={"Retry-After": "1"})

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 import uuid
@@ -15,10 +14,11 @@ import orjson
 from pydantic import ValidationError
 from redis.exceptions import NoScriptError
 
-from tessera.gateway.engine_client import StreamResult
+from tessera.gateway.engine_client import Delta, StreamResult
 from tessera.gateway.errors import STORE_ERRORS, APIError, bad_request, invalid_field, unauthorized
 from tessera.gateway.openai_format import ChunkWriter, finish_reason, full_response, usage
 from tessera.gateway.schemas import ChatCompletionRequest, CompletionRequest
+from tessera.gateway.sse_out import SSEOut
 from tessera.redis_wire import Command
 from tessera.routing.hashing import block_hash_chain
 from tessera.routing.router import RoutePlan
@@ -39,7 +39,6 @@ logger = logging.getLogger(__name__)
 
 # How soon a lease renewal that Redis did not answer is tried again.
 LEASE_RETRY_S = 0.25
-SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
 APPROX_PREFIX_CHARS = 4096
 # Admission under KV pressure: while every engine of the model carries the controller's pressure flag,
 # requests of the low and batch classes get 503 + Retry-After (they are the deferrable ones); the others
@@ -294,13 +293,12 @@ class GenerationFlow:
             notes.call_started()
             call_error: Exception | None = None
             try:
-                stream = gw.engines.stream(targets, body, engine_headers, result)
+                call = EngineCall(targets, body, engine_headers, result)
                 if req.stream:
-                    await self._stream_out(chat, req, stream, send, receive, out_headers, response_id, created,
-                                           len(prompt_ids), result)
+                    await self._stream_out(chat, req, call, send, receive, out_headers, response_id, created,
+                                           len(prompt_ids))
                 else:
-                    await self._collect(chat, req, stream, send, out_headers, response_id, created,
-                                        len(prompt_ids), result)
+                    await self._collect(chat, req, call, send, out_headers, response_id, created, len(prompt_ids))
             except Exception as exc:
                 call_error = exc
                 raise
@@ -330,14 +328,17 @@ class GenerationFlow:
             return False
         return bool(records) and all(r.under_pressure for r in records)
 
-    async def _collect(self, chat: bool, req: Any, stream: Any, send: Send, out_headers: list[tuple[bytes, bytes]],
-                       response_id: str, created: int, num_prompt: int, result: StreamResult) -> None:
+    async def _collect(self, chat: bool, req: Any, call: EngineCall, send: Send,
+                       out_headers: list[tuple[bytes, bytes]], response_id: str, created: int,
+                       num_prompt: int) -> None:
         texts: dict[int, list[str]] = {i: [] for i in range(req.n)}
-        try:
-            async for delta in stream:
+
+        def take(deltas: list[Delta]) -> None:
+            for delta in deltas:
                 texts.setdefault(delta.index, []).append(delta.text)
-        finally:
-            await stream.aclose()
+
+        await self.gw.engines.relay(*call, take)
+        result = call.result
         cached = int(result.stats.get("num_cached_tokens", 0))
         body = full_response(chat, response_id, req.model, created, {i: "".join(t) for i, t in texts.items()},
                              result.finish, usage(num_prompt, result.completion_tokens, cached))
@@ -345,53 +346,48 @@ class GenerationFlow:
                     "headers": [(b"content-type", b"application/json"), *out_headers]})
         await send({"type": "http.response.body", "body": body})
 
-    async def _stream_out(self, chat: bool, req: Any, stream: Any, send: Send, receive: Receive,
-                          out_headers: list[tuple[bytes, bytes]], response_id: str, created: int, num_prompt: int,
-                          result: StreamResult) -> None:
+    async def _stream_out(self, chat: bool, req: Any, call: EngineCall, send: Send, receive: Receive,
+                          out_headers: list[tuple[bytes, bytes]], response_id: str, created: int,
+                          num_prompt: int) -> None:
+        """Deltas go out from the engine connection's callbacks as they arrive (SSEOut); this task only
+        starts the relay, watches for the client leaving, and writes the tail."""
         writer = ChunkWriter(chat, response_id, req.model, created)
-
-        state = {"started": False}
-
-        async def pump() -> None:
-            async for delta in stream:
-                body = writer.text(delta.index, delta.text) if delta.text else b""
-                if not state["started"]:
-                    await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS + out_headers})
-                    state["started"] = True
-                    if chat:  # the role chunks and the first text leave in one write
-                        body = b"".join(writer.role(i) for i in range(req.n)) + body
-                if body:
-                    await send({"type": "http.response.body", "body": body, "more_body": True})
-            if not state["started"]:
-                state["started"] = True
-                await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS + out_headers})
+        out = SSEOut(send, writer, req.n if chat else 0, out_headers)
+        relay = asyncio.ensure_future(self.gw.engines.relay(*call, out.deltas))
+        gone = asyncio.ensure_future(_wait_disconnect(receive))
+        result = call.result
+        try:
+            done, _ = await asyncio.wait({relay, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if relay not in done:
+                # Client left: closing the engine connection makes the replica abort the vLLM request.
+                relay.cancel()
+                await asyncio.gather(relay, return_exceptions=True)
+                return
+            relay.result()
             tail = [writer.finish(i, finish_reason(result.finish.get(i))) for i in range(req.n)]
             if req.include_usage:
                 cached = int(result.stats.get("num_cached_tokens", 0))
                 tail.append(writer.usage(usage(num_prompt, result.completion_tokens, cached)))
             tail.append(writer.done())
-            await send({"type": "http.response.body", "body": b"".join(tail), "more_body": False})
-
-        pump_task = asyncio.ensure_future(pump())
-        gone_task = asyncio.ensure_future(_wait_disconnect(receive))
-        try:
-            done, _ = await asyncio.wait({pump_task, gone_task}, return_when=asyncio.FIRST_COMPLETED)
-            if pump_task in done:
-                pump_task.result()
-            else:
-                # Client left: closing the engine stream makes the replica abort the vLLM request.
-                pump_task.cancel()
-                await asyncio.gather(pump_task, return_exceptions=True)
+            await out.end(b"".join(tail))
         except APIError as err:
-            if not state["started"]:
+            if not out.started:
                 raise
-            await send({"type": "http.response.body",
-                        "body": b"data: " + orjson.dumps({"error": {"message": err.message, "code": err.code}})
-                        + b"\n\n", "more_body": False})
+            await out.end(b"data: " + orjson.dumps({"error": {"message": err.message, "code": err.code}}) + b"\n\n")
         finally:
-            gone_task.cancel()
-            with contextlib.suppress(BaseException):
-                await stream.aclose()
+            gone.cancel()
+            relay.cancel()
+            out.close()
+
+
+class EngineCall(NamedTuple):
+    """What ``EngineClient.relay`` needs besides the sink: the ranked targets, the body, the headers and
+    the result it fills in."""
+
+    targets: list[tuple[str, str]]
+    body: dict[str, Any]
+    headers: dict[str, str]
+    result: StreamResult
 
 
 class _LaterTask:

@@ -1,0 +1,78 @@
+"""The client side of a streamed completion: engine deltas out as OpenAI SSE chunks, written from the engine
+connection's callbacks (see ``engine_client``) with eager sends (see ``eager_send``).
+
+Order is kept when the client reads slowly: a send that has to wait for the client's socket holds every
+later message in a backlog, and the engine relay stops reading until that wait is over.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING, Any
+
+from tessera.gateway.eager_send import send_now
+
+if TYPE_CHECKING:
+    from tessera.gateway.app import Send
+    from tessera.gateway.engine_client import Delta
+    from tessera.gateway.openai_format import ChunkWriter
+
+SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
+
+
+class SSEOut:
+    """One streamed response. ``deltas`` is the engine relay's ``DeltaSink``; ``end`` sends the tail."""
+
+    def __init__(self, send: Send, writer: ChunkWriter, role_choices: int,
+                 headers: list[tuple[bytes, bytes]]) -> None:
+        """``role_choices``: how many chat choices open with the assistant's role chunk (0: a completion)."""
+        self._send = send
+        self._writer = writer
+        self._role_choices = role_choices
+        self._headers = headers
+        self.started = False
+        self._behind: asyncio.Future[None] | None = None  # a send waiting for the client, then the backlog
+        self._backlog: list[dict[str, Any]] = []
+
+    def deltas(self, deltas: list[Delta]) -> asyncio.Future[None] | None:
+        text = self._writer.text
+        body = b"".join([text(d.index, d.text) for d in deltas if d.text])
+        if not self.started:
+            # The response starts with the engine's first delta, and the role chunks leave with its text.
+            self._start()
+            writer = self._writer
+            body = b"".join([writer.role(i) for i in range(self._role_choices)]) + body
+        if body:
+            self._emit({"type": "http.response.body", "body": body, "more_body": True})
+        return self._behind
+
+    async def end(self, tail: bytes) -> None:
+        """The last bytes of the body, after everything sent before them."""
+        if not self.started:
+            self._start()
+        if self._behind is not None:
+            await self._behind
+        await self._send({"type": "http.response.body", "body": tail, "more_body": False})
+
+    def close(self) -> None:
+        """Drops what still waits for a client that went away."""
+        if self._behind is not None:
+            self._behind.cancel()
+
+    def _start(self) -> None:
+        self.started = True
+        self._emit({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS + self._headers})
+
+    def _emit(self, message: dict[str, Any]) -> None:
+        if self._behind is not None:
+            self._backlog.append(message)
+            return
+        rest = send_now(self._send(message))
+        if rest is not None:
+            self._behind = asyncio.ensure_future(self._catch_up(rest))
+
+    async def _catch_up(self, rest: asyncio.Future[None]) -> None:
+        await rest
+        while self._backlog:
+            await self._send(self._backlog.pop(0))
+        self._behind = None

@@ -1,0 +1,122 @@
+"""SSEOut, the client side of the gateway's streamed responses, behind a real uvicorn server (httptools, as
+the gateway runs): deltas written from synchronous code in order, the role chunk first, and a client that
+reads slowly holding later chunks back (the relay is told to wait) without losing or reordering any."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import AsyncIterator
+from typing import Any
+
+import orjson
+import pytest
+import uvicorn
+
+from tessera.gateway.engine_client import Delta
+from tessera.gateway.openai_format import ChunkWriter
+from tessera.gateway.sse_out import SSEOut
+
+BIG_TEXT = "x" * 2000
+
+
+class DeltaApp:
+    """Streams the deltas a test asks for through SSEOut, as the engine relay would: each batch handed over
+    synchronously, and the next one only after the future SSEOut returned (if any) is done."""
+
+    def __init__(self) -> None:
+        self.batches: list[list[Delta]] = []
+        self.role_choices = 1
+        self.times_behind = 0
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        writer = ChunkWriter(True, "chatcmpl-test", "m", 0)
+        out = SSEOut(send, writer, self.role_choices, [(b"x-request-id", b"r1")])
+        for batch in self.batches:
+            behind = out.deltas(batch)
+            if behind is not None:
+                self.times_behind += 1
+                await behind
+        await out.end(writer.finish(0, "stop") + writer.done())
+
+
+@pytest.fixture
+async def server() -> AsyncIterator[tuple[DeltaApp, int]]:
+    app = DeltaApp()
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    srv = uvicorn.Server(uvicorn.Config(app, http="httptools", loop="none", lifespan="off", log_level="critical"))
+    task = asyncio.ensure_future(srv.serve(sockets=[sock]))
+    while not srv.started:
+        await asyncio.sleep(0.01)
+    yield app, sock.getsockname()[1]
+    srv.should_exit = True
+    await task
+
+
+async def _get(port: int, read_after_s: float = 0.0) -> tuple[bytes, list[Any]]:
+    """The raw response head and the SSE events' JSON (``[DONE]`` as the string), read by a client with a
+    small receive buffer that starts reading only after ``read_after_s``."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setblocking(False)
+    loop = asyncio.get_running_loop()
+    await loop.sock_connect(sock, ("127.0.0.1", port))
+    await loop.sock_sendall(sock, b"GET / HTTP/1.1\r\nhost: t\r\nconnection: close\r\n\r\n")
+    await asyncio.sleep(read_after_s)
+    raw = bytearray()
+    while chunk := await loop.sock_recv(sock, 65536):
+        raw += chunk
+    sock.close()
+    head, _, body = bytes(raw).partition(b"\r\n\r\n")
+    events = []
+    for line in _dechunk(body).split(b"\n"):
+        if line.startswith(b"data: "):
+            data = line[len(b"data: "):]
+            events.append(data.decode() if data == b"[DONE]" else orjson.loads(data))
+    return head, events
+
+
+def _dechunk(body: bytes) -> bytes:
+    out, rest = bytearray(), body
+    while rest:
+        size_line, _, rest = rest.partition(b"\r\n")
+        size = int(size_line, 16)
+        if size == 0:
+            break
+        out += rest[:size]
+        rest = rest[size + 2:]
+    return bytes(out)
+
+
+async def test_role_chunk_first_then_the_texts_in_order(server: tuple[DeltaApp, int]) -> None:
+    app, port = server
+    app.batches = [[Delta(0, "", [7])], [Delta(0, "Hel", [8]), Delta(0, "lo", [9])], [Delta(0, "!", [10])]]
+    head, events = await _get(port)
+    assert head.startswith(b"HTTP/1.1 200") and b"text/event-stream" in head and b"x-request-id: r1" in head
+    deltas = [e["choices"][0]["delta"] for e in events[:-1]]
+    assert deltas == [{"role": "assistant", "content": ""}, {"content": "Hel"}, {"content": "lo"},
+                      {"content": "!"}, {}]
+    assert events[-2]["choices"][0]["finish_reason"] == "stop" and events[-1] == "[DONE]"
+
+
+async def test_a_completion_has_no_role_chunk(server: tuple[DeltaApp, int]) -> None:
+    app, port = server
+    app.role_choices = 0
+    app.batches = [[Delta(0, "", [7])], [Delta(0, "a", [8])]]
+    _, events = await _get(port)
+    assert [e["choices"][0]["delta"] for e in events[:-1]] == [{"content": "a"}, {}]
+
+
+async def test_a_slow_client_holds_the_relay_back_and_gets_everything_in_order(
+        server: tuple[DeltaApp, int]) -> None:
+    app, port = server
+    count = 4000  # 8 MB of text: far more than the socket buffers hold while the client does not read
+    app.batches = [[Delta(0, f"{i:06d}{BIG_TEXT}", [i])] for i in range(count)]
+    _, events = await _get(port, read_after_s=0.5)
+    texts = [e["choices"][0]["delta"].get("content") for e in events[:-1]]
+    assert texts[0] == "" and texts[1:-1] == [f"{i:06d}{BIG_TEXT}" for i in range(count)]
+    assert events[-1] == "[DONE]"
+    assert app.times_behind > 0, "the client never held the stream back: the test did not test backpressure"
