@@ -8,12 +8,15 @@ reach either of them only once the whole generation is over (TTFT p99 in the hun
 both paths). At each arrival rate the
 same Poisson schedule of 64-token streamed chat requests alternates between the two paths, so both see
 the same engine conditions. TTFT is the first streamed event that carries the engine's first delta.
-Gateway CPU per chunk comes from sequential batches of short and long streams (the difference holds no
-per-request cost); a least-squares fit over the mixed phases (cpu - idle = a·requests + b·chunks) is printed
-beside it, but trades the two terms against each other from run to run. Idle is the gateway's own
-background CPU (cache refreshers, span export, lease renewals) measured over an idle window in the same run
-and charged per second of each measurement. The added TTFT p50 comes with a 95% bootstrap interval: over a
-few dozen requests per path it is about ±0.7 ms wide on this machine.
+Gateway CPU per chunk comes from sequential batches of long and short streams spread over the same wall
+time, so the difference holds neither per-request cost nor the gateway's own background (cache refreshers,
+span export: ~4 ms of CPU per second here, which at one chunk every 30 ms is as much again as the chunks).
+It is measured twice: against the small model (a chunk every ~4 ms) and against a larger generated model
+whose decode steps take ~30 ms, as a large model's do on a GPU; between chunks that far apart the process
+goes cold, and each chunk costs more. A least-squares fit over the mixed phases (cpu - idle = a·requests +
+b·chunks) is printed beside them, but trades the two terms against each other from run to run. The added
+TTFT p50 comes with a 95% bootstrap interval: over a few dozen requests per path it is about ±0.7 ms wide on
+this machine.
 """
 
 from __future__ import annotations
@@ -30,8 +33,11 @@ import numpy as np
 import orjson
 import psutil
 
+from tessera.engine.small_model import SmallModelSpec, is_small_model_dir, make_small_model
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _support import (
+    REPO,
     bench_setup,
     cpu_seconds,
     issue_keys,
@@ -53,6 +59,9 @@ MIN_PHASE_REQUESTS = 120
 # Per-chunk CPU from this many sequential short and long gateway streams (see chunk_cost).
 CHUNK_COST_REQUESTS = 15
 CHUNK_COST_SHORT, CHUNK_COST_LONG = 8, 384
+# The paced model for the second chunk-cost measurement: ~30 ms per decode step on one core here.
+PACED_MODEL = SmallModelSpec(hidden_size=1024, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
+                             intermediate_size=2816)
 IDLE_S = 5.0
 PROMPT = "Tell me about the KV cache and speculative decoding in one paragraph."
 
@@ -71,8 +80,9 @@ async def one_direct(session: aiohttp.ClientSession, url: str, ids: list[int], n
     return {"path": "direct", "ttft": ttft, "e2e": time.perf_counter() - t0, "chunks": chunks}
 
 
-async def one_gateway(session: aiohttp.ClientSession, url: str, key: str, n: int) -> dict[str, Any]:
-    body = {"model": "tessera-small", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": n,
+async def one_gateway(session: aiohttp.ClientSession, url: str, key: str, n: int,
+                      model: str = "tessera-small") -> dict[str, Any]:
+    body = {"model": model, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": n,
             "temperature": 0.0, "stream": True}
     t0 = time.perf_counter()
     ttft, chunks = None, 0
@@ -114,8 +124,8 @@ async def phase(rate: float, length: int, engine_url: str, gateway_url: str, key
             "gateway_requests": len(gw), "gateway_chunks": sum(r["chunks"] for r in gw)}
 
 
-async def main_async(engine_url: str, gateway_url: str, key: str, ids: list[int],
-                     gw_pid: int) -> tuple[list[dict[str, Any]], dict[str, float]]:
+async def main_async(engine_url: str, gateway_url: str, key: str, ids: list[int], gw_pid: int,
+                     chunk_cost_only: bool = False) -> tuple[list[dict[str, Any]], dict[str, float]]:
     proc = psutil.Process(gw_pid)
     async with aiohttp.ClientSession() as session:  # warm both paths (tokenizer load, connections)
         for _ in range(3):
@@ -127,33 +137,66 @@ async def main_async(engine_url: str, gateway_url: str, key: str, ids: list[int]
         await asyncio.sleep(IDLE_S)
         idle_cpu_per_s = (cpu_seconds(proc.pid) - cpu0) / (time.perf_counter() - wall0)
     phases: list[dict[str, Any]] = []
-    for length in LENGTHS:
+    for length in LENGTHS if not chunk_cost_only else ():
         for rate in RATES:
             phases.append(await phase(rate, length, engine_url, gateway_url, key, ids, proc))
             phases[-1]["idle_cpu_s"] = idle_cpu_per_s * phases[-1]["wall_s"]
             print(f"  phase rate={rate} len={length}: {len(phases[-1]['results'])} requests", flush=True)
-    return phases, await chunk_cost(gateway_url, key, proc, idle_cpu_per_s)
+    return phases, await chunk_cost(gateway_url, key, proc, "tessera-small")
 
 
-async def chunk_cost(gateway_url: str, key: str, proc: psutil.Process, idle_cpu_per_s: float) -> dict[str, float]:
-    """Gateway CPU per streamed chunk from sequential requests that differ only in length: the same number
-    of short and of long streams, so (CPU long - CPU short) / (chunks long - chunks short) holds no
-    per-request cost (the mixed phases' least-squares split trades the two terms against each other)."""
-    totals: dict[int, tuple[float, int]] = {}
+async def chunk_cost(gateway_url: str, key: str, proc: psutil.Process, model: str) -> dict[str, float]:
+    """Gateway CPU per streamed chunk from sequential requests that differ only in length: long streams,
+    then as many short ones spread over the same wall time, so (CPU long - CPU short) / (chunks long -
+    chunks short) holds neither per-request cost (the mixed phases' least-squares split trades the two
+    terms against each other) nor the gateway's background, which runs alike in both windows."""
     async with aiohttp.ClientSession() as session:
-        for length in (CHUNK_COST_SHORT, CHUNK_COST_LONG):
-            cpu0, wall0, chunks = cpu_seconds(proc.pid), time.perf_counter(), 0
-            for _ in range(CHUNK_COST_REQUESTS):
-                chunks += (await one_gateway(session, gateway_url, key, length))["chunks"]
-            busy = cpu_seconds(proc.pid) - cpu0 - idle_cpu_per_s * (time.perf_counter() - wall0)
-            totals[length] = (busy, chunks)
-    (cpu_short, chunks_short), (cpu_long, chunks_long) = totals[CHUNK_COST_SHORT], totals[CHUNK_COST_LONG]
-    return {"per_chunk_ms": (cpu_long - cpu_short) / (chunks_long - chunks_short) * 1e3,
-            "chunks_short": chunks_short, "chunks_long": chunks_long,
-            "cpu_short_s": cpu_short, "cpu_long_s": cpu_long}
+        await one_gateway(session, gateway_url, key, CHUNK_COST_SHORT, model)  # warm: tokenizer, connection
+        cpu0, wall0, chunks_long = cpu_seconds(proc.pid), time.perf_counter(), 0
+        for _ in range(CHUNK_COST_REQUESTS):
+            chunks_long += (await one_gateway(session, gateway_url, key, CHUNK_COST_LONG, model))["chunks"]
+        wall_long = time.perf_counter() - wall0
+        cpu_long = cpu_seconds(proc.pid) - cpu0
+        cpu0, wall0, chunks_short = cpu_seconds(proc.pid), time.perf_counter(), 0
+        for i in range(CHUNK_COST_REQUESTS):
+            chunks_short += (await one_gateway(session, gateway_url, key, CHUNK_COST_SHORT, model))["chunks"]
+            await asyncio.sleep(max(0.0, wall0 + wall_long * (i + 1) / CHUNK_COST_REQUESTS - time.perf_counter()))
+        wall_short = time.perf_counter() - wall0
+        cpu_short = cpu_seconds(proc.pid) - cpu0
+    return {"model": model, "per_chunk_ms": (cpu_long - cpu_short) / (chunks_long - chunks_short) * 1e3,
+            # How far apart the chunks came: the colder the process between them, the more each costs.
+            "chunk_interval_ms": wall_long / max(chunks_long, 1) * 1e3,
+            "chunks_short": chunks_short, "chunks_long": chunks_long, "wall_short_s": wall_short,
+            "wall_long_s": wall_long, "cpu_short_s": cpu_short, "cpu_long_s": cpu_long}
+
+
+def paced_chunk_cost(env: dict[str, str], work: Path, engine_cpus: str | None, gateway_url: str, key: str,
+                     gateway_pid: int) -> dict[str, float]:
+    """The chunk cost again, against an engine serving the paced model (made on first use)."""
+    paced_dir = (REPO / ".tessera" / "models" / "tessera-paced").resolve()
+    if not is_small_model_dir(paced_dir):
+        make_small_model(paced_dir, PACED_MODEL)
+    engine, _ = start_engine({"model": str(paced_dir), "servedModelName": "tessera-paced"}, env,
+                             work / "engine-paced.log", cpus=engine_cpus)
+    try:
+        time.sleep(3)  # the engine's registration and the gateway's catalog refresh
+        return asyncio.run(chunk_cost(gateway_url, key, psutil.Process(gateway_pid), "tessera-paced"))
+    finally:
+        stop(engine)
+
+
+def print_chunk_costs(costs: list[dict[str, float]]) -> None:
+    print(f"\nGateway CPU per streamed chunk, from {CHUNK_COST_REQUESTS} sequential {CHUNK_COST_LONG}- against "
+          f"{CHUNK_COST_SHORT}-token streams over the same wall time (goal < 0.1 ms; a Ray DeploymentHandle "
+          "stream measured ~0.9 ms)")
+    print_table(["model", "ms between chunks", "chunks long", "chunks short", "CPU ms per chunk"],
+                [[c["model"], c["chunk_interval_ms"], c["chunks_long"], c["chunks_short"], c["per_chunk_ms"]]
+                 for c in costs])
 
 
 def main() -> None:
+    # --chunk-cost-only: just the sequential per-chunk measurement (a minute instead of ten).
+    chunk_cost_only = "--chunk-cost-only" in sys.argv
     setup = bench_setup("gateway", pinning="--no-pinning" not in sys.argv)
     model_dir, work, redis = setup.model_dir, setup.work, setup.redis
     engine_cpus, platform_cpus = setup.engine_cpus, setup.platform_cpus
@@ -171,12 +214,18 @@ def main() -> None:
         served = load_served_model(ModelInfo("tessera-small", str(model_dir.resolve()), 2048, 32))
         ids = served.encode_chat([{"role": "user", "content": PROMPT}])
         time.sleep(2)  # let the engine's first heartbeat land
-        phases, chunks = asyncio.run(main_async(engine_url, gateway_url, key, ids, gateway.pid))
+        phases, chunks = asyncio.run(main_async(engine_url, gateway_url, key, ids, gateway.pid, chunk_cost_only))
+        stop(engine)
+        costs = [chunks, paced_chunk_cost(env, work, setup.engine_cpus, gateway_url, key, gateway.pid)]
     finally:
         stop(gateway)
         stop(engine)
         redis.stop()
 
+    if chunk_cost_only:
+        print_chunk_costs(costs)
+        print(f"results: {write_results('gateway-chunks', {'chunk_costs': costs})}")
+        return
     rows, summary = [], []
     for p in phases:
         for path in ("direct", "gateway"):
@@ -210,9 +259,7 @@ def main() -> None:
                 [[a["rate"], a["tokens"], a["added_ttft_p50_ms"], a["ci95_low_ms"], a["ci95_high_ms"],
                   a["added_ttft_p99_ms"]] for a in added])
     idle_ms_per_s = phases[0]["idle_cpu_s"] / phases[0]["wall_s"] * 1e3
-    print(f"\nGateway CPU per streamed chunk: {chunks['per_chunk_ms']:.4f} ms from {CHUNK_COST_REQUESTS} sequential "
-          f"{CHUNK_COST_LONG}- against {CHUNK_COST_SHORT}-token streams ({chunks['chunks_long']} against "
-          f"{chunks['chunks_short']} chunks); goal < 0.1 ms, a Ray DeploymentHandle stream measured ~0.9 ms")
+    print_chunk_costs(costs)
     print(f"Least-squares split over the mixed phases: {per_request_s * 1e3:.3f} ms per request + "
           f"{per_chunk_s * 1e3:.4f} ms per chunk, beside {idle_ms_per_s:.2f} ms per second of idle background")
     path = write_results("gateway", {"phases": [{k: v for k, v in p.items() if k != "results"} for p in phases],
@@ -220,7 +267,7 @@ def main() -> None:
                                      "gateway_cpu_ms_per_request": per_request_s * 1e3,
                                      "gateway_cpu_ms_per_chunk": per_chunk_s * 1e3,
                                      "gateway_idle_cpu_ms_per_s": idle_ms_per_s,
-                                     "chunk_cost": chunks})
+                                     "chunk_costs": costs})
     print(f"results: {path}")
 
 

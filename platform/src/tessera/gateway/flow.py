@@ -349,34 +349,44 @@ class GenerationFlow:
     async def _stream_out(self, chat: bool, req: Any, call: EngineCall, send: Send, receive: Receive,
                           out_headers: list[tuple[bytes, bytes]], response_id: str, created: int,
                           num_prompt: int) -> None:
-        """Deltas go out from the engine connection's callbacks as they arrive (SSEOut); this task only
-        starts the relay, watches for the client leaving, and writes the tail."""
+        """Deltas go out from the engine connection's callbacks as they arrive (SSEOut). This task runs the
+        relay itself, so the request is on the engine's socket in this very step (a relay task would wait
+        for the next event-loop iteration), and a watcher cancels it when the client leaves: the engine
+        connection then closes on the way out, and the replica aborts the vLLM request."""
         writer = ChunkWriter(chat, response_id, req.model, created)
         out = SSEOut(send, writer, req.n if chat else 0, out_headers)
-        relay = asyncio.ensure_future(self.gw.engines.relay(*call, out.deltas))
-        gone = asyncio.ensure_future(_wait_disconnect(receive))
         result = call.result
+        handler = asyncio.current_task()
+        assert handler is not None
+        watch = {"streaming": True, "client_left": False}
+
+        def client_left(gone: asyncio.Task[None]) -> None:
+            # Runs an iteration after the watcher ended: only cancel what is still this stream.
+            if watch["streaming"] and not gone.cancelled() and gone.exception() is None:
+                watch["client_left"] = True
+                handler.cancel()
+
+        gone = asyncio.ensure_future(_wait_disconnect(receive))
+        gone.add_done_callback(client_left)
         try:
-            done, _ = await asyncio.wait({relay, gone}, return_when=asyncio.FIRST_COMPLETED)
-            if relay not in done:
-                # Client left: closing the engine connection makes the replica abort the vLLM request.
-                relay.cancel()
-                await asyncio.gather(relay, return_exceptions=True)
-                return
-            relay.result()
+            await self.gw.engines.relay(*call, out.deltas)
             tail = [writer.finish(i, finish_reason(result.finish.get(i))) for i in range(req.n)]
             if req.include_usage:
                 cached = int(result.stats.get("num_cached_tokens", 0))
                 tail.append(writer.usage(usage(num_prompt, result.completion_tokens, cached)))
             tail.append(writer.done())
             await out.end(b"".join(tail))
+        except asyncio.CancelledError:
+            if not watch["client_left"]:
+                raise
+            handler.uncancel()  # the client left: nothing more to send, the request ends normally
         except APIError as err:
             if not out.started:
                 raise
             await out.end(b"data: " + orjson.dumps({"error": {"message": err.message, "code": err.code}}) + b"\n\n")
         finally:
+            watch["streaming"] = False
             gone.cancel()
-            relay.cancel()
             out.close()
 
 
