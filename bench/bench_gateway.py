@@ -8,9 +8,10 @@ reach either of them only once the whole generation is over (TTFT p99 in the hun
 both paths). At each arrival rate the
 same Poisson schedule of 64-token streamed chat requests alternates between the two paths, so both see
 the same engine conditions. TTFT is the first streamed event that carries the engine's first delta.
-Gateway CPU per chunk comes from sequential batches of long and short streams spread over the same wall
-time, so the difference holds neither per-request cost nor the gateway's own background (cache refreshers,
-span export: ~4 ms of CPU per second here, which at one chunk every 30 ms is as much again as the chunks).
+Gateway CPU per chunk comes from alternating long and short streams, each short one padded to the wall
+time of the long one before it, so the difference holds neither per-request cost nor the gateway's own
+background (cache refreshers, span export: ~4 ms of CPU per second here, which at one chunk every 30 ms is
+as much again as the chunks).
 It is measured twice: against the small model (a chunk every ~4 ms) and against a larger generated model
 whose decode steps take ~30 ms, as a large model's do on a GPU; between chunks that far apart the process
 goes cold, and each chunk costs more. A least-squares fit over the mixed phases (cpu - idle = a·requests +
@@ -146,28 +147,29 @@ async def main_async(engine_url: str, gateway_url: str, key: str, ids: list[int]
 
 
 async def chunk_cost(gateway_url: str, key: str, proc: psutil.Process, model: str) -> dict[str, float]:
-    """Gateway CPU per streamed chunk from sequential requests that differ only in length: long streams,
-    then as many short ones spread over the same wall time, so (CPU long - CPU short) / (chunks long -
-    chunks short) holds neither per-request cost (the mixed phases' least-squares split trades the two
-    terms against each other) nor the gateway's background, which runs alike in both windows."""
+    """Gateway CPU per streamed chunk from sequential requests that differ only in length: each long stream
+    is followed by a short one and an idle wait that make up the same wall time, so (CPU long - CPU short) /
+    (chunks long - chunks short) holds neither per-request cost (the mixed phases' least-squares split
+    trades the two terms against each other) nor the gateway's background, which runs alike in both
+    windows; alternating them cancels its drift over the run as well."""
+    cpu_long = cpu_short = wall_long = 0.0
+    chunks_long = chunks_short = 0
     async with aiohttp.ClientSession() as session:
         await one_gateway(session, gateway_url, key, CHUNK_COST_SHORT, model)  # warm: tokenizer, connection
-        cpu0, wall0, chunks_long = cpu_seconds(proc.pid), time.perf_counter(), 0
         for _ in range(CHUNK_COST_REQUESTS):
+            cpu0, wall0 = cpu_seconds(proc.pid), time.perf_counter()
             chunks_long += (await one_gateway(session, gateway_url, key, CHUNK_COST_LONG, model))["chunks"]
-        wall_long = time.perf_counter() - wall0
-        cpu_long = cpu_seconds(proc.pid) - cpu0
-        cpu0, wall0, chunks_short = cpu_seconds(proc.pid), time.perf_counter(), 0
-        for i in range(CHUNK_COST_REQUESTS):
+            cpu1, wall1 = cpu_seconds(proc.pid), time.perf_counter()
             chunks_short += (await one_gateway(session, gateway_url, key, CHUNK_COST_SHORT, model))["chunks"]
-            await asyncio.sleep(max(0.0, wall0 + wall_long * (i + 1) / CHUNK_COST_REQUESTS - time.perf_counter()))
-        wall_short = time.perf_counter() - wall0
-        cpu_short = cpu_seconds(proc.pid) - cpu0
+            await asyncio.sleep(max(0.0, wall1 + (wall1 - wall0) - time.perf_counter()))
+            cpu_long += cpu1 - cpu0
+            cpu_short += cpu_seconds(proc.pid) - cpu1
+            wall_long += wall1 - wall0
     return {"model": model, "per_chunk_ms": (cpu_long - cpu_short) / (chunks_long - chunks_short) * 1e3,
             # How far apart the chunks came: the colder the process between them, the more each costs.
             "chunk_interval_ms": wall_long / max(chunks_long, 1) * 1e3,
-            "chunks_short": chunks_short, "chunks_long": chunks_long, "wall_short_s": wall_short,
-            "wall_long_s": wall_long, "cpu_short_s": cpu_short, "cpu_long_s": cpu_long}
+            "chunks_short": chunks_short, "chunks_long": chunks_long, "wall_s": wall_long,
+            "cpu_short_s": cpu_short, "cpu_long_s": cpu_long}
 
 
 def paced_chunk_cost(env: dict[str, str], work: Path, engine_cpus: str | None, gateway_url: str, key: str,
@@ -186,9 +188,9 @@ def paced_chunk_cost(env: dict[str, str], work: Path, engine_cpus: str | None, g
 
 
 def print_chunk_costs(costs: list[dict[str, float]]) -> None:
-    print(f"\nGateway CPU per streamed chunk, from {CHUNK_COST_REQUESTS} sequential {CHUNK_COST_LONG}- against "
-          f"{CHUNK_COST_SHORT}-token streams over the same wall time (goal < 0.1 ms; a Ray DeploymentHandle "
-          "stream measured ~0.9 ms)")
+    print(f"\nGateway CPU per streamed chunk, from {CHUNK_COST_REQUESTS} {CHUNK_COST_LONG}-token streams, each "
+          f"beside an {CHUNK_COST_SHORT}-token one padded to the same wall time (goal < 0.1 ms; a Ray "
+          "DeploymentHandle stream measured ~0.9 ms)")
     print_table(["model", "ms between chunks", "chunks long", "chunks short", "CPU ms per chunk"],
                 [[c["model"], c["chunk_interval_ms"], c["chunks_long"], c["chunks_short"], c["per_chunk_ms"]]
                  for c in costs])

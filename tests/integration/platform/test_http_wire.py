@@ -52,7 +52,9 @@ class StreamingApp:
                     self.disconnects += 1
                     return
                 waiter.cancel()
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        # "tail": a last line without its newline, after a blank line (the relay skips blank lines).
+        end = b"\n" + orjson.dumps({"tail": True}) if args.get("tail") else b""
+        await send({"type": "http.response.body", "body": end, "more_body": False})
 
 
 @pytest.fixture
@@ -202,6 +204,8 @@ async def test_relay_hands_every_line_in_order_then_the_end(server: tuple[Stream
     assert paced.lines == [{"i": i} for i in range(5)]
     buffered = await _relayed(http, f"{base}/stream", {"n": 20}, late=True)
     assert buffered.lines == [{"i": i} for i in range(20)] and buffered.batches == 1  # all at relay()
+    unterminated = await _relayed(http, f"{base}/stream", {"n": 2, "tail": True})
+    assert unterminated.lines == [{"i": 0}, {"i": 1}, {"tail": True}]
     assert len(set(app.client_ports)) == 1  # the relayed responses left the connection reusable
     await http.close()
 

@@ -139,8 +139,16 @@ class _Connection(asyncio.Protocol):
         if self.complete and buffer:
             end = len(buffer) - 1  # a last line without its newline
         if end >= 0:
-            lines = [line for line in bytes(buffer[:end + 1]).split(b"\n") if line]
-            del buffer[:end + 1]
+            if end == len(buffer) - 1:  # the usual case: the read ended on a line's end
+                lines = bytes(buffer).split(b"\n")
+                buffer.clear()
+            else:
+                lines = bytes(buffer[:end + 1]).split(b"\n")
+                del buffer[:end + 1]
+            if not lines[-1]:
+                lines.pop()  # what followed the last newline: nothing
+            if b"" in lines:
+                lines = [line for line in lines if line]
             if lines:
                 sink.lines_received(lines)
         elif len(buffer) > MAX_BUFFER_BYTES:

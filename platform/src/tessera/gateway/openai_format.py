@@ -31,13 +31,17 @@ class ChunkWriter:
         self._tail = b'},"logprobs":null,"finish_reason":null}]}\n\n' if chat else \
             b',"logprobs":null,"finish_reason":null}]}\n\n'
         self._usage_head = b"data: " + head + b',"choices":[],"usage":'
+        self._text_heads: dict[int, bytes] = {}  # choice index -> the bytes before its text, made once
 
     def role(self, index: int) -> bytes:
         return self._head + str(index).encode() + b',"delta":{"role":"assistant","content":""},' \
             b'"logprobs":null,"finish_reason":null}]}\n\n'
 
     def text(self, index: int, text: str) -> bytes:
-        return self._head + str(index).encode() + self._text_key + orjson.dumps(text) + self._tail
+        head = self._text_heads.get(index)
+        if head is None:
+            head = self._text_heads[index] = self._head + str(index).encode() + self._text_key
+        return head + orjson.dumps(text) + self._tail
 
     def finish(self, index: int, reason: str) -> bytes:
         body = b',"delta":{}' if self.chat else b',"text":""'
