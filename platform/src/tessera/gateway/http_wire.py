@@ -223,12 +223,6 @@ class StreamResponse:
     def resume(self) -> None:
         self._conn.resume_sink()
 
-    async def drain(self) -> None:
-        """Reads to the end of the response (after the last line that matters), so the connection can
-        go back to the pool instead of being closed."""
-        async for _ in self.lines():
-            pass
-
     async def read(self) -> bytes:
         return b"".join([line async for line in self.lines()])
 
