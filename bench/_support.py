@@ -106,6 +106,18 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
             os.killpg(proc.pid, 9)
 
 
+def bench_model(name: str, spec: Any = None) -> Path:
+    """``.tessera/models/NAME``, a generated small model (``SmallModelSpec``; default: the default one),
+    made on first use."""
+    from tessera.engine.small_model import is_small_model_dir, make_small_model
+
+    model_dir = (REPO / ".tessera" / "models" / name).resolve()
+    if not is_small_model_dir(model_dir):
+        print(f"generating {model_dir.relative_to(REPO)}", flush=True)
+        make_small_model(model_dir, spec)
+    return model_dir
+
+
 @dataclass
 class BenchSetup:
     model_dir: Path  # the default small model, generated when missing
@@ -119,12 +131,9 @@ def bench_setup(name: str, pinning: bool = True) -> BenchSetup:
     """The common start of the gateway benchmarks: the small model, a work directory, this process pinned to
     the platform's cores (the engine gets the first core, see split_cores), and an embedded Redis started
     from here, so it shares the platform's cores too."""
-    from tessera.engine.small_model import is_small_model_dir, make_small_model
     from tessera.redis_conn import EmbeddedRedis
 
-    model_dir = (REPO / ".tessera" / "models" / "tessera-small").resolve()
-    if not is_small_model_dir(model_dir):
-        make_small_model(model_dir)
+    model_dir = bench_model("tessera-small")
     engine_cpus, platform_cpus = split_cores() if pinning else (None, None)
     pin_this_process(platform_cpus)
     return BenchSetup(model_dir, Path(tempfile.mkdtemp(prefix=f"bench-{name}-")), EmbeddedRedis().start(),

@@ -34,11 +34,11 @@ import numpy as np
 import orjson
 import psutil
 
-from tessera.engine.small_model import SmallModelSpec, is_small_model_dir, make_small_model
+from tessera.engine.small_model import SmallModelSpec
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _support import (
-    REPO,
+    bench_model,
     bench_setup,
     cpu_seconds,
     issue_keys,
@@ -175,9 +175,7 @@ async def chunk_cost(gateway_url: str, key: str, proc: psutil.Process, model: st
 def paced_chunk_cost(env: dict[str, str], work: Path, engine_cpus: str | None, gateway_url: str, key: str,
                      gateway_pid: int) -> dict[str, float]:
     """The chunk cost again, against an engine serving the paced model (made on first use)."""
-    paced_dir = (REPO / ".tessera" / "models" / "tessera-paced").resolve()
-    if not is_small_model_dir(paced_dir):
-        make_small_model(paced_dir, PACED_MODEL)
+    paced_dir = bench_model("tessera-paced", PACED_MODEL)
     engine, _ = start_engine({"model": str(paced_dir), "servedModelName": "tessera-paced"}, env,
                              work / "engine-paced.log", cpus=engine_cpus)
     try:

@@ -36,7 +36,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from _support import REPO, percentiles, pin_this_process, print_table, split_cores, write_results
+from _support import REPO, bench_model, percentiles, pin_this_process, print_table, split_cores, write_results
 
 sys.path.insert(0, str(REPO / "tests"))
 
@@ -165,12 +165,9 @@ def main() -> None:
     parser.add_argument("--no-pinning", action="store_true", help="do not pin the engine and the platform apart")
     args = parser.parse_args()
 
-    from tessera.engine.small_model import is_small_model_dir, make_small_model
     from tessera.redis_conn import EmbeddedRedis
 
-    model_dir = REPO / ".tessera" / "models" / "tessera-small"
-    if not is_small_model_dir(model_dir):
-        make_small_model(model_dir)
+    model_dir = bench_model("tessera-small")
     run_dir = Path(tempfile.mkdtemp(prefix="bench-kvcontrol-"))
     # The engine gets core 0; everything else (this client, Redis, gateway, controller) core 1. Unpinned, the
     # engine's busy threads starve the gateway's event loop and the victim's tail is CPU queueing, which no KV

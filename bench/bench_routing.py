@@ -32,7 +32,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _support import REPO, bench_model
+
 MODEL_DIR = REPO / ".tessera" / "models" / "tessera-bench-routing"
 RESULTS = REPO / "bench" / "results" / "routing.json"
 MODEL = "bench-routing"
@@ -83,12 +85,10 @@ class Outcome:
 
 
 def ensure_model() -> None:
-    from tessera.engine.small_model import SmallModelSpec, is_small_model_dir, make_small_model
+    from tessera.engine.small_model import SmallModelSpec
 
-    if not is_small_model_dir(MODEL_DIR):
-        print(f"generating {MODEL_DIR.relative_to(REPO)}", flush=True)
-        make_small_model(MODEL_DIR, SmallModelSpec(hidden_size=256, intermediate_size=768, num_hidden_layers=3,
-                                                   num_attention_heads=8, num_key_value_heads=4, seed=1))
+    bench_model(MODEL_DIR.name, SmallModelSpec(hidden_size=256, intermediate_size=768, num_hidden_layers=3,
+                                               num_attention_heads=8, num_key_value_heads=4, seed=1))
 
 
 def start_engines(redis_url: str) -> list[Any]:

@@ -3,13 +3,16 @@ processes), once per test session."""
 
 from __future__ import annotations
 
+import asyncio
 import socket
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from tessera.engine.registry import EngineRegistry
 from tessera.local.platform import LocalPlatform, LocalPlatformOptions
+from tessera.redis_conn import connect
 
 ADMIN_TOKEN = "e2e-admin-token"
 
@@ -33,3 +36,17 @@ def platform_stack(small_model_dir: Path, tmp_path_factory: pytest.TempPathFacto
         yield platform
     finally:
         platform.stop()
+
+
+@pytest.fixture(scope="session")
+def engine_url(platform_stack: LocalPlatform) -> str:
+    """The platform's one engine replica's own address, from the registry in Redis."""
+    async def read() -> str:
+        redis = connect(platform_stack.redis_url, timeout_s=5)
+        try:
+            (record,) = await EngineRegistry(redis).live_engines()
+            return record.url
+        finally:
+            await redis.aclose()
+
+    return asyncio.run(read())

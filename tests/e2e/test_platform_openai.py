@@ -9,9 +9,7 @@ import httpx
 import openai
 import pytest
 
-from tessera.engine.registry import EngineRegistry
 from tessera.local.platform import LocalPlatform
-from tessera.redis_conn import connect
 
 
 @pytest.fixture(scope="module")
@@ -86,21 +84,9 @@ def test_every_response_has_a_request_id(platform_stack: LocalPlatform, tenant_k
     assert httpx.get(f"{platform_stack.base_url}/nope").headers["x-request-id"].startswith("req-")
 
 
-def _engine_url(platform: LocalPlatform) -> str:
-    async def read() -> str:
-        redis = connect(platform.redis_url)
-        try:
-            (record,) = await EngineRegistry(redis).live_engines()
-            return record.url
-        finally:
-            await redis.aclose()
-
-    return asyncio.run(read())
-
-
 def test_a_client_leaving_mid_stream_leaves_no_request_in_the_engine(platform_stack: LocalPlatform,
-                                                                     tenant_key: str) -> None:
-    engine = _engine_url(platform_stack)
+                                                                     tenant_key: str, engine_url: str) -> None:
+    engine = engine_url
     url, headers = f"{platform_stack.base_url}/v1/chat/completions", {"Authorization": f"Bearer {tenant_key}"}
     body = {"model": platform_stack.model, "messages": [{"role": "user", "content": "count with me"}],
             "max_tokens": 990, "ignore_eos": True}

@@ -4,7 +4,6 @@ priority at the deployed engine."""
 
 from __future__ import annotations
 
-import asyncio
 import random
 import time
 import uuid
@@ -14,9 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tessera.engine.registry import EngineRegistry
 from tessera.local.platform import LocalPlatform
-from tessera.redis_conn import connect
 
 ADMIN_TOKEN = "e2e-admin-token"  # the platform_stack fixture's (tests/e2e/conftest.py)
 
@@ -59,7 +56,7 @@ def test_admin_limits_usage_and_revocation(platform_stack: LocalPlatform, admin:
 
 
 def test_cache_isolation_and_priority_at_the_deployed_engine(platform_stack: LocalPlatform,
-                                                             admin: httpx.Client) -> None:
+                                                             admin: httpx.Client, engine_url: str) -> None:
     prompt = [random.Random(time.monotonic_ns()).randrange(3, 700) for _ in range(130)]
     name_a, a, _ = new_tenant(admin, {"priorityClass": "critical"})
     _, b, _ = new_tenant(admin, {"priorityClass": "batch"})
@@ -72,14 +69,7 @@ def test_cache_isolation_and_priority_at_the_deployed_engine(platform_stack: Loc
 
     assert (cached(a), cached(a), cached(b)) == (0, 128, 0)
 
-    async def engine_url() -> str:
-        redis = connect(platform_stack.redis_url, timeout_s=5)
-        try:
-            return (await EngineRegistry(redis).live_engines())[0].url
-        finally:
-            await redis.aclose()
-
-    url = asyncio.run(engine_url())
+    url = engine_url
     body = {"model": platform_stack.model, "prompt": prompt, "max_tokens": 800, "ignore_eos": True,
             "temperature": 1.0, "stream": True}
     seen: dict[str, int] = {}

@@ -35,12 +35,11 @@ class SSEOut:
         self._backlog: list[dict[str, Any]] = []
 
     def deltas(self, deltas: list[Delta]) -> asyncio.Future[None] | None:
-        text = self._writer.text
-        body = b"".join([text(d.index, d.text) for d in deltas if d.text])
+        writer = self._writer
+        body = b"".join([writer.text(d.index, d.text) for d in deltas if d.text])
         if not self.started:
             # The response starts with the engine's first delta, and the role chunks leave with its text.
             self._start()
-            writer = self._writer
             body = b"".join([writer.role(i) for i in range(self._role_choices)]) + body
         if body:
             self._emit({"type": "http.response.body", "body": body, "more_body": True})
