@@ -26,6 +26,15 @@ def generate(host: EngineHost, **body: object) -> list[dict]:
         return [orjson.loads(line) for line in response.iter_lines() if line]
 
 
+def test_a_two_token_prompt_runs_as_the_engines_first_request(fp8_engine: EngineHost) -> None:
+    # First in this module, so it is the engine's first request (the fixture serves this module only).
+    # Without the host's warm-up pass, a first forward pass of fewer than 5 tokens kills vLLM's CPU worker
+    # on the CI machine kind (SIGILL; see WARMUP_PROMPT_TOKENS) and the engine is dead.
+    lines = generate(fp8_engine, prompt_token_ids=[100, 200], max_tokens=2)
+    assert lines[-1]["done"] is True and lines[-1]["stats"]["num_output_tokens"] == 2
+    assert fp8_engine.is_healthy()
+
+
 def test_stream_ends_with_stats(fp8_engine: EngineHost) -> None:
     lines = generate(fp8_engine)
     deltas, done = lines[:-1], lines[-1]
