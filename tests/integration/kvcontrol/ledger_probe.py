@@ -36,7 +36,7 @@ def main(model_dir: str, rounds: int, seed: int) -> None:
     from vllm.v1.engine.llm_engine import LLMEngine
 
     from tessera.engine.config import EngineConfig
-    from tessera.engine.host import free_port
+    from tessera.engine.ports import free_port
     from tessera.routing.hashing import block_hashes_bytes
     from tessera.routing.kv_events import decode_batch
     from tessera_operators.kvcontrol.ledger import KVLedger

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from tessera.engine.config import EngineConfig
-from tessera.engine.host import EngineHost, below_ephemeral_range, free_port, reserve_port
+from tessera.engine.host import EngineHost
+from tessera.engine.ports import below_ephemeral_range, free_port, reserve_port
 from tessera.engine.registry import EngineRegistry, list_models
 from tessera.redis_conn import EmbeddedRedis, connect
 

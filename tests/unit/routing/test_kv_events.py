@@ -10,7 +10,7 @@ import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, ZmqEventPublisher
 
-from tessera.engine.host import free_port
+from tessera.engine.ports import free_port
 from tessera.routing.indexer import feed_index
 from tessera.routing.kv_events import DecodedBatch, KVEventSubscriber, decode_batch
 from tessera.routing.prefix_index import Op, PrefixIndex

@@ -27,6 +27,11 @@ class SpeculativeConfig(BaseModel):
     )
     prompt_lookup_min: int = Field(default=2, ge=1, description="n-gram: shortest n-gram matched in the context.")
     prompt_lookup_max: int = Field(default=4, ge=1, description="n-gram: longest n-gram matched in the context.")
+    strict: bool = Field(
+        default=False,
+        description="Refuse to start where vLLM cannot run this method here (missing draft model, unsupported "
+        "method or hardware). Default: run without speculation and report why.",
+    )
 
     @model_validator(mode="after")
     def _draft_model_matches_method(self) -> SpeculativeConfig:
@@ -78,6 +83,11 @@ class EngineConfig(BaseModel):
     )
     kv_cache_dtype: KVCacheDtype = Field(
         default="fp8", description="KV cache element type. fp8 halves KV bytes per token against bf16."
+    )
+    kv_cache_dtype_strict: bool = Field(
+        default=False,
+        description="Refuse to start where this platform cannot run kvCacheDtype (e.g. FP8 on a CPU without "
+        "AVX-512 or AMX). Default: run with 'auto' (the model's dtype) and report why and what it costs.",
     )
     kv_scale_mode: Literal["checkpoint", "dynamic"] = Field(
         default="checkpoint",

@@ -48,7 +48,10 @@ class EngineReplica:
         return {"engine_id": self.host.engine_id, "url": self.host.url}
 
     def __del__(self) -> None:
-        self.host.stop()
+        # A replica whose host never started (its constructor raised) has no host to stop.
+        host: EngineHost | None = getattr(self, "host", None)
+        if host is not None:
+            host.stop()
 
 
 def build_app(args: dict[str, Any]) -> Any:

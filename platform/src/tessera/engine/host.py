@@ -7,7 +7,8 @@ Endpoints:
   POST /abort              {"request_id", "reason"}: the controller's last-resort abort (gateway retries)
   GET  /requests           in-flight requests with tenant and priority (the controller picks victims)
   GET  /health             200 while the engine is alive, 503 once it is dead
-  GET  /stats              engine load, KV geometry and speculative-decoding counters
+  GET  /stats              engine load, KV geometry, speculative-decoding counters, and what runs
+  GET  /metrics            the same in Prometheus text (tessera_engine_*)
 """
 
 from __future__ import annotations
@@ -15,19 +16,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import random
-import socket
 import threading
 import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 import orjson
 
+from tessera.engine.capabilities import PlatformAnswers, Resolution, ask_vllm, kv_fallback_note, resolve
 from tessera.engine.config import EngineConfig
+from tessera.engine.metrics import render_engine_metrics
+from tessera.engine.ports import below_ephemeral_range, free_port, reserve_port
 from tessera.engine.protocol import GenerateRequest, RequestStats
 from tessera.engine.registry import EngineRecord, EngineRegistry, ModelInfo, register_model
 from tessera.engine.stats import LoadTracker, make_stat_logger_factory
@@ -49,59 +50,8 @@ WARMUP_PROMPT_TOKENS = 16
 WARMUP_SALT = "tessera-engine-warmup"
 
 
-def reserve_port(host: str, port_range: str | None = None) -> socket.socket:
-    """A TCP socket bound to ``host`` on a free port, inside ``port_range`` ("start-end") when given.
-
-    The caller keeps the socket until it serves on it: a port that is only probed and released can be taken
-    by anything else in the ~20 s an engine takes to start (another engine, or the ephemeral source port of
-    any outgoing connection), and the replica would then die on EADDRINUSE.
-
-    NOTE: the Helm chart passes disjoint ranges for the HTTP and the KV-event ports
-    (TESSERA_ENGINE_PORT_RANGE, TESSERA_KV_EVENTS_PORT_RANGE) so its NetworkPolicy can open each range
-    to a different peer: HTTP only to gateways, KV events only to the controller.
-    """
-    candidates: list[int] = [0]
-    if port_range:
-        start, _, end = port_range.partition("-")
-        first, last = int(start), int(end)
-        if not 0 < first <= last < 65536:
-            raise ValueError(f"port range {port_range!r} is invalid: use 'start-end' within 1-65535")
-        candidates = random.sample(range(first, last + 1), min(64, last - first + 1))
-    for port in candidates:
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((host, port))
-            # Listening is what makes the hold exclusive: two bound, non-listening SO_REUSEADDR sockets may
-            # share a port. Connections that arrive early wait in the backlog until the server starts.
-            sock.listen(1024)
-        except OSError:
-            sock.close()
-            continue
-        return sock
-    if port_range is None:
-        raise OSError(f"no free port on {host}")
-    raise OSError(f"port {candidates[0]} is in use" if len(candidates) == 1 else f"no free port in {port_range}")
-
-
-def free_port(host: str = "127.0.0.1", port_range: str | None = None) -> int:
-    """A port that was free a moment ago; for a port someone else binds later (use reserve_port otherwise)."""
-    # A port from a range must be free on every interface: whoever takes it may bind 0.0.0.0.
-    with reserve_port("0.0.0.0" if port_range else host, port_range) as sock:
-        return int(sock.getsockname()[1])
-
-
-def below_ephemeral_range(width: int = 10000) -> str | None:
-    """The ``width`` ports just below the kernel's ephemeral range, as "start-end" (None where unknown).
-
-    vLLM binds the KV-event port itself, after start-up, so that port cannot be held for it. Picked from
-    outside the ephemeral range, it cannot be taken meanwhile by an outgoing connection's source port.
-    """
-    try:
-        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return None
-    return f"{low - width}-{low - 1}" if low - width >= 1024 else None
+class EngineStartError(RuntimeError):
+    """An engine replica could not start; the message names the root cause and, where known, the fix."""
 
 
 @dataclass(slots=True)
@@ -141,8 +91,11 @@ class EngineHost:
     """Owns the engine, the HTTP server and the registry heartbeat of one replica."""
 
     def __init__(self, config: EngineConfig, redis_url: str | None, engine_id: str | None = None,
-                 advertise_host: str = "127.0.0.1") -> None:
-        self.config = config
+                 advertise_host: str = "127.0.0.1",
+                 ask_platform: Callable[[EngineConfig], PlatformAnswers] = ask_vllm) -> None:
+        self.config = config  # as requested; ``resolution.config`` is what runs
+        self._ask_platform = ask_platform
+        self.resolution = Resolution(config)
         self.redis_url = redis_url
         self.engine_id = engine_id or f"engine-{uuid.uuid4().hex[:8]}"
         self.advertise_host = advertise_host
@@ -187,7 +140,9 @@ class EngineHost:
         if not self._ready.wait(timeout_s):
             raise TimeoutError(f"engine {self.engine_id} did not start within {timeout_s} s")
         if self._startup_error is not None:
-            raise RuntimeError(f"engine {self.engine_id} failed to start") from self._startup_error
+            cause = self._startup_error
+            raise EngineStartError(f"engine {self.engine_id} could not start: {type(cause).__name__}: "
+                                   f"{cause}") from cause
         return self
 
     def stop(self) -> None:
@@ -233,12 +188,16 @@ class EngineHost:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.config.cpu_kv_cache_space_gib))
+        # Before the model loads: what this platform can run of the config (a strict config stops here).
+        self.resolution = resolve(self.config, self._ask_platform(self.config))
         kv_bind = f"tcp://*:{self.kv_events_port}" if self.kv_events_port else None
-        args = AsyncEngineArgs(**self.config.to_vllm_kwargs(kv_events_endpoint=kv_bind))
+        args = AsyncEngineArgs(**self.resolution.config.to_vllm_kwargs(kv_events_endpoint=kv_bind))
         self.engine = AsyncLLM.from_engine_args(args, stat_loggers=[make_stat_logger_factory(self.tracker)])
-        self.tracker.load.num_gpu_blocks = int(self.engine.vllm_config.cache_config.num_gpu_blocks or 0)
-        self.tracker.load.block_size = int(self.engine.vllm_config.cache_config.block_size)
-        self.tracker.load.kv_cache_dtype = str(self.engine.vllm_config.cache_config.cache_dtype)
+        cache = self.engine.vllm_config.cache_config
+        self.tracker.load.num_gpu_blocks = int(cache.num_gpu_blocks or 0)
+        self.tracker.load.block_size = int(cache.block_size)
+        self.tracker.load.kv_cache_dtype = str(cache.cache_dtype)
+        self._log_fallbacks()
         await self._warm_up()
 
         config = uvicorn.Config(
@@ -258,6 +217,30 @@ class EngineHost:
             indexer.cancel()
             watchdog.cancel()
             await self._deregister()
+
+    def _log_fallbacks(self) -> None:
+        """One line per setting that runs differently from the config; the KV line says what it costs."""
+        load = self.tracker.snapshot()
+        for fallback in self.resolution.fallbacks:
+            if fallback.setting == "kvCacheDtype":
+                element = self.engine.vllm_config.model_config.dtype
+                logger.warning("engine %s: %s", self.engine_id, kv_fallback_note(
+                    fallback, str(element).removeprefix("torch."), element.itemsize, load.num_gpu_blocks,
+                    load.block_size, blocks_fixed=self.config.num_gpu_blocks_override is not None))
+            else:
+                logger.warning("engine %s: %s", self.engine_id, fallback.describe())
+
+    def facts(self) -> dict[str, Any]:
+        """What this replica runs, for /stats, /metrics and the registry: the effective KV dtype and
+        capacity, the speculative method, and why any of them differ from the config."""
+        load = self.tracker.snapshot()
+        return {
+            "kv_cache_dtype": self.resolution.config.kv_cache_dtype,
+            "kv_cache_dtype_requested": self.config.kv_cache_dtype,
+            "kv_capacity_tokens": load.num_gpu_blocks * load.block_size,
+            "speculative_method": self.resolution.speculative_method,
+            "fallbacks": [f.describe() for f in self.resolution.fallbacks],
+        }
 
     async def _warm_up(self) -> None:
         """See WARMUP_PROMPT_TOKENS; also takes the first pass's one-time costs off the first request."""
@@ -288,6 +271,10 @@ class EngineHost:
             num_running=load.num_running,
             num_waiting=load.num_waiting,
             kv_cache_usage=load.kv_cache_usage,
+            kv_cache_dtype=self.resolution.config.kv_cache_dtype,
+            kv_capacity_tokens=load.num_gpu_blocks * load.block_size,
+            speculative_method=self.resolution.speculative_method,
+            fallbacks="\n".join(f.describe() for f in self.resolution.fallbacks),
         )
 
     async def _heartbeat_loop(self) -> None:
@@ -375,7 +362,14 @@ class EngineHost:
             healthy = self.is_healthy()
             await _respond(send, 200 if healthy else 503, {"healthy": healthy, "engine_id": self.engine_id})
         elif path == "/stats":
-            await _respond(send, 200, {"engine_id": self.engine_id, **asdict(self.tracker.snapshot())})
+            await _respond(send, 200, {"engine_id": self.engine_id, **asdict(self.tracker.snapshot()),
+                                       **self.facts()})
+        elif path == "/metrics":
+            body, content_type = render_engine_metrics(self.engine_id, self.config.served_model_name,
+                                                       self.tracker.snapshot(), self.facts())
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-type", content_type.encode())]})
+            await send({"type": "http.response.body", "body": body})
         elif path == "/requests":
             await _respond(send, 200, [asdict(r) for r in self.in_flight.values()])
         elif path == "/abort" and method == "POST":

@@ -39,6 +39,11 @@ class EngineRecord:
     num_running: int = 0
     num_waiting: int = 0
     kv_cache_usage: float = 0.0
+    # What runs, which may differ from the config where the platform cannot run it (engine/capabilities.py).
+    kv_cache_dtype: str = ""
+    kv_capacity_tokens: int = 0
+    speculative_method: str = ""
+    fallbacks: str = ""  # one line per fallback
     under_pressure: bool = False
     heartbeat_ts: float = 0.0
 
