@@ -24,7 +24,7 @@ from tessera.gateway.engine_client import EngineClient
 from tessera.gateway.errors import APIError, error_body, unauthorized
 from tessera.gateway.flow import GenerationFlow
 from tessera.gateway.metrics import GatewayMetrics
-from tessera.gateway.models import ModelCatalog
+from tessera.gateway.models import ModelCatalog, replicas_extension
 from tessera.gateway.openapi import openapi_document
 from tessera.redis_conn import connect
 from tessera.redis_wire import RedisWire
@@ -139,7 +139,8 @@ class Gateway:
         if tenant is None:
             raise unauthorized()
         names = [n for n in await self.catalog.names() if tenant.policy.allows_model(n)]
-        data = [{"id": n, "object": "model", "created": 0, "owned_by": "tessera"} for n in names]
+        data = [{"id": n, "object": "model", "created": 0, "owned_by": "tessera",
+                 "tessera": replicas_extension(await self.router.engines(n))} for n in names]
         await respond(send, 200, {"object": "list", "data": data}, request_id)
 
     async def _usage(self, scope: Scope, send: Send, headers: dict[str, str], request_id: str) -> None:

@@ -10,7 +10,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from tessera.engine.registry import ModelInfo, list_models
+from tessera.engine.registry import EngineRecord, ModelInfo, list_models
 from tessera.refresher import UsageRefresher
 
 # Re-read in the background this often while requests come (models change on deploys, not per request).
@@ -39,6 +39,18 @@ class ServedModel:
                 messages=messages, add_generation_prompt=True, bos_token=self.bos_token, eos_token=self.eos_token
             )
         return self.encode(text)
+
+
+def replicas_extension(records: list[EngineRecord]) -> dict[str, Any]:
+    """The ``tessera`` extension field of a ``/v1/models`` entry: what each live replica of the model runs.
+
+    The effective values, which differ from the config where the platform could not run it (the reasons are
+    for operators: the replica's /stats, registry entry and logs). No engine ids or addresses: a tenant learns
+    what it is served with, not where.
+    """
+    return {"replicas": [{"kv_cache_dtype": r.kv_cache_dtype, "kv_blocks": r.num_gpu_blocks,
+                          "block_size": r.block_size, "kv_capacity_tokens": r.kv_capacity_tokens,
+                          "speculative_method": r.speculative_method} for r in records]}
 
 
 def load_served_model(info: ModelInfo) -> ServedModel:

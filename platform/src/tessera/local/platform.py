@@ -20,10 +20,19 @@ from typing import Any
 import httpx
 
 from tessera.engine.config import EngineConfig, default_small_model_dir
+from tessera.engine.registry import EngineRecord, EngineRegistry
 from tessera.engine.small_model import is_small_model_dir, make_small_model
+from tessera.local.engine_failure import engine_failure_cause
 from tessera.redis_conn import EmbeddedRedis, connect
 from tessera.tenancy.policy import TenantPolicy
 from tessera.tenancy.store import TenantStore
+
+
+ENGINE_APP = "tessera-engines"
+
+
+class PlatformStartError(RuntimeError):
+    """The local platform could not start; the message is the root cause, in a line or two."""
 
 
 @dataclass
@@ -121,7 +130,12 @@ class LocalPlatform:
         self._ray_started = True
         serve.start(proxy_location="Disabled")
         app = build_app({"engine": self.engine_config.model_dump(by_alias=True), "replicas": self.options.num_engines})
-        serve.run(app, name="tessera-engines", route_prefix=None, blocking=False)
+        try:
+            # NOTE: even with blocking=False, Serve waits until the application runs or fails to deploy.
+            serve.run(app, name=ENGINE_APP, route_prefix=None, blocking=False)
+        except RuntimeError as exc:
+            self._raise_if_engines_failed()
+            raise PlatformStartError(f"the engine replicas could not start: {exc}") from exc
 
     def _start_gateway(self, env: dict[str, str]) -> None:
         opts = self.options
@@ -135,25 +149,40 @@ class LocalPlatform:
         # engine's busy threads on a 2-core machine (see tests/support/gateways.py).
         self.gateway = subprocess.Popen(cmd, env={**os.environ, **env}, process_group=0)
 
-    def _wait_ready(self, deadline: float) -> None:
-        async def engines_ready() -> bool:
-            from tessera.engine.registry import EngineRegistry
-
-            redis = connect(self.redis_url)
+    def engines(self) -> list[EngineRecord]:
+        """The live engine replicas as they registered: address, and what each runs (KV dtype, capacity,
+        speculative method, fallbacks)."""
+        async def read() -> list[EngineRecord]:
+            redis = connect(self.redis_url, timeout_s=5)
             try:
-                return len(await EngineRegistry(redis).live_engines()) >= self.options.num_engines
+                return await EngineRegistry(redis).live_engines()
             finally:
                 await redis.aclose()
 
+        return asyncio.run(read())
+
+    def _wait_ready(self, deadline: float) -> None:
         while time.monotonic() < deadline:
             if self.gateway is not None and self.gateway.poll() is not None:
-                raise RuntimeError(f"the gateway exited with code {self.gateway.returncode}")
-            if asyncio.run(engines_ready()):
+                raise PlatformStartError(f"the gateway exited with code {self.gateway.returncode}")
+            self._raise_if_engines_failed()
+            if len(self.engines()) >= self.options.num_engines:
                 with contextlib.suppress(httpx.HTTPError):
                     if httpx.get(f"{self.base_url}/health", timeout=2).status_code == 200:
                         return
             time.sleep(1.0)
         raise TimeoutError("the platform did not become ready in time")
+
+    def _raise_if_engines_failed(self) -> None:
+        """Ray Serve gave up on the engine replicas: say why in a line, not Ray's traceback."""
+        from ray import serve
+        from ray.serve.schema import ApplicationStatus
+
+        app = serve.status().applications.get(ENGINE_APP)
+        if app is None or app.status != ApplicationStatus.DEPLOY_FAILED:
+            return
+        details = "\n".join([app.message, *(d.message for d in app.deployments.values())])
+        raise PlatformStartError(f"the engine replicas could not start: {engine_failure_cause(details)}")
 
     async def create_tenant(self, name: str, policy: TenantPolicy | None = None) -> str:
         redis = connect(self.redis_url, timeout_s=5)
