@@ -27,7 +27,6 @@ from tessera.redis_conn import EmbeddedRedis, connect
 from tessera.tenancy.policy import TenantPolicy
 from tessera.tenancy.store import TenantStore
 
-
 ENGINE_APP = "tessera-engines"
 
 
