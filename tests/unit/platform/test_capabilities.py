@@ -14,6 +14,7 @@ from tessera.engine.capabilities import (
     resolve,
 )
 from tessera.engine.config import EngineConfig
+from tessera.engine.root_cause import config_hint, last_exception_line, start_failure_line
 from tessera.local.engine_failure import engine_failure_cause
 
 FP8_REFUSAL = "FP8 KV cache on CPU requires x86 with AVX-512 or AMX."
@@ -99,3 +100,21 @@ def test_root_cause_falls_back_to_the_last_exception_line() -> None:
     assert engine_failure_cause(message) == "ValueError: max_model_len=9999 is larger than the model's 2048"
     assert engine_failure_cause("") == "the engine deployment failed without a message"
     assert engine_failure_cause("just a line") == "just a line"
+
+
+def test_start_failure_prefers_the_engine_process_cause_over_vllms_wrapper() -> None:
+    wrapper = RuntimeError("Engine core initialization failed. See root cause above. Failed core proc(s): {}")
+    child_log = ("(EngineCore pid=1) ERROR 12-01 [core.py:1510] RuntimeError: Worker failed with error 'x'\n"
+                 "(Worker pid=2) ERROR 12-01 [multiproc_executor.py:1063] ValueError: max_model_len 9000 is "
+                 "larger than the model's 2048\n")
+    child = last_exception_line(child_log)
+    assert child == "ValueError: max_model_len 9000 is larger than the model's 2048"
+    assert start_failure_line(wrapper, child) == f"{child} [Tessera setting: maxModelLen]"
+    assert start_failure_line(wrapper, None).startswith("RuntimeError: Engine core initialization failed")
+    # An error of the host's own is already the cause.
+    own = OSError("port 8000 is in use")
+    assert start_failure_line(own, child) == "OSError: port 8000 is in use"
+    refusal = CapabilityError("kvCacheDtype=fp8 is not available ... set kvCacheDtype: auto")
+    assert start_failure_line(refusal, child) == str(refusal)
+    assert config_hint("FP8 KV cache on CPU requires x86 with AVX-512 or AMX.") is not None
+    assert config_hint("something else entirely") is None

@@ -31,6 +31,7 @@ from tessera.engine.metrics import render_engine_metrics
 from tessera.engine.ports import below_ephemeral_range, free_port, reserve_port
 from tessera.engine.protocol import GenerateRequest, RequestStats
 from tessera.engine.registry import EngineRecord, EngineRegistry, ModelInfo, register_model
+from tessera.engine.root_cause import EngineErrorLog, start_failure_line
 from tessera.engine.stats import LoadTracker, make_stat_logger_factory
 
 logger = logging.getLogger(__name__)
@@ -114,6 +115,7 @@ class EngineHost:
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
         self._startup_error: BaseException | None = None
+        self._error_log: EngineErrorLog | None = None
         self._server: Any = None
         self._stopping = False
 
@@ -141,8 +143,9 @@ class EngineHost:
             raise TimeoutError(f"engine {self.engine_id} did not start within {timeout_s} s")
         if self._startup_error is not None:
             cause = self._startup_error
-            raise EngineStartError(f"engine {self.engine_id} could not start: {type(cause).__name__}: "
-                                   f"{cause}") from cause
+            child_cause = self._error_log.cause() if self._error_log is not None else None
+            raise EngineStartError(f"engine {self.engine_id} could not start: "
+                                   f"{start_failure_line(cause, child_cause)}") from cause
         return self
 
     def stop(self) -> None:
@@ -190,6 +193,7 @@ class EngineHost:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.config.cpu_kv_cache_space_gib))
         # Before the model loads: what this platform can run of the config (a strict config stops here).
         self.resolution = resolve(self.config, self._ask_platform(self.config))
+        self._error_log = EngineErrorLog()  # where vLLM's engine process logs why it failed, if it does
         kv_bind = f"tcp://*:{self.kv_events_port}" if self.kv_events_port else None
         args = AsyncEngineArgs(**self.resolution.config.to_vllm_kwargs(kv_events_endpoint=kv_bind))
         self.engine = AsyncLLM.from_engine_args(args, stat_loggers=[make_stat_logger_factory(self.tracker)])

@@ -8,11 +8,9 @@ line, and otherwise the last exception line of the traceback, which is the close
 
 from __future__ import annotations
 
-import re
+from tessera.engine.root_cause import last_exception_line
 
 START_ERROR = "EngineStartError: "
-_EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_][\w.]*\.)?[A-Z]\w*(?:Error|Exception): .+")
-_RAY_WRAPPERS = ("RayActorError", "RayTaskError", "ActorDiedError", "RuntimeError: Deploying application")
 
 
 def engine_failure_cause(message: str) -> str:
@@ -21,7 +19,4 @@ def engine_failure_cause(message: str) -> str:
     for line in reversed(lines):
         if START_ERROR in line:
             return line.split(START_ERROR, 1)[1]
-    causes = [line for line in lines if _EXCEPTION_LINE.match(line) and not line.startswith(_RAY_WRAPPERS)]
-    if causes:
-        return causes[-1]
-    return lines[-1] if lines else "the engine deployment failed without a message"
+    return last_exception_line(message) or (lines[-1] if lines else "the engine deployment failed without a message")
