@@ -57,6 +57,21 @@ def test_models_lists_the_served_model(client: openai.OpenAI, platform_stack: Lo
     assert [m.id for m in client.models.list()] == [platform_stack.model]
 
 
+def test_models_say_what_each_replica_runs(platform_stack: LocalPlatform, tenant_key: str) -> None:
+    """The `tessera` extension of /v1/models: effective KV dtype, KV capacity and speculative method."""
+    body = httpx.get(f"{platform_stack.base_url}/v1/models",
+                     headers={"authorization": f"Bearer {tenant_key}"}).json()
+    (model,) = body["data"]
+    (replica,) = model["tessera"]["replicas"]
+    (record,) = platform_stack.engines()
+    assert replica == {"kv_cache_dtype": record.kv_cache_dtype, "kv_blocks": record.num_gpu_blocks,
+                       "block_size": record.block_size, "kv_capacity_tokens": record.kv_capacity_tokens,
+                       "speculative_method": record.speculative_method}
+    assert replica["kv_cache_dtype"] in ("fp8", "auto") and replica["speculative_method"] == "ngram"
+    assert replica["kv_capacity_tokens"] == replica["kv_blocks"] * replica["block_size"] > 0
+    assert "url" not in replica and "engine_id" not in replica  # tenants learn what, not where
+
+
 def test_wrong_key_is_401_with_openai_error_body(platform_stack: LocalPlatform) -> None:
     bad = openai.OpenAI(base_url=f"{platform_stack.base_url}/v1", api_key="tsk-000000000000-nope", max_retries=0)
     with pytest.raises(openai.AuthenticationError) as info:
