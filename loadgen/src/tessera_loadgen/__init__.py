@@ -9,16 +9,70 @@ Typical use from Python::
     output.result["summary"]["tenants"]["quiet"]["latency"]["ttft_user_s"]["p99"]
 """
 
+from __future__ import annotations
+
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
+
 from tessera_loadgen._version import __version__
-from tessera_loadgen.arrivals import ArrivalProcess, arrival_process_names, make_arrival_process, register
-from tessera_loadgen.client import Target
-from tessera_loadgen.execute import RunOutput, execute
-from tessera_loadgen.metrics import METRICS_VERSION, MetricSpec, SloSpec, summarize, summarize_run
-from tessera_loadgen.mock_server import MockConfig, MockServer
-from tessera_loadgen.records import RequestRecord
-from tessera_loadgen.results import load_result, read_jsonl
-from tessera_loadgen.runner import Runner, RunResult, Shard, run_in_loop
-from tessera_loadgen.workload import Arrival, RequestClass, Slo, Tenant, Workload, load_workload
+
+if TYPE_CHECKING:
+    from tessera_loadgen.arrivals import ArrivalProcess, arrival_process_names, make_arrival_process, register
+    from tessera_loadgen.client import Target
+    from tessera_loadgen.execute import RunOutput, execute
+    from tessera_loadgen.metrics import METRICS_VERSION, MetricSpec, SloSpec, summarize, summarize_run
+    from tessera_loadgen.mock_server import MockConfig, MockServer
+    from tessera_loadgen.records import RequestRecord
+    from tessera_loadgen.results import load_result, read_jsonl
+    from tessera_loadgen.runner import Runner, RunResult, Shard, run_in_loop
+    from tessera_loadgen.workload import Arrival, RequestClass, Slo, Tenant, Workload, load_workload
+
+# NOTE: the public names are loaded on first use (PEP 562), not when the package is imported: every
+# ``tessera-loadgen`` invocation imports this package first, and ``--help`` or ``validate`` should not pay
+# for numpy, uvloop and the HTTP client. Name -> the module that defines it.
+_EXPORTS: dict[str, str] = {
+    "ArrivalProcess": "tessera_loadgen.arrivals",
+    "arrival_process_names": "tessera_loadgen.arrivals",
+    "make_arrival_process": "tessera_loadgen.arrivals",
+    "register": "tessera_loadgen.arrivals",
+    "Target": "tessera_loadgen.client",
+    "RunOutput": "tessera_loadgen.execute",
+    "execute": "tessera_loadgen.execute",
+    "METRICS_VERSION": "tessera_loadgen.metrics",
+    "MetricSpec": "tessera_loadgen.metrics",
+    "SloSpec": "tessera_loadgen.metrics",
+    "summarize": "tessera_loadgen.metrics",
+    "summarize_run": "tessera_loadgen.metrics",
+    "MockConfig": "tessera_loadgen.mock_server",
+    "MockServer": "tessera_loadgen.mock_server",
+    "RequestRecord": "tessera_loadgen.records",
+    "load_result": "tessera_loadgen.results",
+    "read_jsonl": "tessera_loadgen.results",
+    "RunResult": "tessera_loadgen.runner",
+    "Runner": "tessera_loadgen.runner",
+    "Shard": "tessera_loadgen.runner",
+    "run_in_loop": "tessera_loadgen.runner",
+    "Arrival": "tessera_loadgen.workload",
+    "RequestClass": "tessera_loadgen.workload",
+    "Slo": "tessera_loadgen.workload",
+    "Tenant": "tessera_loadgen.workload",
+    "Workload": "tessera_loadgen.workload",
+    "load_workload": "tessera_loadgen.workload",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(import_module(module), name)
+    globals()[name] = value  # later look-ups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])
+
 
 __all__ = [
     "METRICS_VERSION",

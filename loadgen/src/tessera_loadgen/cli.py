@@ -1,5 +1,8 @@
 """``tessera-loadgen``: run, sweep, mock-server, validate, report."""
 
+# NOTE: the commands import what they use when they run (pydantic and YAML for a workload, numpy and uvloop
+# for a run), so ``tessera-loadgen --help`` costs only argparse. (No note in the docstring: it is --help's text.)
+
 from __future__ import annotations
 
 import argparse
@@ -9,11 +12,10 @@ import resource
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from pydantic import ValidationError
-
-from tessera_loadgen.workload import Workload, load_workload
+if TYPE_CHECKING:
+    from tessera_loadgen.workload import Workload
 
 DEFAULT_RUNS_DIR = Path("runs")
 
@@ -36,6 +38,8 @@ def _keys(pairs: Sequence[str]) -> dict[str, str]:
 
 
 def _load(args: argparse.Namespace) -> Workload:
+    from tessera_loadgen.workload import Workload, load_workload
+
     workload = load_workload(args.workload)
     updates: dict[str, Any] = {}
     for field in ("model", "seed", "duration_s", "num_requests", "warmup_s"):
@@ -147,6 +151,8 @@ def cmd_mock_server(args: argparse.Namespace) -> int:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
+    from tessera_loadgen.workload import load_workload
+
     workload = load_workload(args.workload)
     rate = workload.open_loop_rate_rps()
     print(f"{args.workload}: ok, {len(workload.tenants)} tenants, open-loop total {rate:g} req/s")
@@ -228,6 +234,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from pydantic import ValidationError
+
     _raise_fd_limit()
     try:
         code: int = args.func(args)

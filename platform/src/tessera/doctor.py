@@ -156,7 +156,9 @@ def kv_capacity_estimate(config: object) -> str:
     probe = config.model_copy(update={"kv_events": config.kv_events.model_copy(update={"enabled": False})})
     model_config = AsyncEngineArgs(**probe.to_vllm_kwargs()).create_model_config()
     parallel = ParallelConfig(tensor_parallel_size=config.tensor_parallel_size)
-    element_bytes = 1 if config.kv_cache_dtype.startswith("fp8") else model_config.dtype.itemsize
+    model_dtype = model_config.dtype
+    assert not isinstance(model_dtype, str), "vLLM resolves the model dtype to a torch.dtype"
+    element_bytes = 1 if config.kv_cache_dtype.startswith("fp8") else model_dtype.itemsize
     bytes_per_token = (2 * model_config.get_num_layers(parallel) * model_config.get_num_kv_heads(parallel)
                        * model_config.get_head_size() * element_bytes)
     if config.num_gpu_blocks_override is not None:

@@ -13,23 +13,65 @@ import json
 import logging
 import signal
 from collections.abc import Sequence
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
 
-from .controller import KVController, run_forever
-from .ledger import UNKNOWN, UNSALTED, Eviction, KVLedger, LedgerUpdate
-from .policy import (
-    Abort,
-    Action,
-    ClearPressure,
-    ControlSnapshot,
-    Demote,
-    InFlightRequest,
-    PolicyConfig,
-    Restore,
-    SetPressure,
-    TenantUsage,
-    decide,
-)
-from .settings import KVControlSettings
+if TYPE_CHECKING:
+    from .controller import KVController
+    from .ledger import UNKNOWN, UNSALTED, Eviction, KVLedger, LedgerUpdate
+    from .policy import (
+        Abort,
+        Action,
+        ClearPressure,
+        ControlSnapshot,
+        Demote,
+        InFlightRequest,
+        PolicyConfig,
+        Restore,
+        SetPressure,
+        TenantUsage,
+        decide,
+    )
+    from .settings import KVControlSettings
+
+# NOTE: the public names are loaded on first use (PEP 562), not when the package is imported: the entry
+# point lives here, and ``tessera-kvcontrol --help`` should not pay for the Redis client (which pulls
+# OpenTelemetry), Prometheus and the HTTP client. Name -> the submodule that defines it.
+_EXPORTS: dict[str, str] = {
+    "KVController": "controller",
+    "run_forever": "controller",
+    "UNKNOWN": "ledger",
+    "UNSALTED": "ledger",
+    "Eviction": "ledger",
+    "KVLedger": "ledger",
+    "LedgerUpdate": "ledger",
+    "Abort": "policy",
+    "Action": "policy",
+    "ClearPressure": "policy",
+    "ControlSnapshot": "policy",
+    "Demote": "policy",
+    "InFlightRequest": "policy",
+    "PolicyConfig": "policy",
+    "Restore": "policy",
+    "SetPressure": "policy",
+    "TenantUsage": "policy",
+    "decide": "policy",
+    "KVControlSettings": "settings",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value  # later look-ups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])
+
 
 __all__ = [
     "UNKNOWN",
@@ -63,6 +105,8 @@ def _parse(argv: Sequence[str] | None) -> KVControlSettings:
     parser.add_argument("--policy", help="PolicyConfig as JSON, e.g. '{\"highWatermark\": 0.85}'")
     parser.add_argument("--observe-only", action="store_true", default=None, help="ledger and spans, no actions")
     args = parser.parse_args(argv)
+    from .settings import KVControlSettings
+
     overrides = {
         "redis_url": args.redis_url, "kvcontrol_metrics_port": args.metrics_port,
         "kvcontrol_poll_interval_s": args.poll_interval, "kvcontrol_model": args.model,
@@ -75,6 +119,8 @@ def _parse(argv: Sequence[str] | None) -> KVControlSettings:
 def main(argv: Sequence[str] | None = None) -> None:
     """Entry point ``tessera-kvcontrol``: runs until SIGTERM/SIGINT, then releases every flag it holds."""
     settings = _parse(argv)
+    from .controller import run_forever
+
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("tessera_operators.kvcontrol").setLevel(settings.kvcontrol_log_level.upper())
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import typer
 
+from tessera.cli.doctor import doctor
 from tessera.cli.engine import engine_app
 from tessera.cli.model import model_app
 from tessera.cli.plan import plan_app
@@ -19,6 +20,7 @@ app.add_typer(engine_app, name="engine")
 app.add_typer(plan_app, name="plan")
 app.add_typer(traces_app, name="traces")
 app.command("up")(up)
+app.command("doctor")(doctor)
 
 
 def main() -> None:

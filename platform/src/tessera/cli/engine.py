@@ -1,4 +1,9 @@
-"""``tessera engine serve``: one engine host without Ray (benchmarks, debugging, bare-metal replicas)."""
+"""``tessera engine serve``: one engine host without Ray (benchmarks, debugging, bare-metal replicas).
+
+NOTE: the engine host pulls vLLM, torch and Triton (seconds to import, and Triton's notice on CPU
+machines). They are imported when ``serve`` runs, not when the ``tessera`` command is built, so every
+other command and ``--help`` stay fast.
+"""
 
 from __future__ import annotations
 
@@ -8,11 +13,6 @@ import threading
 from pathlib import Path
 
 import typer
-from pydantic import ValidationError
-
-from tessera.engine.config import EngineConfig
-from tessera.engine.host import EngineHost
-from tessera.settings import load_settings
 
 engine_app = typer.Typer(no_args_is_help=True, help="Run an engine host directly.")
 
@@ -24,12 +24,20 @@ def serve(
     ready_file: Path = typer.Option(None, help="Write the endpoint URL here once serving."),
 ) -> None:
     """Start one vLLM engine and its streaming endpoint; registers in TESSERA_REDIS_URL when set."""
+    from pydantic import ValidationError
+
+    from tessera.engine.config import EngineConfig
+    from tessera.settings import load_settings
+
     text = Path(config[1:]).read_text() if config.startswith("@") else config
     try:
         engine_config = EngineConfig.model_validate(json.loads(text))
     except (ValidationError, json.JSONDecodeError) as exc:
         typer.echo(f"error: invalid engine config: {exc}", err=True)
         raise typer.Exit(2) from None
+    # NOTE: vLLM comes in only now, so a config error is reported without waiting seconds for it.
+    from tessera.engine.host import EngineHost
+
     settings = load_settings()
     host = EngineHost(engine_config, settings.redis_url, engine_id=engine_id,
                       advertise_host=settings.advertise_host).start()

@@ -6,8 +6,6 @@ from pathlib import Path
 
 import typer
 
-from tessera.engine.small_model import SmallModelSpec, make_small_model
-
 model_app = typer.Typer(no_args_is_help=True, help="Models served locally.")
 
 
@@ -23,6 +21,9 @@ def make_small(
     seed: int = typer.Option(0, help="Seed of the random weights."),
 ) -> None:
     """Write a random-weight Llama model and a trained tokenizer (Hugging Face layout)."""
+    # NOTE: imported here, not at the top: writing the model needs torch, transformers and tokenizers.
+    from tessera.engine.small_model import SmallModelSpec, make_small_model
+
     spec = SmallModelSpec(
         hidden_size=hidden_size,
         num_hidden_layers=layers,

@@ -1,32 +1,22 @@
 """``tessera plan train | diagnose | serve``: the planner on the command line.
 
 Each command prints tables, or with ``--json`` one JSON object (keys in docs/planner.md). The tables are
-rendered from the same dictionaries as the JSON (``tessera.planner.report``).
+rendered from the same dictionaries as the JSON (``tessera.planner.report``, ``tessera.cli.plan_tables``).
+
+NOTE: the planner, pydantic and rich are imported inside the commands: this module is loaded for every
+``tessera`` invocation (typer needs the signatures), and ``--help`` should cost none of them.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
-from pydantic import ValidationError
-from rich.console import Console
-from rich.table import Table
 
-from tessera.planner import (
-    MeasuredPair,
-    ServeRequest,
-    TrainingSetup,
-    diagnose,
-    get_gpu,
-    plan_serving,
-    plan_training,
-    resolve_model,
-)
-from tessera.planner.flops import CONVENTION_LABELS
-from tessera.planner.report import diagnosis_report, serving_report, training_report
+if TYPE_CHECKING:
+    from pydantic import ValidationError
 
 plan_app = typer.Typer(
     no_args_is_help=True, help="Capacity and performance planning: train, diagnose, serve."
@@ -51,103 +41,8 @@ def _validation_message(exc: ValidationError) -> str:
     return f"{where}: {first['msg']}" if where else str(first["msg"])
 
 
-def _si(value: float, unit: str) -> str:
-    for factor, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
-        if abs(value) >= factor:
-            return f"{value / factor:.2f} {prefix}{unit}"
-    return f"{value:.2f} {unit}"
-
-
-def _seconds(value: float) -> str:
-    if value >= 1.0:
-        return f"{value:.2f} s"
-    if value >= 1e-3:
-        return f"{value * 1e3:.2f} ms"
-    return f"{value * 1e6:.1f} µs"
-
-
-def _table(title: str, *columns: str) -> Table:
-    table = Table(title=title, title_justify="left", show_edge=False)
-    for index, column in enumerate(columns):
-        table.add_column(column, justify="left" if index == 0 else "right")
-    return table
-
-
 def _print_json(report: dict[str, Any]) -> None:
     typer.echo(json.dumps(report, indent=2))
-
-
-def _render_training(report: dict[str, Any], console: Console) -> None:
-    setup = report["setup"]
-    params = report["parameters"]
-    console.print(
-        f"[bold]{report['model']}[/] on {report['num_gpus']} × {report['gpu']}: "
-        f"tp={setup['tp']} pp={setup['pp']} dp={setup['dp']} cp={setup['cp']} "
-        f"sp={setup['sequence_parallel']} seq_len={setup['seq_len']} "
-        f"micro_batch={setup['micro_batch_size']} micro_batches={setup['num_microbatches']} "
-        f"zero={setup['zero_stage']} recompute={setup['recompute']} flash={setup['flash_attention']}"
-    )
-    console.print(
-        f"parameters N = {params['total'] / 1e9:.2f} B, N_mm = {params['matmul'] / 1e9:.2f} B, "
-        f"{params['per_gpu'] / 1e9:.3f} B on the fullest GPU"
-    )
-    flops = _table(
-        "FLOPs per token (MFU numerator = model, HFU numerator = hardware)", "convention", "model", "hardware"
-    )
-    for convention, row in report["flops_per_token"].items():
-        marker = "  ← stated" if convention == report["attention_convention"] else ""
-        flops.add_row(
-            CONVENTION_LABELS[convention] + marker, _si(row["model"], "FLOP"), _si(row["hardware"], "FLOP")
-        )
-    console.print(flops)
-    memory = report["memory_per_gpu_gib"]
-    mem = _table("Memory per GPU, GiB", "item", "GiB")
-    mem.add_row("peak on pipeline stage", memory["stage"])
-    for key in ("weights", "gradients", "optimizer_states", "activations", "logits", "total", "capacity"):
-        mem.add_row(key.replace("_", " "), f"{memory[key]:.2f}")
-    mem.add_row("fits", "yes" if memory["fits"] else "[red]no[/]")
-    console.print(mem)
-    acts = _table("Activations by recomputation mode, GiB", "recompute", "SP", "per layer", "per GPU")
-    for row in report["activation_gib_by_mode"]:
-        acts.add_row(
-            row["recompute"],
-            "yes" if row["sequence_parallel"] else "no",
-            f"{row['per_layer_gib']:.3f}",
-            f"{row['per_gpu_gib']:.2f}",
-        )
-    console.print(acts)
-    if report["communication"]:
-        comm = _table(
-            "Communication per step per GPU (not overlapped)",
-            "dim",
-            "degree",
-            "volume",
-            "link",
-            "NVLink",
-            "IB",
-        )
-        for row in report["communication"]:
-            comm.add_row(
-                row["dimension"],
-                str(row["degree"]),
-                _si(row["bytes_per_step"], "B"),
-                row["link"],
-                _seconds(row["time_nvlink_s"]),
-                _seconds(row["time_infiniband_s"]),
-            )
-        console.print(comm)
-    bubble = report["pipeline_bubble"]
-    console.print(
-        f"pipeline bubble: {100 * bubble['fraction_of_ideal']:.1f} % of the ideal step "
-        f"({100 * bubble['share_of_step']:.1f} % of the step); compute-bound step ≥ "
-        f"{_seconds(report['compute_time_lower_bound_s'])}"
-    )
-    measured = report["measured"]
-    if measured is not None:
-        console.print(
-            f"measured {measured['tokens_per_s']:.0f} tokens/s: MFU {measured['mfu_percent']:.1f} %, "
-            f"HFU {measured['hfu_percent']:.1f} % ({CONVENTION_LABELS[report['attention_convention']]})"
-        )
 
 
 @plan_app.command("train")
@@ -172,6 +67,13 @@ def train(
     as_json: JsonOption = False,
 ) -> None:
     """Parameters, FLOPs, memory per GPU, communication, bubble, and MFU/HFU of a training run."""
+    from pydantic import ValidationError
+    from rich.console import Console
+
+    from tessera.cli.plan_tables import render_training
+    from tessera.planner import TrainingSetup, get_gpu, plan_training, resolve_model
+    from tessera.planner.report import training_report
+
     try:
         setup = TrainingSetup.model_validate(
             {
@@ -201,7 +103,7 @@ def train(
     if as_json:
         _print_json(report)
     else:
-        _render_training(report, Console())
+        render_training(report, Console())
 
 
 @plan_app.command("diagnose")
@@ -218,6 +120,13 @@ def diagnose_command(
     as_json: JsonOption = False,
 ) -> None:
     """Explain a measured MFU/HFU pair; flag pairs no consistent accounting allows."""
+    from pydantic import ValidationError
+    from rich.console import Console
+
+    from tessera.cli.plan_tables import render_diagnosis
+    from tessera.planner import MeasuredPair, diagnose, get_gpu, resolve_model
+    from tessera.planner.report import diagnosis_report
+
     try:
         pair = MeasuredPair(
             mfu_percent=mfu,
@@ -235,84 +144,7 @@ def diagnose_command(
     if as_json:
         _print_json(report)
         return
-    console = Console()
-    console.print(f"[bold]verdict: {report['verdict']}[/]")
-    for line in report["summary"]:
-        console.print(f"• {line}")
-    if report["explanations"]:
-        table = _table(
-            "Accountings that reproduce the pair", "MFU counts", "HFU counts", "recompute", "flash", "ratio"
-        )
-        for row in report["explanations"]:
-            table.add_row(
-                row["mfu_convention"],
-                row["hfu_convention"],
-                row["recompute"],
-                "yes" if row["flash_attention_counted"] else "no",
-                f"{row['predicted_ratio']:.3f}",
-            )
-        console.print(table)
-
-
-def _render_serving(report: dict[str, Any], console: Console) -> None:
-    console.print(
-        f"[bold]{report['model']}[/] on {report['gpu']}, tensor parallel {report['tensor_parallel_size']}, "
-        f"gpu_memory_utilization {report['gpu_memory_utilization']:.2f}, "
-        f"context {report['context_len']} tokens"
-    )
-    console.print(
-        f"weights {report['weights_gib_per_gpu']:.2f} GiB per GPU, activation peak "
-        f"{report['activation_peak_gib']:.2f} GiB, runtime overhead {report['runtime_overhead_gib']:.2f} GiB"
-    )
-    kv = _table(
-        "KV cache per GPU", "dtype", "bytes/token (model)", "bytes/token/GPU", "free GiB", "tokens", "seqs"
-    )
-    for row in report["kv"]:
-        kv.add_row(
-            row["kv_dtype"],
-            f"{report['kv_bytes_per_token'][row['kv_dtype']]:,}",
-            f"{row['bytes_per_token_per_gpu']:,.0f}",
-            f"{row['free_gib']:.2f}",
-            f"{row['capacity_tokens']:,}",
-            str(row["concurrent_seqs"]),
-        )
-    console.print(kv)
-    bounds = _table(
-        f"Roofline lower bounds (ridge {report['ridge_point_flops_per_byte']:.0f} FLOP/B)",
-        "step",
-        "time",
-        "memory",
-        "compute",
-        "FLOP/B",
-        "regime",
-    )
-    decode, prefill = report["decode"], report["prefill"]
-    for label, row in (
-        (f"decode, batch {decode['batch']} at {decode['context_len']} tokens", decode),
-        (f"prefill, {prefill['prompt_len']} tokens", prefill),
-    ):
-        bounds.add_row(
-            label,
-            _seconds(row["time_s"]),
-            _seconds(row["memory_time_s"]),
-            _seconds(row["compute_time_s"]),
-            f"{row['arithmetic_intensity']:.1f}",
-            row["regime"],
-        )
-    console.print(bounds)
-    spec = report["speculative"]
-    console.print(
-        f"speculative decoding at α={spec['acceptance_rate']:.2f}, γ={spec['num_speculative_tokens']}, "
-        f"c={spec['draft_cost_ratio']:g}: {spec['expected_tokens_per_step']:.2f} tokens per target step, "
-        f"speedup {spec['speedup']:.2f}× (Leviathan), {spec['roofline_speedup']:.2f}× on the roofline"
-    )
-    proposal = report["proposal"]
-    if proposal is None:
-        console.print("[red]no tensor-parallel size fits this model and context on this GPU[/]")
-        return
-    console.print("[bold]proposed engine settings[/]")
-    for reason in proposal["reasons"]:
-        console.print(f"• {reason}")
+    render_diagnosis(report, Console())
 
 
 @plan_app.command("serve")
@@ -344,6 +176,12 @@ def serve(
     as_json: JsonOption = False,
 ) -> None:
     """KV capacity, decode/prefill bounds, speculative speedup, and proposed engine settings."""
+    from pydantic import ValidationError
+    from rich.console import Console
+
+    from tessera.cli.plan_tables import render_serving
+    from tessera.planner import ServeRequest, get_gpu, plan_serving, resolve_model
+    from tessera.planner.report import serving_report
     from tessera.planner.values import ENGINE_BLOCK_SIZE, helm_values, render_values_yaml
 
     try:
@@ -393,6 +231,6 @@ def serve(
         _print_json(report)
         return
     console = Console()
-    _render_serving(report, console)
+    render_serving(report, console)
     if values_out is not None:
         console.print(f"values written to {values_out}")

@@ -1,5 +1,9 @@
 """``tessera tenants`` and ``tessera keys``: manage tenants straight in Redis (the admin API does the same
-over HTTP). Redis is ``TESSERA_REDIS_URL``, or the local platform that ``make run`` started."""
+over HTTP). Redis is ``TESSERA_REDIS_URL``, or the local platform that ``make run`` started.
+
+NOTE: the Redis client, the settings and the tenancy modules are imported when a command runs, not when
+the ``tessera`` command is built: the Redis client alone pulls OpenTelemetry, and ``--help`` needs none of it.
+"""
 
 from __future__ import annotations
 
@@ -7,16 +11,16 @@ import asyncio
 import json
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import typer
-from pydantic import ValidationError
 
-from tessera.redis_conn import connect
-from tessera.settings import load_settings
-from tessera.tenancy.admission import Admission
-from tessera.tenancy.policy import TenantPolicy
-from tessera.tenancy.store import TenantExistsError, TenantNotFoundError, TenantStore
+if TYPE_CHECKING:
+    from pydantic import ValidationError
+
+    from tessera.tenancy.admission import Admission
+    from tessera.tenancy.policy import TenantPolicy
+    from tessera.tenancy.store import TenantStore
 
 tenants_app = typer.Typer(no_args_is_help=True, help="Create, list, update and delete tenants.")
 keys_app = typer.Typer(no_args_is_help=True, help="Issue, list and revoke API keys.")
@@ -24,6 +28,8 @@ T = TypeVar("T")
 
 
 def redis_url() -> str:
+    from tessera.settings import load_settings
+
     settings = load_settings()
     if settings.redis_url:
         return settings.redis_url
@@ -34,6 +40,10 @@ def redis_url() -> str:
 
 
 def run_with_store(fn: Callable[[TenantStore, Admission], Awaitable[T]]) -> T:
+    from tessera.redis_conn import connect
+    from tessera.tenancy.admission import Admission
+    from tessera.tenancy.store import TenantExistsError, TenantNotFoundError, TenantStore
+
     async def main() -> T:
         redis = connect(redis_url(), timeout_s=5.0)
         try:
@@ -67,13 +77,21 @@ def read_policy_changes(policy_json: str | None, policy_file: Path | None) -> di
     return data
 
 
+def policy_error(exc: ValidationError) -> str:
+    first = exc.errors()[0]
+    return f"invalid policy: {'.'.join(map(str, first['loc']))}: {first['msg']}"
+
+
 def parse_policy(policy_json: str | None, policy_file: Path | None) -> TenantPolicy:
+    from pydantic import ValidationError
+
+    from tessera.tenancy.policy import TenantPolicy
+
     data = read_policy_changes(policy_json, policy_file)
     try:
         return TenantPolicy.model_validate(data)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        typer.echo(f"error: invalid policy: {'.'.join(map(str, first['loc']))}: {first['msg']}", err=True)
+        typer.echo(f"error: {policy_error(exc)}", err=True)
         raise typer.Exit(2) from None
 
 
@@ -109,6 +127,8 @@ def list_tenants(as_json: bool = typer.Option(False, "--json", help="Print JSON.
 def update(name: str, policy: str = typer.Option(None, help="Fields to change, as JSON."),
            policy_file: Path = typer.Option(None, help="Fields to change, JSON file.")) -> None:
     """Change some policy fields of a tenant (the rest stay)."""
+    from pydantic import ValidationError
+
     changes = read_policy_changes(policy, policy_file)
 
     async def go(store: TenantStore, _: Admission) -> TenantPolicy:
@@ -116,8 +136,7 @@ def update(name: str, policy: str = typer.Option(None, help="Fields to change, a
         try:
             merged = current.policy.updated(changes)
         except ValidationError as exc:
-            first = exc.errors()[0]
-            raise ValueError(f"invalid policy: {'.'.join(map(str, first['loc']))}: {first['msg']}") from None
+            raise ValueError(policy_error(exc)) from None
         return (await store.set_policy(name, merged)).policy
 
     typer.echo(run_with_store(go).model_dump_json(indent=2))

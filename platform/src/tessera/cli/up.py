@@ -2,13 +2,29 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
 import signal
 import threading
 from pathlib import Path
+from typing import Any
 
 import typer
 
-from tessera.local.platform import LocalPlatform, LocalPlatformOptions
+
+def _json_option(value: str | None, option: str) -> dict[str, Any] | None:
+    if not value:
+        return None
+    text = Path(value[1:]).read_text() if value.startswith("@") else value
+    try:
+        parsed = json.loads(text)
+    except json.JSONDecodeError as exc:
+        typer.echo(f"error: {option} is not JSON: {exc}", err=True)
+        raise typer.Exit(2) from None
+    if not isinstance(parsed, dict):
+        typer.echo(f"error: {option} must be a JSON object", err=True)
+        raise typer.Exit(2)
+    return parsed
 
 
 def up(
@@ -18,31 +34,45 @@ def up(
     workers: int = typer.Option(2, min=1, help="Gateway worker processes."),
     policy: str = typer.Option("prefix_affinity", help="Routing policy."),
     state_dir: Path = typer.Option(Path(".tessera"), help="Local state directory."),
+    engine_config: str = typer.Option(
+        None, help="EngineConfig settings as JSON (camelCase, as in the chart's values), or @file: "
+        "e.g. '{\"kvCacheDtypeStrict\": true}'."),
+    kvcontrol: bool = typer.Option(True, help="Run the KV-eviction controller (as the chart does)."),
+    kvcontrol_policy: str = typer.Option(
+        None, help="The controller's PolicyConfig as JSON, or @file (default: its defaults, as in the chart)."),
 ) -> None:
-    """Start embedded Redis, Ray Serve engines and the gateway; create a demo tenant; wait for Ctrl-C."""
-    platform = LocalPlatform(LocalPlatformOptions(state_dir=state_dir, model_dir=model, num_engines=engines,
-                                                  gateway_port=port, gateway_workers=workers, routing_policy=policy))
+    """Start embedded Redis, Ray Serve engines, the gateway and the KV-eviction controller; create a demo
+    tenant; wait for Ctrl-C."""
+    # NOTE: imported here, not at the top: the local platform pulls the Redis client (and OpenTelemetry with
+    # it) and httpx, then Ray and vLLM as it starts; no other command needs them.
+    from pydantic import ValidationError
+
+    from tessera.local.banner import up_banner
+    from tessera.local.platform import LocalPlatform, LocalPlatformOptions, PlatformStartError
+
+    options = LocalPlatformOptions(
+        state_dir=state_dir, model_dir=model, num_engines=engines, gateway_port=port, gateway_workers=workers,
+        routing_policy=policy, engine_overrides=_json_option(engine_config, "--engine-config") or {},
+        kvcontrol=kvcontrol, kvcontrol_policy=_json_option(kvcontrol_policy, "--kvcontrol-policy"))
+    platform = LocalPlatform(options)
     stop = threading.Event()
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    failed = False
     try:
         platform.start()
-        import asyncio
-
         key = asyncio.run(platform.create_tenant("demo"))
-        assert platform.engine_config is not None
-        name = platform.engine_config.served_model_name
-        typer.echo(f"""
-Tessera is up: gateway {platform.base_url}, {engines} engine replica(s) serving '{name}'.
-Demo tenant key (shown once): {key}
-
-  curl -N {platform.base_url}/v1/chat/completions \\
-    -H "Authorization: Bearer {key}" -H "Content-Type: application/json" \\
-    -d '{{"model": "{name}", "messages": [{{"role": "user", "content": "Hello"}}], "max_tokens": 32, "stream": true}}'
-
-Manage tenants: .venv/bin/tessera tenants --help     Stop: Ctrl-C
-""", color=False)
+        typer.echo(up_banner(platform.base_url, platform.model, key, platform.engines(), platform.trace_dir,
+                             platform.kvcontrol_metrics_url), color=False)
         stop.wait()
+    except (PlatformStartError, ValidationError) as exc:
+        # The cause in a line or two, not Ray's traceback.
+        failed = True
+        typer.echo(f"error: Tessera could not start: {exc}", err=True)
+        typer.echo("  `.venv/bin/tessera doctor` shows what this machine has and what an engine runs with here.",
+                   err=True)
     finally:
         typer.echo("[tessera] shutting down")
         platform.stop()
+    if failed:
+        raise typer.Exit(1)

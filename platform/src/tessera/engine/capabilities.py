@@ -17,7 +17,7 @@ The fallbacks are what the replica reports: its registry entry, ``/stats``, ``/m
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 if TYPE_CHECKING:
     from tessera.engine.config import EngineConfig
@@ -122,11 +122,12 @@ def kv_cache_dtype_refusal(kv_cache_dtype: str, model_dtype: Any, head_size: int
 
     if not is_quantized_kv_cache(kv_cache_dtype):
         return None
-    selector = AttentionSelectorConfig(head_size=head_size, dtype=model_dtype, kv_cache_dtype=kv_cache_dtype,
-                                       block_size=block_size)
+    selector = AttentionSelectorConfig(head_size=head_size, dtype=model_dtype,
+                                       kv_cache_dtype=cast(Any, kv_cache_dtype), block_size=block_size)
     try:
         # On GPUs the platform validates every attention backend against the KV dtype and raises when none fits.
-        current_platform.get_attn_backend_cls(None, selector, num_heads)
+        # No backend named (None), as vLLM's own selector calls it when the user chose none.
+        current_platform.get_attn_backend_cls(None, selector, num_heads)  # type: ignore[arg-type]
         if current_platform.is_cpu():
             # NOTE: the CPU platform has one attention backend and picks it without looking at the KV dtype;
             # that backend chooses its kernel ISA (and refuses FP8 without AVX-512 or AMX) only when the

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -48,6 +49,10 @@ class LocalPlatformOptions:
     engine_overrides: dict[str, Any] = field(default_factory=dict)
     trace_dir: Path | None = None
     extra_env: dict[str, str] = field(default_factory=dict)
+    # The KV-eviction controller, as the chart runs it: its policy is tessera-kvcontrol's PolicyConfig (JSON,
+    # camelCase; None: its defaults, as the chart's), its spans go to the run's trace directory.
+    kvcontrol: bool = True
+    kvcontrol_policy: dict[str, Any] | None = None
 
 
 class LocalPlatform:
@@ -56,6 +61,8 @@ class LocalPlatform:
         self.redis: EmbeddedRedis | None = None
         self.redis_url = options.redis_url or ""
         self.gateway: subprocess.Popen[bytes] | None = None
+        self.kvcontrol: subprocess.Popen[bytes] | None = None
+        self.kvcontrol_metrics_url = ""
         self.engine_config: EngineConfig | None = None
         self._ray_started = False
 
@@ -71,6 +78,10 @@ class LocalPlatform:
     @property
     def run_dir(self) -> Path:
         return self.options.state_dir / "run"
+
+    @property
+    def trace_dir(self) -> Path:
+        return (self.options.trace_dir or self.options.state_dir / "traces").resolve()
 
     def start(self, timeout_s: float = 600.0) -> LocalPlatform:
         deadline = time.monotonic() + timeout_s
@@ -99,6 +110,8 @@ class LocalPlatform:
         self._start_ray(env)
         self._start_gateway(env)
         self._wait_ready(deadline)
+        if opts.kvcontrol:
+            self._start_kvcontrol(env, deadline)
         return self
 
     def _env(self) -> dict[str, str]:
@@ -106,7 +119,7 @@ class LocalPlatform:
         env = {
             "TESSERA_REDIS_URL": self.redis_url,
             "TESSERA_ROUTING_POLICY": opts.routing_policy,
-            "TESSERA_TRACE_DIR": str((opts.trace_dir or opts.state_dir / "traces").resolve()),
+            "TESSERA_TRACE_DIR": str(self.trace_dir),
             "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
             # NOTE: vLLM's CPU build pins each engine's threads to the same cores by default; several local
             # replicas would then share one core. Let the OS schedule them.
@@ -160,6 +173,33 @@ class LocalPlatform:
 
         return asyncio.run(read())
 
+    def _start_kvcontrol(self, env: dict[str, str], deadline: float) -> None:
+        """``tessera-kvcontrol`` for every engine in the registry, started after them (it finds engines that
+        come later by itself); ready once its metrics endpoint answers."""
+        import socket
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = int(sock.getsockname()[1])
+        kv_env = {**os.environ, **env, "TESSERA_KVCONTROL_METRICS_PORT": str(port)}
+        if self.options.kvcontrol_policy is not None:
+            kv_env["TESSERA_KVCONTROL_POLICY"] = json.dumps(self.options.kvcontrol_policy)
+        log = (self.run_dir / "kvcontrol.log").open("ab")
+        # In this session, as the gateway (see _start_gateway).
+        self.kvcontrol = subprocess.Popen([str(Path(sys.executable).parent / "tessera-kvcontrol")], env=kv_env,
+                                          stdout=log, stderr=subprocess.STDOUT, process_group=0)
+        self.kvcontrol_metrics_url = f"http://127.0.0.1:{port}/metrics"
+        while time.monotonic() < deadline:
+            if self.kvcontrol.poll() is not None:
+                tail = (self.run_dir / "kvcontrol.log").read_text(errors="replace").strip().splitlines()[-5:]
+                raise PlatformStartError("the KV-eviction controller exited with code "
+                                         f"{self.kvcontrol.returncode}: " + " | ".join(tail))
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(self.kvcontrol_metrics_url, timeout=2).status_code == 200:
+                    return
+            time.sleep(0.5)
+        raise PlatformStartError("the KV-eviction controller did not answer on its metrics port in time")
+
     def _wait_ready(self, deadline: float) -> None:
         while time.monotonic() < deadline:
             if self.gateway is not None and self.gateway.poll() is not None:
@@ -196,12 +236,14 @@ class LocalPlatform:
             await redis.aclose()
 
     def stop(self) -> None:
-        if self.gateway is not None and self.gateway.poll() is None:
-            os.killpg(self.gateway.pid, signal.SIGTERM)
-            try:
-                self.gateway.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.gateway.pid, signal.SIGKILL)
+        # The controller first: on SIGTERM it releases every demotion and pressure flag it holds in Redis.
+        for process in (self.kvcontrol, self.gateway):
+            if process is not None and process.poll() is None:
+                os.killpg(process.pid, signal.SIGTERM)
+                try:
+                    process.wait(timeout=15)
+                except subprocess.TimeoutExpired:
+                    os.killpg(process.pid, signal.SIGKILL)
         if self._ray_started:
             import ray
             from ray import serve

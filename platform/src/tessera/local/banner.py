@@ -1,0 +1,44 @@
+"""What ``tessera up`` prints once the platform is ready: how to call it, what each engine runs, where the
+traces go. A pure function of the platform's state, so its content is tested without starting anything."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tessera.engine.registry import EngineRecord
+
+
+def engine_lines(records: list[EngineRecord]) -> list[str]:
+    """One line per replica with the effective KV dtype, capacity and speculative method, then its fallbacks."""
+    lines = []
+    for record in sorted(records, key=lambda r: r.engine_id):
+        lines.append(f"  {record.engine_id}: KV cache {record.kv_cache_dtype}, {record.kv_capacity_tokens:,} tokens "
+                     f"({record.num_gpu_blocks:,} blocks of {record.block_size}), speculative decoding "
+                     f"{record.speculative_method}")
+        lines += [f"    ! {fallback}" for fallback in record.fallbacks.splitlines() if fallback]
+    return lines
+
+
+def up_banner(base_url: str, model: str, key: str, records: list[EngineRecord], trace_dir: Path,
+              kvcontrol_metrics_url: str) -> str:
+    request = ('{"model": "' + model + '", "messages": [{"role": "user", "content": "Hello"}], '
+               '"max_tokens": 32, "stream": true}')
+    controller = (f"KV-eviction controller: metrics {kvcontrol_metrics_url}" if kvcontrol_metrics_url
+                  else "KV-eviction controller: off (--no-kvcontrol)")
+    return "\n".join([
+        "",
+        f"Tessera is up: gateway {base_url}, {len(records)} engine replica(s) serving '{model}':",
+        *engine_lines(records),
+        controller,
+        f"Demo tenant key (shown once): {key}",
+        "",
+        f"  curl -N {base_url}/v1/chat/completions \\",
+        f'    -H "Authorization: Bearer {key}" -H "Content-Type: application/json" \\',
+        f"    -d '{request}'",
+        "",
+        f"Traces (gateway, engines, controller): {trace_dir}",
+        f"  Why were the slowest requests slow:  .venv/bin/tessera traces analyze {trace_dir} -p 99",
+        "Manage tenants: .venv/bin/tessera tenants --help     What runs here: .venv/bin/tessera doctor",
+        "Stop: Ctrl-C",
+        "",
+    ])
