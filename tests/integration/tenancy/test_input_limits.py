@@ -148,6 +148,27 @@ def test_a_tenant_sees_only_its_own_models(client: httpx.Client, tenant: TenantH
     assert {MODEL, OTHER_MODEL} <= {m["id"] for m in everything["data"]}
 
 
+def test_the_tokenizer_of_a_model_the_key_may_use(client: httpx.Client, tenant: TenantHandle, other_model: None,
+                                                  tenancy_engine: EngineHost) -> None:
+    """GET /v1/models/{model}/tokenizer: what the gateway counts prompts with, so a load generator can build
+    prompts of exact token lengths; 404 for a model this key may not use, 401 without a key."""
+    from tokenizers import Tokenizer
+
+    response = client.get(f"/v1/models/{MODEL}/tokenizer", headers=tenant.headers)
+    assert response.status_code == 200
+    document = response.json()
+    assert document["model"] == MODEL and document["max_model_len"] == tenancy_engine.config.max_model_len
+    served = Tokenizer.from_file(f"{tenancy_engine.config.tokenizer_path}/tokenizer.json")
+    fetched = Tokenizer.from_str(json.dumps(document["tokenizer"]))
+    text = "The quick brown fox jumps over the lazy dog, 12345 times."
+    assert fetched.encode(text).ids == served.encode(text).ids
+    assert {"chat_template", "bos_token", "eos_token"} <= set(document)
+    hidden = client.get(f"/v1/models/{OTHER_MODEL}/tokenizer", headers=tenant.headers)
+    assert hidden.status_code == 404 and error_of(hidden)["code"] == "model_not_found"
+    assert client.get("/v1/models/nope/tokenizer", headers=tenant.headers).status_code == 404
+    assert client.get(f"/v1/models/{MODEL}/tokenizer").status_code == 401
+
+
 def test_a_tenant_sees_only_its_own_usage(client: httpx.Client, gateways: list[GatewayProcess]) -> None:
     first, second = create_tenant(gateways[0], prefix="usage-a"), create_tenant(gateways[0], prefix="usage-b")
     for _ in range(2):

@@ -24,7 +24,7 @@ from tessera.gateway.engine_client import EngineClient
 from tessera.gateway.errors import APIError, error_body, unauthorized
 from tessera.gateway.flow import GenerationFlow
 from tessera.gateway.metrics import GatewayMetrics
-from tessera.gateway.models import ModelCatalog, replicas_extension
+from tessera.gateway.models import ModelCatalog, replicas_extension, tokenizer_document
 from tessera.gateway.openapi import openapi_document
 from tessera.redis_conn import connect
 from tessera.redis_wire import RedisWire
@@ -108,6 +108,9 @@ class Gateway:
                     late.emit(error)
             elif path == "/v1/models" and method == "GET":
                 await self._models(send, headers, request_id)
+            elif path.startswith("/v1/models/") and path.endswith("/tokenizer") and method == "GET":
+                await self._tokenizer(path.removeprefix("/v1/models/").removesuffix("/tokenizer"), send,
+                                      headers, request_id)
             elif path == "/v1/usage" and method == "GET":
                 await self._usage(scope, send, headers, request_id)
             elif path == "/health":
@@ -142,6 +145,18 @@ class Gateway:
         data = [{"id": n, "object": "model", "created": 0, "owned_by": "tessera",
                  "tessera": replicas_extension(await self.router.engines(n))} for n in names]
         await respond(send, 200, {"object": "list", "data": data}, request_id)
+
+    async def _tokenizer(self, name: str, send: Send, headers: dict[str, str], request_id: str) -> None:
+        """The served model's tokenizer and chat template, so a load generator can build prompts of exact
+        token lengths (tessera-loadgen); only for a model this key may use."""
+        tenant = await self.auth.tenant_for(headers.get("authorization"))
+        if tenant is None:
+            raise unauthorized()
+        served = await self.catalog.get(name) if tenant.policy.allows_model(name) else None
+        if served is None:
+            raise APIError(404, f"The model {name!r} does not exist; GET /v1/models lists yours.",
+                           "model_not_found")
+        await respond(send, 200, tokenizer_document(served), request_id)
 
     async def _usage(self, scope: Scope, send: Send, headers: dict[str, str], request_id: str) -> None:
         tenant = await self.auth.tenant_for(headers.get("authorization"))

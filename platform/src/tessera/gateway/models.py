@@ -26,6 +26,7 @@ class ServedModel:
     chat_template: Any  # jinja2.Template | None
     bos_token: str
     eos_token: str
+    chat_template_text: str | None = None
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
@@ -53,6 +54,16 @@ def replicas_extension(records: list[EngineRecord]) -> dict[str, Any]:
                           "speculative_method": r.speculative_method} for r in records]}
 
 
+def tokenizer_document(served: ServedModel) -> dict[str, Any]:
+    """``GET /v1/models/{model}/tokenizer``: the tokenizer as the gateway counts with it (tokenizer.json,
+    embedded as is), its chat template and special tokens, and the context length."""
+    import orjson
+
+    return {"model": served.info.name, "max_model_len": served.info.max_model_len,
+            "tokenizer": orjson.Fragment(served.tokenizer.to_str()), "chat_template": served.chat_template_text,
+            "bos_token": served.bos_token, "eos_token": served.eos_token}
+
+
 def load_served_model(info: ModelInfo) -> ServedModel:
     import jinja2
     from tokenizers import Tokenizer
@@ -72,7 +83,8 @@ def load_served_model(info: ModelInfo) -> ServedModel:
         return value.get("content", "") if isinstance(value, dict) else str(value or "")
 
     return ServedModel(info, tokenizer, template, token_text(config.get("bos_token")),
-                       token_text(config.get("eos_token")))
+                       token_text(config.get("eos_token")),
+                       template_text if isinstance(template_text, str) else None)
 
 
 class ModelCatalog:

@@ -50,6 +50,12 @@ def openapi_document() -> dict[str, Any]:
             "/v1/chat/completions": post("ChatCompletionRequest", "Chat completion"),
             "/v1/models": {"get": {"summary": "Models this key may use", "security": [{"bearer": []}],
                                    "responses": _responses("model list")}},
+            "/v1/models/{model}/tokenizer": {
+                "get": {"summary": "The model's tokenizer (tokenizer.json), chat template and context length",
+                        "security": [{"bearer": []}],
+                        "parameters": [{"name": "model", "in": "path", "required": True,
+                                        "schema": {"type": "string"}}],
+                        "responses": _responses("tokenizer document")}},
             "/v1/usage": {"get": {"summary": "This key's tenant's usage in the current period",
                                   "security": [{"bearer": []}],
                                   "parameters": [{"name": "period", "in": "query", "required": False,
