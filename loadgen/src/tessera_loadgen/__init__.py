@@ -7,6 +7,9 @@ Typical use from Python::
     workload = load_workload("loadgen/workloads/noisy-neighbour.yaml")
     output = execute(workload, Target.parse("http://127.0.0.1:8000"), Path("runs/x"))
     output.result["summary"]["tenants"]["quiet"]["latency"]["ttft_user_s"]["p99"]
+
+Prompt lengths are in words unless ``execute`` is given tokenizers: ``tokenizers={"tessera-small":
+load_model_dir(".tessera/models/tessera-small")}``, or ``resolve_tokenizers("auto", ...)`` for the gateway's.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ if TYPE_CHECKING:
     from tessera_loadgen.records import RequestRecord
     from tessera_loadgen.results import load_result, read_jsonl
     from tessera_loadgen.runner import Runner, RunResult, Shard, run_in_loop
+    from tessera_loadgen.tokenizer_source import resolve_tokenizers
+    from tessera_loadgen.tokenizer_spec import TokenizerSpec, load_model_dir
     from tessera_loadgen.workload import Arrival, RequestClass, Slo, Tenant, Workload, load_workload
 
 # NOTE: the public names are loaded on first use (PEP 562), not when the package is imported: every
@@ -52,6 +57,9 @@ _EXPORTS: dict[str, str] = {
     "Runner": "tessera_loadgen.runner",
     "Shard": "tessera_loadgen.runner",
     "run_in_loop": "tessera_loadgen.runner",
+    "resolve_tokenizers": "tessera_loadgen.tokenizer_source",
+    "TokenizerSpec": "tessera_loadgen.tokenizer_spec",
+    "load_model_dir": "tessera_loadgen.tokenizer_spec",
     "Arrival": "tessera_loadgen.workload",
     "RequestClass": "tessera_loadgen.workload",
     "Slo": "tessera_loadgen.workload",
@@ -91,15 +99,18 @@ __all__ = [
     "SloSpec",
     "Target",
     "Tenant",
+    "TokenizerSpec",
     "Workload",
     "__version__",
     "arrival_process_names",
     "execute",
+    "load_model_dir",
     "load_result",
     "load_workload",
     "make_arrival_process",
     "read_jsonl",
     "register",
+    "resolve_tokenizers",
     "run_in_loop",
     "summarize",
     "summarize_run",

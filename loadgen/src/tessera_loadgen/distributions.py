@@ -8,15 +8,24 @@ from __future__ import annotations
 
 import math
 import random
+from statistics import NormalDist
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+
+UNBOUNDED_QUANTILE = 0.999
+"""What stands for the largest value of a distribution without one (see ``_Dist.upper``)."""
 
 
 class _Dist(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     def sample(self, rng: random.Random) -> float:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def upper(self) -> tuple[float, bool]:  # pragma: no cover - abstract
+        """The largest value a sample takes and ``True``; for a distribution without a largest value, its
+        ``UNBOUNDED_QUANTILE`` quantile and ``False``."""
         raise NotImplementedError
 
     def sample_int(self, rng: random.Random, minimum: int = 1) -> int:
@@ -32,6 +41,9 @@ class Constant(_Dist):
 
     def sample(self, rng: random.Random) -> float:
         return self.value
+
+    def upper(self) -> tuple[float, bool]:
+        return self.value, True
 
 
 class Uniform(_Dist):
@@ -50,6 +62,9 @@ class Uniform(_Dist):
     def sample(self, rng: random.Random) -> float:
         return rng.uniform(self.low, self.high)
 
+    def upper(self) -> tuple[float, bool]:
+        return self.high, True
+
     def sample_int(self, rng: random.Random, minimum: int = 1) -> int:
         return max(minimum, rng.randint(math.ceil(self.low), math.floor(self.high)))
 
@@ -67,6 +82,11 @@ class Normal(_Dist):
         value = max(self.min, rng.gauss(self.mean, self.std))
         return value if self.max is None else min(self.max, value)
 
+    def upper(self) -> tuple[float, bool]:
+        if self.max is not None:
+            return self.max, True
+        return max(self.min, self.mean + self.std * NormalDist().inv_cdf(UNBOUNDED_QUANTILE)), False
+
 
 class LogNormal(_Dist):
     """Log-normal given by its median and the sigma of log(value); long-tailed like real prompts."""
@@ -81,6 +101,12 @@ class LogNormal(_Dist):
         value = max(self.min, rng.lognormvariate(math.log(self.median), self.sigma))
         return value if self.max is None else min(self.max, value)
 
+    def upper(self) -> tuple[float, bool]:
+        if self.max is not None:
+            return self.max, True
+        z = NormalDist().inv_cdf(UNBOUNDED_QUANTILE)
+        return max(self.min, self.median * math.exp(self.sigma * z)), False
+
 
 class Exponential(_Dist):
     """Exponential with the given mean (memoryless think times)."""
@@ -90,6 +116,9 @@ class Exponential(_Dist):
 
     def sample(self, rng: random.Random) -> float:
         return rng.expovariate(1.0 / self.mean)
+
+    def upper(self) -> tuple[float, bool]:
+        return -self.mean * math.log(1.0 - UNBOUNDED_QUANTILE), False
 
 
 class Choice(_Dist):
@@ -109,6 +138,9 @@ class Choice(_Dist):
         if self.weights is None:
             return rng.choice(self.values)
         return rng.choices(self.values, weights=self.weights)[0]
+
+    def upper(self) -> tuple[float, bool]:
+        return max(self.values), True
 
 
 def _number_is_constant(value: Any) -> Any:

@@ -17,7 +17,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -28,9 +28,18 @@ import msgspec
 from tessera_loadgen.client import Target
 from tessera_loadgen.metrics import MetricSpec, summarize_run
 from tessera_loadgen.progress import AggregateStats, LiveStats, ProgressSnapshot, display, render, snapshot
+from tessera_loadgen.prompts import PromptLibrary
 from tessera_loadgen.records import RequestRecord
-from tessera_loadgen.results import RunInfo, build_result, write_run_dir
-from tessera_loadgen.runner import Runner, RunResult, Shard, resolve_models, run_in_loop
+from tessera_loadgen.results import (
+    PROMPT_LENGTHS_APPROXIMATE,
+    PROMPT_LENGTHS_TOKENS,
+    RunInfo,
+    build_result,
+    write_run_dir,
+)
+from tessera_loadgen.runner import Runner, RunResult, Shard, build_library, resolve_models, run_in_loop
+from tessera_loadgen.tokenizer_source import models_with_synthetic_prompts
+from tessera_loadgen.tokenizer_spec import TokenizerSpec
 from tessera_loadgen.workload import Workload
 
 _WORKER_READY_TIMEOUT_S = 120.0
@@ -56,16 +65,26 @@ def execute(
     num_workers: int = 1,
     progress: bool = True,
     plots: bool = True,
+    models: dict[str, str] | None = None,
+    tokenizers: Mapping[str, TokenizerSpec] | None = None,
 ) -> RunOutput:
-    """Run ``workload`` against ``target`` and write ``run_dir``; returns the result and the records."""
+    """Run ``workload`` against ``target`` and write ``run_dir``; returns the result and the records.
+
+    ``models`` (tenant -> model) skips asking the server; ``tokenizers`` (model -> spec, from
+    ``tokenizer_source.resolve_tokenizers``) makes those models' prompt lengths exact, the others'
+    approximate (words), which the result says.
+    """
     if num_workers < 1:
         raise ValueError(f"num_workers must be >= 1, got {num_workers}")
-    models = run_in_loop(resolve_models(workload, target))
+    if models is None:
+        models = run_in_loop(resolve_models(workload, target))
+    tokenizers = dict(tokenizers or {})
     if num_workers == 1:
-        run = run_in_loop(_run_here(workload, target, models, progress))
+        run = run_in_loop(_run_here(workload, target, models, tokenizers, progress))
     else:
-        run = _run_workers(workload, target, models, num_workers, progress)
+        run = _run_workers(workload, target, models, tokenizers, num_workers, progress)
     summary = summarize_run(run.records, MetricSpec.from_workload(workload))
+    synthetic_models = models_with_synthetic_prompts(workload, models)
     info = RunInfo(
         target=target.url,
         started_at_unix=run.t0_unix,
@@ -74,6 +93,10 @@ def execute(
         models=run.models,
         interrupted=run.interrupted,
         num_connects=run.num_connects,
+        prompt_lengths=(
+            PROMPT_LENGTHS_TOKENS if all(m in tokenizers for m in synthetic_models) else PROMPT_LENGTHS_APPROXIMATE
+        ),
+        tokenizers={m: tokenizers[m].source if m in tokenizers else None for m in synthetic_models},
     )
     result = build_result(workload.redacted(), info, summary)
     write_run_dir(run_dir, result, run.records, run.t0)
@@ -84,9 +107,11 @@ def execute(
     return RunOutput(run_dir, result, run.records, run.t0)
 
 
-async def _run_here(workload: Workload, target: Target, models: dict[str, str], progress: bool) -> RunResult:
+async def _run_here(
+    workload: Workload, target: Target, models: dict[str, str], tokenizers: dict[str, TokenizerSpec], progress: bool
+) -> RunResult:
     stats = LiveStats()
-    runner = Runner(workload, target, models=models, stats=stats)
+    runner = Runner(workload, target, models=models, stats=stats, tokenizers=tokenizers)
     main = asyncio.current_task()
     loop = asyncio.get_running_loop()
     interrupts = 0
@@ -124,7 +149,12 @@ async def _run_here(workload: Workload, target: Target, models: dict[str, str], 
 
 # multi-process ----------------------------------------------------------------------------------------------
 def _run_workers(
-    workload: Workload, target: Target, models: dict[str, str], num_workers: int, progress: bool
+    workload: Workload,
+    target: Target,
+    models: dict[str, str],
+    tokenizers: dict[str, TokenizerSpec],
+    num_workers: int,
+    progress: bool,
 ) -> RunResult:
     context = multiprocessing.get_context("spawn")
     messages: multiprocessing.Queue[tuple[Any, ...]] = context.Queue()
@@ -136,7 +166,7 @@ def _run_workers(
         receiver, sender = context.Pipe(duplex=False)
         process = context.Process(
             target=_worker_main,
-            args=(index, num_workers, payload, target.url, models, receiver, messages, str(scratch)),
+            args=(index, num_workers, payload, target.url, models, tokenizers, receiver, messages, str(scratch)),
             name=f"tessera-loadgen-worker-{index}",
         )
         process.start()
@@ -223,6 +253,7 @@ def _worker_main(
     workload_json: str,
     target_url: str,
     models: dict[str, str],
+    tokenizers: dict[str, TokenizerSpec],
     start: Connection,
     messages: multiprocessing.Queue[tuple[Any, ...]],
     scratch: str,
@@ -232,13 +263,16 @@ def _worker_main(
     try:
         workload = Workload.model_validate_json(workload_json)
         target = Target.parse(target_url)
+        # Before reporting ready: the start time t0 comes after every worker is ready, and building
+        # token-exact prompt material takes tens of milliseconds that must not count as schedule lag.
+        library = build_library(workload, tokenizers)
     except Exception:
         messages.put(("failed", index, traceback.format_exc()))
         return
     messages.put(("ready", index))
     t0 = start.recv()
     try:
-        run = run_in_loop(_worker_run(index, count, workload, target, models, t0, messages))
+        run = run_in_loop(_worker_run(index, count, workload, target, models, library, t0, messages))
         path = Path(scratch) / f"worker-{index}.msgpack"
         path.write_bytes(msgspec.msgpack.encode([r.to_json(run.t0) for r in run.records]))
         messages.put(("done", index, str(path), run.t_end, run.interrupted, run.num_connects))
@@ -252,11 +286,12 @@ async def _worker_run(
     workload: Workload,
     target: Target,
     models: dict[str, str],
+    library: PromptLibrary,
     t0: float,
     messages: multiprocessing.Queue[tuple[Any, ...]],
 ) -> RunResult:
     stats = LiveStats()
-    runner = Runner(workload, target, models=models, shard=Shard(index, count), stats=stats, t0=t0)
+    runner = Runner(workload, target, models=models, shard=Shard(index, count), stats=stats, t0=t0, library=library)
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGINT, runner.stop)
     run_task = asyncio.ensure_future(runner.run())

@@ -1,7 +1,9 @@
 """Turns a tenant's request classes into concrete requests: class choice, lengths, prompt, JSON body.
 
 All randomness comes from one seeded ``random.Random`` per tenant and worker, so a run is reproducible.
-The body is a plain dict; the client serialises it.
+The body is a plain dict; the client serialises it. Synthetic prompt content comes from the model's
+``PromptMaker`` (in its tokens when its tokenizer is known), which also gives the asked prompt length
+recorded as ``n_in_asked``.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
+from tessera_loadgen.prompt_makers import PrefixText
 from tessera_loadgen.prompts import Conversation, PromptLibrary
 from tessera_loadgen.records import RequestRecord
 from tessera_loadgen.workload import RequestClass, Tenant, Workload
@@ -23,7 +26,7 @@ class SessionState:
 
     session_id: str
     num_turns: int
-    system: str | None
+    system: PrefixText | None
     conversation: Conversation | None
     messages: list[dict[str, str]] = field(default_factory=list)
     turn: int = 0
@@ -37,6 +40,7 @@ class RequestFactory:
         self.tenant = tenant
         self.model = model
         self.library = library
+        self.prompts = library.maker(model)
         self.rng = random.Random(seed)
         self.classes = tenant.classes
         self._cum_weights = list(itertools.accumulate(c.weight for c in self.classes))
@@ -58,21 +62,29 @@ class RequestFactory:
         rng = self.rng
         prompt_cfg = request_class.prompt
         prefix = self._prefix(request_class)
+        chat = request_class.endpoint == "chat"
+        messages = [{"role": "system", "content": prefix.text}] if chat and prefix is not None else []
+        asked: int | None = None
         if prompt_cfg.source == "sharegpt":
             assert prompt_cfg.path is not None
             conversations = self.library.sharegpt(prompt_cfg.path)
             text = conversations[rng.randrange(len(conversations))].user_turns[0]
+            if not chat and prefix is not None:
+                text = f"{prefix.text}\n{text}"
+        elif chat:
+            prefix_tokens = 0 if prefix is None else prefix.num_tokens
+            text, asked = self.prompts.chat_turn(rng, prompt_cfg.tokens.sample_int(rng), messages, prefix_tokens)
         else:
-            text = self.library.synthetic.text(rng, prompt_cfg.tokens.sample_int(rng))
+            text, asked = self.prompts.completion(rng, prompt_cfg.tokens.sample_int(rng), prefix)
         max_tokens = request_class.output_tokens.sample_int(rng)
-        if request_class.endpoint == "chat":
-            messages = [{"role": "system", "content": prefix}] if prefix is not None else []
+        if chat:
             messages.append({"role": "user", "content": text})
             body = self._body(request_class, max_tokens, messages=messages)
         else:
-            prompt = text if prefix is None else f"{prefix}\n{text}"
-            body = self._body(request_class, max_tokens, prompt=prompt)
-        return self._record(request_class, request_id, t_sched, warmup, max_tokens), body
+            body = self._body(request_class, max_tokens, prompt=text)
+        record = self._record(request_class, request_id, t_sched, warmup, max_tokens)
+        record.n_in_asked = asked
+        return record, body
 
     def new_session(self, request_class: RequestClass, session_id: str) -> SessionState:
         """Start a conversation; its turn count is drawn now (capped by a ShareGPT conversation's length)."""
@@ -95,18 +107,26 @@ class RequestFactory:
     ) -> tuple[RequestRecord, dict[str, Any]]:
         """The next turn of ``session``: the whole history so far plus a new user message."""
         rng = self.rng
+        if not session.messages and session.system is not None:
+            session.messages.append({"role": "system", "content": session.system.text})
+        asked: int | None = None
         if session.conversation is not None:
             text = session.conversation.user_turns[session.turn]
         else:
-            text = self.library.synthetic.text(rng, request_class.prompt.tokens.sample_int(rng))
-        if not session.messages and session.system is not None:
-            session.messages.append({"role": "system", "content": session.system})
+            # The first turn is asked like a single request; later ones add their content to the history
+            # the server will count (None: the maker measures it).
+            history_tokens = None
+            if session.turn == 0:
+                history_tokens = 0 if session.system is None else session.system.num_tokens
+            content_tokens = request_class.prompt.tokens.sample_int(rng)
+            text, asked = self.prompts.chat_turn(rng, content_tokens, session.messages, history_tokens)
         session.messages.append({"role": "user", "content": text})
         max_tokens = request_class.output_tokens.sample_int(rng)
         body = self._body(request_class, max_tokens, messages=list(session.messages))
         record = self._record(request_class, f"{session.session_id}-t{session.turn}", t_sched, warmup, max_tokens)
         record.session_id = session.session_id
         record.turn = session.turn
+        record.n_in_asked = asked
         return record, body
 
     @staticmethod
@@ -116,9 +136,9 @@ class RequestFactory:
         session.turn += 1
 
     # internals ------------------------------------------------------------------------------------------
-    def _prefix(self, request_class: RequestClass) -> str | None:
+    def _prefix(self, request_class: RequestClass) -> PrefixText | None:
         group = request_class.prompt.prefix_group
-        return None if group is None else self.library.prefix_groups[group].pick(self.rng)
+        return None if group is None else self.prompts.prefix(group, self.rng)
 
     def _body(self, request_class: RequestClass, max_tokens: int, **content: Any) -> dict[str, Any]:
         body: dict[str, Any] = {"model": self.model, **content, "max_tokens": max_tokens}

@@ -12,6 +12,8 @@ and GuideLLM's names):
 - Throughput over the window first send -> last completion; goodput counts completed requests that meet
   every SLO set for them; attainment = good / all requests sent, so failures count as misses.
 - Schedule lag ``t_send_first - t_sched`` (the first attempt; retries are server-induced waits).
+- Prompt lengths: asked (``n_in_asked``) beside achieved (the server's ``n_in``) over completed requests
+  that have both, and the share within ``PROMPT_LENGTH_TOLERANCE`` of the asked length.
 
 Latency metrics use completed requests only; counts, errors, schedule lag and attainment use all.
 Warm-up requests are excluded before any of this (``summarize_run``).
@@ -34,6 +36,9 @@ METRICS_VERSION = "1"
 PERCENTILES: tuple[float, ...] = (50.0, 90.0, 99.0, 99.9)
 CLIENT_LAG_LIMIT_S = 0.005
 """Schedule-lag p99 above this means the client itself was late: the run was client-bound."""
+
+PROMPT_LENGTH_TOLERANCE = 0.02
+"""A prompt is on length when the server's count is within this fraction of the asked one."""
 
 LATENCY_METRICS = ("ttft_s", "ttft_user_s", "e2el_s", "e2el_user_s", "tpot_s", "itl_s", "itl_per_token_s")
 
@@ -173,6 +178,19 @@ def _defined(values: Iterable[float | None]) -> list[float]:
     return [v for v in values if v is not None]
 
 
+def prompt_lengths(records: Iterable[RequestRecord]) -> dict[str, Any]:
+    """Asked against achieved prompt tokens, over completed requests that have both."""
+    pairs = [(r.n_in_asked, r.n_in) for r in records if r.ok and r.n_in_asked is not None and r.n_in is not None]
+    on_length = sum(1 for asked, achieved in pairs if abs(achieved - asked) <= PROMPT_LENGTH_TOLERANCE * asked)
+    return {
+        "num_compared": len(pairs),
+        "asked": distribution([asked for asked, _ in pairs]),
+        "achieved": distribution([achieved for _, achieved in pairs]),
+        "share_within_tolerance": on_length / len(pairs) if pairs else None,
+        "tolerance": PROMPT_LENGTH_TOLERANCE,
+    }
+
+
 def summarize(
     records: Sequence[RequestRecord],
     slos: Mapping[tuple[str, str], SloSpec | None] | None = None,
@@ -251,6 +269,7 @@ def summarize(
                 1 for r in completed if r.chunk_tokens is None and len(r.chunk_times) > 1
             ),
         },
+        "prompt_tokens": prompt_lengths(completed),
     }
 
 

@@ -1,18 +1,25 @@
-"""Prompt text: synthetic word sequences, shared-prefix groups, and ShareGPT conversations.
+"""Prompt text: synthetic word sequences, shared-prefix groups, ShareGPT conversations, and the library
+that hands each model its prompt maker.
 
-Synthetic prompts are slices of a seeded stream of common English words, one word being about one token
-for the usual BPE tokenizers. The client does not tokenize: the true prompt length is the server's
-``usage.prompt_tokens``, recorded as ``n_in``. Slicing a pre-built word stream keeps a prompt at about a
-microsecond per hundred words, which matters at thousands of requests per second.
+Synthetic prompts are slices of a seeded stream of common English words. Without a tokenizer a word
+stands for a token (approximate: small vocabularies split words into several tokens); with the served
+model's tokenizer, ``TokenExactPrompts`` cuts the same stream by token count. Either way the true prompt
+length is the server's ``usage.prompt_tokens``, recorded as ``n_in``. Slicing a pre-built word stream keeps
+a prompt at about a microsecond per hundred words, which matters at thousands of requests per second.
 """
 
 from __future__ import annotations
 
 import json
 import random
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from tessera_loadgen.prompt_makers import ApproximatePrompts, PromptMaker, TokenExactPrompts
+from tessera_loadgen.prompt_tokenizer import PromptTokenizer
+from tessera_loadgen.tokenizer_spec import TokenizerSpec
 
 _WORD_TEXT = (
     "the of and to in is was for on are with as at be by this had not but from or have an they which one "
@@ -36,12 +43,20 @@ _WORDS = tuple(_WORD_TEXT.split())
 _CORPUS_WORDS = 1 << 16
 
 
+def synthetic_words(seed: int | str) -> list[str]:
+    """The seeded word stream every synthetic prompt of a run is cut from."""
+    return random.Random(f"corpus:{seed}").choices(_WORDS, k=_CORPUS_WORDS)
+
+
 class SyntheticText:
     """Prompts of a requested length, cut from a seeded word stream at random offsets."""
 
     def __init__(self, seed: int | str) -> None:
-        rng = random.Random(f"corpus:{seed}")
-        self._words = rng.choices(_WORDS, k=_CORPUS_WORDS)
+        self._words = synthetic_words(seed)
+
+    @property
+    def words(self) -> list[str]:
+        return self._words
 
     def text(self, rng: random.Random, num_tokens: int) -> str:
         """About ``num_tokens`` tokens of text; different offsets keep prompts from sharing prefixes."""
@@ -57,6 +72,7 @@ class PrefixGroupTexts:
     """The prefixes of one named group, the same for every tenant and worker that uses the group."""
 
     def __init__(self, name: str, num_prefixes: int, prefix_tokens: int, seed: int) -> None:
+        self.prefix_tokens = prefix_tokens
         source = SyntheticText(f"prefix:{name}:{seed}")
         rng = random.Random(f"prefix:{name}:{seed}")
         self.prefixes = [f"[{name} {i}] " + source.text(rng, prefix_tokens) for i in range(num_prefixes)]
@@ -100,14 +116,37 @@ def load_sharegpt(path: str | Path) -> list[Conversation]:
 
 
 class PromptLibrary:
-    """Shared, read-only prompt material of one run: the synthetic corpus, prefix groups, ShareGPT files."""
+    """Shared, read-only prompt material of one run: the synthetic corpus, prefix groups, ShareGPT files,
+    and a prompt maker per model: token-exact for models in ``tokenizers``, approximate for the others.
 
-    def __init__(self, seed: int, prefix_groups: dict[str, tuple[int, int]]) -> None:
+    Token-exact makers are built here, before the run starts (encoding the corpus's words and fitting the
+    prefixes takes tens of milliseconds per model), not on the first request.
+    """
+
+    def __init__(
+        self,
+        seed: int,
+        prefix_groups: dict[str, tuple[int, int]],
+        tokenizers: Mapping[str, TokenizerSpec] | None = None,
+    ) -> None:
         self.synthetic = SyntheticText(seed)
         self.prefix_groups = {
             name: PrefixGroupTexts(name, num, tokens, seed) for name, (num, tokens) in prefix_groups.items()
         }
+        self.approximate = ApproximatePrompts(self.synthetic, self.prefix_groups)
+        self._exact: dict[str, TokenExactPrompts] = {}
+        by_spec: dict[int, TokenExactPrompts] = {}
+        for model, spec in (tokenizers or {}).items():
+            # NOTE: one maker per tokenizer, not per model: models given the same spec (--tokenizer DIR)
+            # share prefixes and the cost of building them.
+            if id(spec) not in by_spec:
+                by_spec[id(spec)] = TokenExactPrompts(PromptTokenizer(spec), self.synthetic.words, seed, prefix_groups)
+            self._exact[model] = by_spec[id(spec)]
         self._sharegpt: dict[str, list[Conversation]] = {}
+
+    def maker(self, model: str) -> PromptMaker:
+        """The prompt maker for ``model``: in its tokens when its tokenizer is known, else in words."""
+        return self._exact.get(model, self.approximate)
 
     def sharegpt(self, path: str) -> list[Conversation]:
         """The conversations of a ShareGPT file, loaded once per run."""

@@ -35,6 +35,9 @@ class RequestRecord:
     ``chunk_times`` holds the arrival time of every content chunk (a chunk whose text is non-empty), so
     ``chunk_times[0] == t_first`` and ``chunk_times[-1] == t_last``. ``chunk_tokens[i]`` is the number of
     tokens chunk ``i`` carries, known when the server streams cumulative usage; ``None`` when it does not.
+    ``n_in_asked`` is the prompt length the workload asked for (in the model's tokens when the run had its
+    tokenizer, else in words), to compare with the server's ``n_in``; ``None`` for prompts taken from
+    data (ShareGPT) and, without a tokenizer, for conversation turns after the first.
     """
 
     request_id: str
@@ -55,6 +58,7 @@ class RequestRecord:
     t_last: float | None = None
     t_done: float | None = None
     n_in: int | None = None
+    n_in_asked: int | None = None
     n_out: int | None = None
     n_out_source: str = N_OUT_FROM_USAGE
     chunk_times: list[float] = field(default_factory=list)
@@ -110,6 +114,7 @@ class RequestRecord:
             "t_done": rel(self.t_done),
             "max_tokens": self.max_tokens,
             "n_in": self.n_in,
+            "n_in_asked": self.n_in_asked,
             "n_out": self.n_out,
             "n_out_source": self.n_out_source,
             "num_429": self.num_429,
@@ -143,6 +148,7 @@ class RequestRecord:
             t_last=row.get("t_last"),
             t_done=row.get("t_done"),
             n_in=row.get("n_in"),
+            n_in_asked=row.get("n_in_asked"),
             n_out=row.get("n_out"),
             n_out_source=row.get("n_out_source", N_OUT_FROM_USAGE),
             chunk_times=[first + o for o in offsets] if first is not None else [],

@@ -21,7 +21,7 @@ from typing import Any
 import msgspec
 
 from tessera_loadgen._version import __version__
-from tessera_loadgen.metrics import LATENCY_METRICS, METRICS_VERSION, PERCENTILES
+from tessera_loadgen.metrics import LATENCY_METRICS, METRICS_VERSION, PERCENTILES, PROMPT_LENGTH_TOLERANCE
 from tessera_loadgen.records import RequestRecord
 
 RESULT_FORMAT = "tessera-loadgen-result"
@@ -29,6 +29,11 @@ RESULT_FORMAT_VERSION = 1
 RESULT_FILE = "result.json"
 REQUESTS_FILE = "requests.jsonl"
 SUMMARY_FILE = "summary.csv"
+
+PROMPT_LENGTHS_TOKENS = "tokens"
+"""Synthetic prompt lengths were asked in the served model's tokens (its tokenizer was known)."""
+PROMPT_LENGTHS_APPROXIMATE = "approximate"
+"""Some synthetic prompt lengths were asked in words, not the model's tokens (no tokenizer)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +47,8 @@ class RunInfo:
     models: dict[str, str]
     interrupted: bool = False
     num_connects: int = 0
+    prompt_lengths: str = PROMPT_LENGTHS_APPROXIMATE
+    tokenizers: dict[str, str | None] | None = None
 
 
 def build_result(workload: dict[str, Any], info: RunInfo, summary: dict[str, Any]) -> dict[str, Any]:
@@ -61,6 +68,8 @@ def build_result(workload: dict[str, Any], info: RunInfo, summary: dict[str, Any
             "models": info.models,
             "interrupted": info.interrupted,
             "num_connections_opened": info.num_connects,
+            "prompt_lengths": info.prompt_lengths,
+            "tokenizers": info.tokenizers or {},
         },
         "workload": workload,
         "summary": summary,
@@ -113,6 +122,7 @@ _SCALARS = (
     "goodput_rps",
     "slo_attainment",
 )
+_PROMPT_STATS = ("mean", "p50", "p99", "max")
 
 
 def summary_rows(summary: dict[str, Any]) -> list[dict[str, Any]]:
@@ -133,6 +143,11 @@ def _row(scope: str, tenant: str, request_class: str, group: dict[str, Any]) -> 
         values = group["schedule_lag_s"] if metric == "schedule_lag_s" else group["latency"][metric]
         for stat in _STATS:
             row[f"{metric}_{stat}"] = values[stat]
+    lengths = group.get("prompt_tokens") or {}
+    for side in ("asked", "achieved"):
+        for stat in _PROMPT_STATS:
+            row[f"prompt_tokens_{side}_{stat}"] = (lengths.get(side) or {}).get(stat)
+    row["prompt_tokens_share_within_tolerance"] = lengths.get("share_within_tolerance")
     return row
 
 
@@ -140,6 +155,9 @@ def csv_columns() -> Sequence[str]:
     columns = ["scope", "tenant", "request_class", *_SCALARS, "errors"]
     for metric in (*LATENCY_METRICS, "schedule_lag_s"):
         columns.extend(f"{metric}_{stat}" for stat in _STATS)
+    for side in ("asked", "achieved"):
+        columns.extend(f"prompt_tokens_{side}_{stat}" for stat in _PROMPT_STATS)
+    columns.append("prompt_tokens_share_within_tolerance")
     return columns
 
 
@@ -172,6 +190,33 @@ def format_table(summary: dict[str, Any]) -> str:
         )
     lines.append("TTFT and E2EL in the user view (from t_sched); good = SLO attainment.")
     return "\n".join(lines)
+
+
+def format_prompt_lengths(summary: dict[str, Any], prompt_lengths: str | None) -> str:
+    """Asked against achieved prompt tokens per class (the server's ``usage.prompt_tokens``)."""
+    unit = "the model's tokens" if prompt_lengths == PROMPT_LENGTHS_TOKENS else "words (approximate: no tokenizer)"
+    header = (
+        f"{'prompt tokens':<28} {'n':>6} {'asked p50':>10} {'got p50':>9} {'asked mean':>11} {'got mean':>9} "
+        f"{'within ' + format(PROMPT_LENGTH_TOLERANCE, '.0%'):>10}"
+    )
+    lines = [header, "-" * len(header)]
+    for row in summary_rows(summary):
+        if row["scope"] != "class":
+            continue
+        lines.append(
+            f"{'  ' + row['tenant'] + '/' + row['request_class']:<28.28} "
+            f"{_count(summary, row['tenant'], row['request_class']):>6} "
+            f"{_num(row['prompt_tokens_asked_p50']):>10} {_num(row['prompt_tokens_achieved_p50']):>9} "
+            f"{_num(row['prompt_tokens_asked_mean']):>11} {_num(row['prompt_tokens_achieved_mean']):>9} "
+            f"{_pct(row['prompt_tokens_share_within_tolerance']):>10}"
+        )
+    lines.append(f"asked in {unit}; got = the server's usage.prompt_tokens, completed requests.")
+    return "\n".join(lines)
+
+
+def _count(summary: dict[str, Any], tenant: str, request_class: str) -> int:
+    lengths = summary["tenants"][tenant]["classes"][request_class].get("prompt_tokens") or {}
+    return int(lengths.get("num_compared", 0))
 
 
 def _num(value: float | None) -> str:

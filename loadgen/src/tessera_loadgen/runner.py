@@ -19,7 +19,7 @@ import gc
 import heapq
 import math
 import time
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Callable, Coroutine, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -31,6 +31,7 @@ from tessera_loadgen.factory import RequestFactory
 from tessera_loadgen.progress import LiveStats
 from tessera_loadgen.prompts import PromptLibrary
 from tessera_loadgen.records import ERROR_INCOMPLETE, RequestRecord
+from tessera_loadgen.tokenizer_spec import TokenizerSpec
 from tessera_loadgen.workload import RequestClass, Tenant, Workload
 
 _perf_counter = time.perf_counter
@@ -139,6 +140,12 @@ async def resolve_models(workload: Workload, target: Target) -> dict[str, str]:
     return models
 
 
+def build_library(workload: Workload, tokenizers: Mapping[str, TokenizerSpec] | None = None) -> PromptLibrary:
+    """The prompt material of a run: the workload's corpus and prefix groups, in tokens where known."""
+    groups = {n: (g.num_prefixes, g.prefix_tokens) for n, g in workload.prefix_groups.items()}
+    return PromptLibrary(workload.seed, groups, tokenizers)
+
+
 class Runner:
     """Runs a workload (or one shard of it) against a target; ``run()`` returns every request's record."""
 
@@ -151,13 +158,20 @@ class Runner:
         shard: Shard = Shard(),
         stats: LiveStats | None = None,
         t0: float | None = None,
+        tokenizers: Mapping[str, TokenizerSpec] | None = None,
+        library: PromptLibrary | None = None,
     ) -> None:
+        """``tokenizers`` (model -> spec) makes those models' prompt lengths exact; ``library`` is prompt
+        material built in advance (``build_library``), so a worker that starts at a given ``t0`` has it
+        ready."""
         self.workload = workload
         self.target = target
         self.shard = shard
         self.stats = stats if stats is not None else LiveStats()
         self._models = models
         self._t0 = t0
+        self._tokenizers = tokenizers
+        self._library = library
         self._records: list[RequestRecord] = []
         self._in_flight = 0
         self._drained = asyncio.Event()
@@ -179,9 +193,7 @@ class Runner:
     async def run(self) -> RunResult:
         workload = self.workload
         models = self._models if self._models is not None else await resolve_models(workload, self.target)
-        library = PromptLibrary(
-            workload.seed, {n: (g.num_prefixes, g.prefix_tokens) for n, g in workload.prefix_groups.items()}
-        )
+        library = self._library or build_library(workload, self._tokenizers)
         for i, tenant in enumerate(workload.tenants):
             client = TenantClient(
                 self.target,

@@ -69,7 +69,8 @@ class Prompt(_Strict):
     )
     tokens: Distribution = Field(
         Constant(value=128),
-        description="Synthetic prompt length in (approximate) tokens, not counting a shared prefix.",
+        description="Synthetic prompt length in the model's tokens as the server counts them (chat template "
+        "included; words when no tokenizer is known), not counting a shared prefix.",
     )
     path: str | None = Field(None, description="ShareGPT-format JSON file (source: sharegpt).")
     prefix_group: str | None = Field(
@@ -163,7 +164,9 @@ class PrefixGroup(_Strict):
     """A set of shared prompt prefixes (system prompts, few-shot blocks), possibly shared across tenants."""
 
     num_prefixes: int = Field(1, ge=1, description="How many distinct prefixes the group has.")
-    prefix_tokens: int = Field(..., ge=1, description="Length of each prefix in (approximate) tokens.")
+    prefix_tokens: int = Field(
+        ..., ge=1, description="Length of each prefix in the model's tokens (words when no tokenizer is known)."
+    )
 
 
 class RetryPolicy(_Strict):

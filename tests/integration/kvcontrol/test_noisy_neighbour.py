@@ -19,6 +19,7 @@ from typing import Any
 
 import orjson
 import pytest
+from support.evidence_checks import check_culprit, check_evidence
 
 from tessera.engine.registry import EngineRegistry
 from tessera.redis_conn import connect
@@ -147,6 +148,11 @@ async def test_analyzer_attributes_the_victims_tail_to_prefix_eviction(gt_stack:
             assert len(evicted) >= len(selected) / 2, f"p{percentile}: the tail is not eviction-driven: {detail}"
     row = next(r for r in report[90].by_tenant() if r["tenant"] == "gt-victim")
     assert row["top_cause"] == RIGHT
+    # Every selected request's primary cause comes with its evidence in numbers, and the victim's tail
+    # names the noisy tenant, with the evicted blocks or the load that make it the culprit.
+    for rep in report.values():
+        check_evidence(rep, stack.engine_urls)
+    check_culprit(report[90], "gt-victim", "gt-noisy")
     _check_eviction_spans(stack, events, victim_salt)
 
 

@@ -205,7 +205,11 @@ def test_ctrl_c_stops_scheduling_and_still_writes_results(tmp_path: Path, mock_s
     command = [sys.executable, "-m", "tessera_loadgen.cli", "run", str(path), "--target", url, "--out", str(run_dir)]
     process = subprocess.Popen([*command, "--no-plots"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert process.stderr is not None
-    process.stderr.readline()  # the first progress line: the run is under way
+    # Warnings come first (the mock server has no tokenizer endpoint: approximate prompt lengths), then
+    # the first progress line: the run is under way.
+    line = process.stderr.readline()
+    while line and "sent" not in line:
+        line = process.stderr.readline()
     process.send_signal(signal.SIGINT)
     _, stderr = process.communicate(timeout=60)
     assert process.returncode == 0, stderr

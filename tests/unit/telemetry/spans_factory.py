@@ -37,6 +37,7 @@ class Attempt:
     steps: int = 8
     preemptions: int = 0
     spec_accepted: int = 8
+    spec_drafted: int = 0
     aborted: str | None = None
 
 
@@ -66,7 +67,8 @@ class Req:
         call = span(trace, "engine.call", s0 + self.admission[1] + 0.5, end, root["span_id"])
         out.append(call)
         for a in self.attempts:
-            events = [("queued", s0 + a.arrival, {}), ("scheduled", s0 + a.scheduled, {})]
+            events: list[tuple[str, float, dict[str, Any]]] = [("queued", s0 + a.arrival, {}),
+                                                               ("scheduled", s0 + a.scheduled, {})]
             if a.first_token is not None:
                 events.append(("first_token", s0 + a.first_token, {}))
                 events.append(("finished", s0 + a.finished, {}))
@@ -78,6 +80,8 @@ class Req:
                 "tessera.priority": 20}
             if a.aborted:
                 attrs["tessera.aborted"] = a.aborted
+            if a.spec_drafted:
+                attrs["tessera.spec.draft_tokens"] = a.spec_drafted
             out.append(span(trace, "engine.generate", s0 + a.arrival - 0.2, s0 + a.finished, call["span_id"], attrs,
                             events))
         return out

@@ -16,11 +16,13 @@ def analyze_cmd(
     percentile: float = typer.Option(99.0, "--percentile", "-p", help="Select requests at or above this percentile."),
     metric: str = typer.Option("ttft", "--metric", "-m", help="Latency to rank by: ttft or e2e."),
     scope: str = typer.Option("tenant", "--scope", help="Percentile per 'tenant' (default) or over 'all' requests."),
-    as_json: bool = typer.Option(False, "--json", help="Print the full report as JSON."),
+    as_json: bool = typer.Option(False, "--json", help="Print the full report as JSON, evidence included."),
 ) -> None:
     """Attribute the requests above a latency percentile to causes: gateway queueing, admission wait,
     engine queueing, prefill recompute after a prefix eviction, preemption, slow prefill/decode and
-    speculative rejection."""
+    speculative rejection. Every cause comes with its evidence in numbers (queue depths, tokens computed
+    against the engine's typical time, evictions and who caused them, the other tenants' load) and names
+    the other tenant behind a request's excess when the evidence points at one."""
     from tessera.telemetry.analyze import AnalysisOptions, analyze, render
 
     try:

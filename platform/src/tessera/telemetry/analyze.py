@@ -5,11 +5,15 @@
    own tail: a victim's p99 is not the noisy tenant's p99), or over all requests with ``scope="all"``.
 3. Compare each selected request with its tenant's typical request (medians of the tenant's requests below
    the threshold) and attribute the excess to causes from the evidence in the spans (causes.py).
-4. Tabulate per cause and per tenant; the JSON form has every selected request with its shares.
+4. Give every cause its evidence in numbers (explain.py): the engine's typical prefill time for the prompt's
+   length, the queues at the gateway and the engine, the other tenants' work where the request waited, the
+   evictions of its prefix and who caused them; name the other tenant the evidence points at (the culprit).
+5. Tabulate per cause and per tenant; the JSON form has every selected request with its shares and evidence.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
@@ -19,13 +23,26 @@ from typing import Any, Literal
 
 import numpy as np
 
-from tessera.telemetry.causes import CAUSES, UNEXPLAINED, Attribution, Baseline, EvictionIndex, attribute, phases_of
+from tessera.telemetry.causes import (
+    CAUSES,
+    UNEXPLAINED,
+    Attribution,
+    Baseline,
+    EvictionIndex,
+    Phases,
+    attribute,
+    phases_of,
+)
+from tessera.telemetry.explain import RunContext, explain
+from tessera.telemetry.occupancy import EngineLoad, GatewayLoad
+from tessera.telemetry.prefill_curve import PrefillCurves
 from tessera.telemetry.spanfile import SpanRecord, load_spans
 from tessera.telemetry.timeline import RequestTimeline, build_evictions, build_timelines
 
 Metric = Literal["ttft", "e2e"]
 Scope = Literal["tenant", "all"]
 MIN_BASELINE_REQUESTS = 3
+MIN_SHOWN_S = 0.001  # the text report leaves out secondary causes with a smaller excess
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,19 +72,23 @@ class Report:
 
     def by_cause(self) -> list[dict[str, Any]]:
         primary = Counter(a.primary for a in self.attributions)
+        kinds: dict[str, Counter[str]] = defaultdict(Counter)
         seconds: dict[str, float] = defaultdict(float)
         for a in self.attributions:
             for cause, value in a.causes.items():
                 seconds[cause] += value
+            if a.primary in a.evidence:
+                kinds[a.primary][a.evidence[a.primary].kind] += 1
         total = len(self.attributions) or 1
         rows = []
         for cause in (*CAUSES, UNEXPLAINED):
             if primary.get(cause) or seconds.get(cause):
                 rows.append({"cause": cause, "requests": primary.get(cause, 0),
-                             "share": primary.get(cause, 0) / total, "excess_s": seconds.get(cause, 0.0)})
+                             "share": primary.get(cause, 0) / total, "excess_s": seconds.get(cause, 0.0),
+                             "kinds": dict(kinds[cause].most_common())})
         return sorted(rows, key=lambda r: (-r["requests"], -r["excess_s"]))
 
-    def by_tenant(self, timelines: Sequence[RequestTimeline] | None = None) -> list[dict[str, Any]]:
+    def by_tenant(self) -> list[dict[str, Any]]:
         rows = []
         grouped: dict[str, list[Attribution]] = defaultdict(list)
         for a in self.attributions:
@@ -76,10 +97,14 @@ class Report:
             selected = grouped[tenant]
             causes = Counter(a.primary for a in selected)
             top, top_n = causes.most_common(1)[0]
+            culprits = Counter(a.culprit for a in selected if a.culprit)
+            culprit, culprit_n = culprits.most_common(1)[0] if culprits else ("", 0)
             rows.append({"tenant": tenant, "selected": len(selected),
                          "threshold_s": self.thresholds_s.get(tenant, self.thresholds_s.get("*", 0.0)),
                          "max_s": max(a.metric_s for a in selected), "top_cause": top,
-                         "top_cause_share": top_n / len(selected), "causes": dict(causes)})
+                         "top_cause_share": top_n / len(selected), "causes": dict(causes),
+                         "culprit": culprit or None, "culprit_share": culprit_n / len(selected),
+                         "culprits": dict(culprits.most_common())})
         return rows
 
     def to_dict(self) -> dict[str, Any]:
@@ -92,10 +117,19 @@ class Report:
             "requests": [
                 {"request_id": a.timeline.request_id, "trace_id": a.timeline.trace_id, "tenant": a.timeline.tenant,
                  "engine": a.timeline.engine, f"{self.options.metric}_s": a.metric_s, "primary_cause": a.primary,
-                 "causes_s": a.causes, "evidence": a.evidence}
+                 "culprit": a.culprit or None, "causes_s": {k: round(v, 6) for k, v in a.causes.items()},
+                 "phases": _phases_dict(a.phases),
+                 "evidence": {cause: e.to_dict() for cause, e in a.evidence.items()}}
                 for a in sorted(self.attributions, key=lambda a: -a.metric_s)
             ],
         }
+
+
+def _phases_dict(p: Phases) -> dict[str, Any]:
+    seconds = {"gateway_s": p.gateway_s, "admission_s": p.admission_s, "queue_s": p.queue_s, "prefill_s": p.prefill_s,
+               "decode_s": p.decode_s, "retry_s": p.retry_s}
+    return {**{k: round(v, 6) for k, v in seconds.items()}, "prompt_tokens": p.prompt_tokens,
+            "cached_tokens": p.cached_tokens, "output_tokens": p.output_tokens, "steps": p.steps}
 
 
 def analyze(paths: Iterable[Path], options: AnalysisOptions | None = None) -> Report:
@@ -123,13 +157,22 @@ def analyze_spans(spans: Sequence[SpanRecord], options: AnalysisOptions) -> Repo
     baselines = _baselines(rest, served)
     index = EvictionIndex(evictions)
     previous = _previous_arrivals(served)
+    run = RunContext(EngineLoad(timelines), GatewayLoad(timelines), _prefill_curves(rest, served))
     report = Report(options, len(spans), len(served), len(timelines) - len(served), len(evictions), thresholds)
     for t in selected:
-        attribution = attribute(t, options.metric, baselines.get(t.tenant, baselines["*"]), index,
-                                previous.get(t.span_id))
+        baseline = baselines.get(t.tenant, baselines["*"])
+        attribution = attribute(t, options.metric, baseline, index, previous.get(t.span_id))
         if attribution is not None:
-            report.attributions.append(attribution)
+            report.attributions.append(dataclasses.replace(attribution, evidence=explain(attribution, baseline, run)))
     return report
+
+
+def _prefill_curves(rest: dict[str, list[RequestTimeline]], served: Sequence[RequestTimeline]) -> PrefillCurves:
+    """Every engine's typical prefill per length, from the requests below the thresholds (like the baselines:
+    the tail itself is not its own reference)."""
+    reference = [t for ts in rest.values() for t in ts] or list(served)
+    phases = (phases_of(t) for t in reference)
+    return PrefillCurves((p.engine, p.computed_tokens, p.prefill_s) for p in phases if p is not None)
 
 
 def _baselines(rest: dict[str, list[RequestTimeline]], served: Sequence[RequestTimeline]) -> dict[str, Baseline]:
@@ -159,25 +202,44 @@ def _previous_arrivals(served: Sequence[RequestTimeline]) -> dict[str, int]:
     return previous
 
 
-def render(report: Report) -> str:
-    """Plain-text tables: per cause, per tenant, and the slowest selected requests."""
+def render(report: Report, num_slowest: int = 10) -> str:
+    """Plain-text tables: per cause, per tenant, and the slowest selected requests with their evidence."""
     o = report.options
     lines = [f"{report.num_requests} requests ({report.num_without_token} without a first token), "
              f"{report.num_evictions} eviction records; {len(report.attributions)} at or above "
              f"p{o.percentile:g} of {o.metric.upper()} ({'per tenant' if o.scope == 'tenant' else 'all requests'})",
              ""]
-    cause_rows = [[r["cause"], r["requests"], f"{r['share']:.0%}", f"{r['excess_s']:.3f}"] for r in report.by_cause()]
-    lines += _table(["cause", "requests", "share", "excess_s"], cause_rows)
+    cause_rows = [[r["cause"], r["requests"], f"{r['share']:.0%}", f"{r['excess_s']:.3f}",
+                   ", ".join(f"{k} {n}" for k, n in r["kinds"].items())] for r in report.by_cause()]
+    lines += _table(["cause", "requests", "share", "excess_s", "kinds"], cause_rows)
     lines.append("")
-    lines += _table(["tenant", "selected", f"p{o.percentile:g}_s", "max_s", "top cause", "share"],
+    lines += _table(["tenant", "selected", f"p{o.percentile:g}_s", "max_s", "top cause", "share", "culprit"],
                     [[r["tenant"], r["selected"], f"{r['threshold_s']:.3f}", f"{r['max_s']:.3f}", r["top_cause"],
-                      f"{r['top_cause_share']:.0%}"] for r in report.by_tenant()])
+                      f"{r['top_cause_share']:.0%}",
+                      f"{r['culprit']} ({r['culprit_share']:.0%})" if r["culprit"] else "-"]
+                     for r in report.by_tenant()])
     lines.append("")
-    slowest = sorted(report.attributions, key=lambda a: -a.metric_s)[:10]
-    lines += _table(["request", "tenant", "engine", f"{o.metric}_s", "primary cause", "evidence"],
+    slowest = sorted(report.attributions, key=lambda a: -a.metric_s)[:num_slowest]
+    lines += _table(["request", "tenant", "engine", f"{o.metric}_s", "primary cause", "culprit", "evidence"],
                     [[a.timeline.request_id, a.timeline.tenant, a.timeline.engine, f"{a.metric_s:.3f}", a.primary,
-                      a.evidence.get(a.primary, "")[:90]] for a in slowest])
+                      a.culprit or "-", _clip(a.evidence[a.primary].summary if a.primary in a.evidence else "", 100)]
+                     for a in slowest])
+    if slowest:
+        lines += ["", f"evidence of the {len(slowest)} slowest (every cause, largest share first):"]
+    for a in slowest:
+        lines.append(f"  {a.timeline.request_id} ({a.timeline.tenant}, {a.timeline.engine}, "
+                     f"{o.metric} {a.metric_s:.3f} s)")
+        for cause in sorted(a.evidence, key=lambda c: -a.causes.get(c, 0.0)):
+            if cause != a.primary and a.causes.get(cause, 0.0) < MIN_SHOWN_S:
+                continue  # in the JSON; in the text it would bury the causes that matter
+            e = a.evidence[cause]
+            named = f" [culprit: {e.culprit}]" if e.culprit else ""
+            lines.append(f"    {cause} +{a.causes.get(cause, 0.0):.3f} s ({e.kind}){named}: {e.summary}")
     return "\n".join(lines)
+
+
+def _clip(text: str, width: int) -> str:
+    return text if len(text) <= width else text[:width - 1] + "…"
 
 
 def _table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[str]:

@@ -10,8 +10,10 @@ Phases (wall-clock, from the gateway's and the engine's spans):
   prefill         first scheduled → first token; its excess goes to
                   ``prefill_recompute_after_eviction`` when the controller saw this engine evict blocks of
                   this request's prefix chain (same root, depths the request then had to recompute) after
-                  the previous request of that prefix arrived there; else ``preemption`` when the engine
-                  preempted the request; else ``slow_prefill``
+                  the previous request of that prefix arrived there and before this one was scheduled (vLLM
+                  looks the prefix up when it schedules a request, so an eviction while it waited in the
+                  queue counts); else ``preemption`` when the engine preempted the request; else
+                  ``slow_prefill``
   decode (e2e)    first token → finished; excess over the baseline time per token: first the extra steps
                   spent because fewer drafts were accepted than usual (``speculative_rejection``), the rest
                   ``preemption`` when preempted, else ``slow_decode``
@@ -19,6 +21,7 @@ Phases (wall-clock, from the gateway's and the engine's spans):
                   continuation's queue and prefill on the next engine    → ``preemption``
 
 The primary cause is the one with the largest share; ``unexplained`` when no phase exceeds its baseline.
+This module decides; the numbers that let a person check each decision are explain.py's.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from tessera.telemetry.evidence import Evidence
 from tessera.telemetry.timeline import EngineAttempt, EvictionRecord, RequestTimeline
 
 CAUSES = (
@@ -53,15 +57,26 @@ class Phases:
     output_tokens: int = 0
     steps: int = 0
     spec_accepted_tokens: int = 0
+    spec_draft_tokens: int = 0
+    # Of gateway_s: engine first token → gateway first token (the relay back through the gateway).
+    gateway_relay_s: float = 0.0
+    # The attempt that produced the first token: where the queue and prefill were.
+    engine: str = ""
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+
+    @property
+    def computed_tokens(self) -> int:
+        return max(0, self.prompt_tokens - self.cached_tokens)
 
 
-def _first_token_attempt(t: RequestTimeline) -> EngineAttempt | None:
+def first_token_attempt(t: RequestTimeline) -> EngineAttempt | None:
     return next((a for a in t.attempts if a.first_token_ns), None)
 
 
 def phases_of(t: RequestTimeline) -> Phases | None:
     """The request's phases; None when it produced no token (rejected or failed)."""
-    attempt = _first_token_attempt(t)
+    attempt = first_token_attempt(t)
     if attempt is None or attempt.first_token_ns is None or t.first_token_ns is None:
         return None
     first_arrival = t.attempts[0].arrival_ns
@@ -70,11 +85,12 @@ def phases_of(t: RequestTimeline) -> Phases | None:
         admission_ns = t.admission_ns[1] - t.admission_ns[0]
     else:
         gateway_ns, admission_ns = first_arrival - t.start_ns, 0
-    gateway_ns += max(0, t.first_token_ns - attempt.first_token_ns)
+    relay_ns = max(0, t.first_token_ns - attempt.first_token_ns)
+    gateway_ns += relay_ns
     scheduled = attempt.scheduled_ns or attempt.arrival_ns
     # Engines that aborted the request before its first token: all their time is lost to the abort.
     retry_ns = max(0, attempt.arrival_ns - first_arrival)
-    decode_ns, steps, accepted, outputs = 0, 0, 0, 0
+    decode_ns, steps, accepted, drafted, outputs = 0, 0, 0, 0, 0
     later = False
     for a in t.attempts:
         if a is attempt:
@@ -86,12 +102,15 @@ def phases_of(t: RequestTimeline) -> Phases | None:
         decode_ns += max(0, (a.finished_ns or a.end_ns) - a.first_token_ns)
         steps += a.steps
         accepted += a.spec_accepted_tokens
+        drafted += a.spec_draft_tokens
         outputs += a.output_tokens
     return Phases(
         gateway_s=max(0.0, _s(gateway_ns)), admission_s=max(0.0, _s(admission_ns)),
         queue_s=max(0.0, _s(scheduled - attempt.arrival_ns)),
         prefill_s=max(0.0, _s(attempt.first_token_ns - scheduled)), decode_s=_s(decode_ns), retry_s=_s(retry_ns),
-        output_tokens=outputs, steps=steps, spec_accepted_tokens=accepted,
+        output_tokens=outputs, steps=steps, spec_accepted_tokens=accepted, spec_draft_tokens=drafted,
+        gateway_relay_s=_s(relay_ns), engine=attempt.engine, prompt_tokens=attempt.prompt_tokens,
+        cached_tokens=attempt.cached_tokens,
     )
 
 
@@ -106,6 +125,9 @@ class Baseline:
     decode_s_per_token: float = 0.0
     tokens_per_step: float = 1.0
     step_s: float = 0.0
+    cached_tokens: float = 0.0
+    computed_tokens: float = 0.0
+    num_requests: int = 0
 
     @classmethod
     def of(cls, phases: Sequence[Phases]) -> Baseline:
@@ -123,6 +145,8 @@ class Baseline:
             decode_s_per_token=med(p.decode_s / (p.output_tokens - 1) for p in decoding),
             tokens_per_step=med(p.output_tokens / p.steps for p in decoding) or 1.0,
             step_s=med(p.decode_s / p.steps for p in decoding),
+            cached_tokens=med(p.cached_tokens for p in phases), computed_tokens=med(p.computed_tokens for p in phases),
+            num_requests=len(phases),
         )
 
 
@@ -153,7 +177,26 @@ class Attribution:
     metric_s: float
     causes: dict[str, float]
     primary: str
-    evidence: dict[str, str] = field(default_factory=dict)
+    phases: Phases = field(default_factory=Phases)
+    # The controller's evictions that explain a prefix miss (the prefill_recompute_after_eviction decision).
+    lost_prefix: tuple[EvictionRecord, ...] = ()
+    # Arrival of the previous request with this prefix on this engine (None: none in the trace).
+    prefix_since_ns: int | None = None
+    evidence: dict[str, Evidence] = field(default_factory=dict)
+
+    @property
+    def culprit(self) -> str:
+        """The other tenant behind at least half of this request's excess seconds, by the evidence of each
+        cause (its ``culprit``); "" when no tenant is."""
+        seconds: dict[str, float] = defaultdict(float)
+        for cause, evidence in self.evidence.items():
+            if evidence.culprit:
+                seconds[evidence.culprit] += self.causes.get(cause, 0.0)
+        total = sum(self.causes.values())
+        if not seconds or total <= 0:
+            return ""
+        top = max(seconds, key=lambda k: seconds[k])
+        return top if seconds[top] >= 0.5 * total else ""
 
 
 def attribute(t: RequestTimeline, metric: str, baseline: Baseline, evictions: EvictionIndex,
@@ -165,46 +208,40 @@ def attribute(t: RequestTimeline, metric: str, baseline: Baseline, evictions: Ev
     if value is None or phases is None:
         return None
     causes: dict[str, float] = defaultdict(float)
-    evidence: dict[str, str] = {}
     causes["gateway_queueing"] += max(0.0, phases.gateway_s - baseline.gateway_s)
     causes["admission_wait"] += max(0.0, phases.admission_s - baseline.admission_s)
     causes["engine_queueing"] += max(0.0, phases.queue_s - baseline.queue_s)
     if phases.retry_s > 0:
         causes["preemption"] += phases.retry_s
-        aborted = [a for a in t.attempts if a.aborted]
-        evidence["preemption"] = "; ".join(f"aborted on {a.engine}: {a.aborted}" for a in aborted) or "retried"
-    attempt = _first_token_attempt(t)
+    attempt = first_token_attempt(t)
     assert attempt is not None
     prefill_excess = max(0.0, phases.prefill_s - baseline.prefill_s)
+    lost: list[EvictionRecord] = []
     if prefill_excess > 0:
         lost = _lost_prefix(t, attempt, evictions, since_ns)
         if lost:
             causes["prefill_recompute_after_eviction"] += prefill_excess
-            blocks = sum(r.num_blocks for r in lost)
-            by = sorted({b for r in lost for b in r.evicted_by.split(",") if b})
-            evidence["prefill_recompute_after_eviction"] = (
-                f"{blocks} block(s) of prefix {t.prefix_root} evicted on {attempt.engine} before arrival"
-                f" (by {', '.join(by) or 'unknown'}); cached {attempt.cached_tokens} of {attempt.prompt_tokens} tokens")
         elif attempt.preemptions:
             causes["preemption"] += prefill_excess
-            evidence.setdefault("preemption", f"preempted {attempt.preemptions}x on {attempt.engine}")
         else:
             causes["slow_prefill"] += prefill_excess
     if metric == "e2e" and phases.output_tokens > 1:
         expected = baseline.decode_s_per_token * (phases.output_tokens - 1)
         excess = max(0.0, phases.decode_s - expected)
-        extra_steps = phases.steps - phases.output_tokens / max(baseline.tokens_per_step, 1e-9)
-        spec = min(excess, max(0.0, extra_steps) * baseline.step_s)
+        spec = min(excess, max(0.0, extra_steps(phases, baseline)) * baseline.step_s)
         if spec > 0:
             causes["speculative_rejection"] += spec
-            evidence["speculative_rejection"] = (
-                f"{phases.output_tokens / max(phases.steps, 1):.2f} tokens/step vs {baseline.tokens_per_step:.2f}")
         if excess - spec > 0:
             preempted = any(a.preemptions for a in t.attempts)
             causes["preemption" if preempted else "slow_decode"] += excess - spec
     causes = {k: v for k, v in causes.items() if v > 0}
     primary = max(causes, key=lambda k: causes[k]) if causes else UNEXPLAINED
-    return Attribution(t, value, dict(causes), primary, evidence)
+    return Attribution(t, value, dict(causes), primary, phases, tuple(lost), since_ns)
+
+
+def extra_steps(phases: Phases, baseline: Baseline) -> float:
+    """Decode steps beyond what the tenant's usual tokens per step (accepted drafts) would have needed."""
+    return phases.steps - phases.output_tokens / max(baseline.tokens_per_step, 1e-9)
 
 
 def _lost_prefix(t: RequestTimeline, attempt: EngineAttempt, evictions: EvictionIndex,
@@ -216,4 +253,4 @@ def _lost_prefix(t: RequestTimeline, attempt: EngineAttempt, evictions: Eviction
         return []
     cached_blocks = attempt.cached_tokens // block_size
     return evictions.lost(attempt.engine, t.prefix_root, since_ns if since_ns is not None else -1,
-                          attempt.arrival_ns, cached_blocks, t.prompt_blocks)
+                          attempt.scheduled_ns or attempt.arrival_ns, cached_blocks, t.prompt_blocks)

@@ -41,12 +41,26 @@ class EngineAttempt:
     steps: int
     priority: int
     aborted: str | None
+    spec_draft_tokens: int = 0
+    # The engine's own queue depth when the request arrived, when its span carries it (else the analyzer
+    # counts the run's overlapping requests on the engine).
+    num_running_at_arrival: int | None = None
+    num_waiting_at_arrival: int | None = None
+
+    @property
+    def computed_tokens(self) -> int:
+        """Prompt tokens the engine had to compute (not served from its prefix cache)."""
+        return max(0, self.prompt_tokens - self.cached_tokens)
 
     @classmethod
     def from_span(cls, span: SpanRecord) -> EngineAttempt:
         def at(name: str) -> int | None:
             event = span.event(name)
             return event.ts_ns if event else None
+
+        def count(key: str) -> int | None:
+            value = span.attr(key)
+            return int(value) if value is not None else None
 
         return cls(
             engine=str(span.attr("tessera.engine", "")), request_id=str(span.attr("tessera.request_id", "")),
@@ -59,6 +73,9 @@ class EngineAttempt:
             spec_accepted_tokens=int(span.attr("tessera.spec.accepted_tokens", 0)),
             steps=int(span.attr("tessera.engine.steps", 0)), priority=int(span.attr("tessera.priority", 0)),
             aborted=span.attr("tessera.aborted"),
+            spec_draft_tokens=int(span.attr("tessera.spec.draft_tokens", 0)),
+            num_running_at_arrival=count("tessera.engine.num_running"),
+            num_waiting_at_arrival=count("tessera.engine.num_waiting"),
         )
 
 
@@ -76,6 +93,7 @@ class RequestTimeline:
     prompt_blocks: int
     attempts: tuple[EngineAttempt, ...]
     rejected: str | None = None
+    via_gateway: bool = True  # False: an engine span without a gateway parent (an engine-only run)
 
     @property
     def ttft_s(self) -> float | None:
@@ -156,7 +174,7 @@ def build_timelines(spans: Iterable[SpanRecord]) -> list[RequestTimeline]:
             trace_id=span.trace_id, span_id=span.span_id, request_id=attempt.request_id,
             tenant=str(span.attr("tessera.tenant", "")), start_ns=attempt.arrival_ns, end_ns=span.end_ns,
             first_token_ns=attempt.first_token_ns, admission_ns=None, prefix_root="", prompt_blocks=0,
-            attempts=(attempt,),
+            attempts=(attempt,), via_gateway=False,
         ))
     return timelines
 
