@@ -12,6 +12,8 @@ from typing import Any
 
 SIGNIFICANT_DIGITS = 3
 MS_PER_S = 1000.0
+# The minor ticks labelled on a log axis spanning more than a decade: 2x and 5x a power of ten.
+MINOR_LABELS_WIDE = (2.0, 5.0)
 
 
 def plain_number(value: float) -> str:
@@ -34,7 +36,16 @@ def use_plain_ticks(axis: Any, log_scale: bool) -> None:
         wider ranges), with plain numbers as the labels."""
 
         def __call__(self, x: float, pos: int | None = None) -> str:
-            return plain_number(x) if super().__call__(x, pos) else ""
+            if not super().__call__(x, pos) or x <= 0:
+                return ""
+            # NOTE: over more than a decade, LogFormatter still labels every minor tick between two powers
+            # of ten (20,000 30,000 40,000 ...), and wide labels run into each other: keep the 2s and 5s.
+            low, high = sorted(self.axis.get_view_interval()) if self.axis is not None else (x, x)
+            if low > 0 and math.log10(high / low) > 1.0:
+                mantissa = x / 10 ** math.floor(math.log10(x) + 1e-9)
+                if not any(math.isclose(mantissa, keep, rel_tol=1e-6) for keep in MINOR_LABELS_WIDE):
+                    return ""
+            return plain_number(x)
 
     if log_scale:
         axis.set_major_formatter(FuncFormatter(lambda x, _pos: plain_number(x)))

@@ -85,3 +85,11 @@ def test_write_plots_writes_three_pngs(tmp_path: Path) -> None:
     paths = write_plots(tmp_path, records([0.05, 0.06, 0.07, 0.2]), t0=100.0)
     assert [p.name for p in paths] == ["latency_cdf.png", "ttft_over_time.png", "throughput_over_time.png"]
     assert all(p.stat().st_size > 1000 for p in paths)
+
+
+def test_a_log_axis_over_more_than_a_decade_labels_only_2s_and_5s_between_powers_of_ten() -> None:
+    # 3 s .. 45 s: labels 3,000 4,000 ... 40,000 would run into each other.
+    rows = records([3.0 + 42.0 * i / 49 for i in range(50)])
+    labels = tick_labels(latency_cdf_figure(rows), "x")
+    leading = {label.replace(",", "").rstrip("0") for label in labels}
+    assert leading <= {"1", "2", "5"}, labels
