@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from tessera_loadgen import Target, Workload, execute, read_jsonl
+from tessera_loadgen.tokenizer_source import resolve_tokenizers
 
 pytestmark = pytest.mark.engine
 
@@ -36,7 +37,7 @@ async def test_two_tenants_get_per_tenant_percentiles(platform_stack: Any, tmp_p
                     "api_key": keys["steady"],
                     "arrival": {"process": "poisson", "rate_rps": 2},
                     "slo": {"ttft_s": 30, "e2el_s": 60},
-                    "classes": [{"name": "chat", "output_tokens": 8, "prompt": {"tokens": 16}}],
+                    "classes": [{"name": "chat", "output_tokens": 8, "prompt": {"tokens": 64}}],
                 },
                 {
                     "name": "closed",
@@ -47,7 +48,7 @@ async def test_two_tenants_get_per_tenant_percentiles(platform_stack: Any, tmp_p
                             "name": "complete",
                             "endpoint": "completions",
                             "output_tokens": 8,
-                            "prompt": {"tokens": 16},
+                            "prompt": {"tokens": 48},
                         }
                     ],
                 },
@@ -55,7 +56,12 @@ async def test_two_tenants_get_per_tenant_percentiles(platform_stack: Any, tmp_p
         }
     )
     run_dir = tmp_path / "run"
-    output = await asyncio.to_thread(execute, workload, Target.parse(platform_stack.base_url), run_dir, progress=False)
+    target = Target.parse(platform_stack.base_url)
+    # The served model's tokenizer, from the gateway's own endpoint: prompt lengths in its tokens.
+    tokenizers = await resolve_tokenizers("auto", target, workload, dict.fromkeys(names, platform_stack.model))
+    assert not tokenizers.warnings and set(tokenizers.specs) == {platform_stack.model}
+    output = await asyncio.to_thread(execute, workload, target, run_dir, progress=False,
+                                     tokenizers=tokenizers.specs)
 
     result = json.loads((run_dir / "result.json").read_text())
     assert result["metrics_version"] == "1"
@@ -77,3 +83,7 @@ async def test_two_tenants_get_per_tenant_percentiles(platform_stack: Any, tmp_p
     assert all(len(r.trace_id) == 32 for r in records)
     assert all(r.server_request_id for r in completed), "the gateway answers with x-request-id"
     assert (run_dir / "plots" / "latency_cdf.png").exists()
+    # What the gateway counted (usage.prompt_tokens) is what the workload asked, exactly.
+    assert result["run"]["prompt_lengths"] == "tokens"
+    assert completed and all(r.n_in == r.n_in_asked for r in completed), [(r.n_in, r.n_in_asked) for r in completed]
+    assert {r.n_in_asked for r in completed} == {64, 48}
