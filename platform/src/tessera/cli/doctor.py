@@ -7,6 +7,8 @@ from pathlib import Path
 
 import typer
 
+from tessera.cli.json_args import json_object
+
 
 def doctor(
     model: Path = typer.Option(None, help="Check this Hugging Face model directory instead of the small model."),
@@ -21,14 +23,7 @@ def doctor(
     from tessera.doctor import diagnose
     from tessera.settings import load_settings
 
-    overrides: dict[str, object] = {}
-    if engine_config:
-        text = Path(engine_config[1:]).read_text() if engine_config.startswith("@") else engine_config
-        try:
-            overrides = json.loads(text)
-        except json.JSONDecodeError as exc:
-            typer.echo(f"error: --engine-config is not JSON: {exc}", err=True)
-            raise typer.Exit(2) from None
+    overrides = json_object(engine_config, "--engine-config") or {}
     findings = diagnose(load_settings().redis_url, port, model, overrides)
     problems = [f for f in findings if f.problem]
     if as_json:

@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import typer
 
+from tessera.cli.json_args import json_object
+
 if TYPE_CHECKING:
     from pydantic import ValidationError
 
@@ -63,17 +65,7 @@ def read_policy_changes(policy_json: str | None, policy_file: Path | None) -> di
     data: dict[str, Any] = {}
     for source, text in (("--policy-file", policy_file.read_text() if policy_file else None),
                          ("--policy", policy_json)):
-        if not text:
-            continue
-        try:
-            value = json.loads(text)
-        except json.JSONDecodeError as exc:
-            typer.echo(f"error: {source} is not valid JSON: {exc}", err=True)
-            raise typer.Exit(2) from None
-        if not isinstance(value, dict):
-            typer.echo(f"error: {source} must be a JSON object of policy fields", err=True)
-            raise typer.Exit(2)
-        data.update(value)
+        data.update(json_object(text, source, "a JSON object of policy fields") or {})
     return data
 
 

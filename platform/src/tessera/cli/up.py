@@ -3,28 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import signal
 import threading
 from pathlib import Path
-from typing import Any
 
 import typer
 
-
-def _json_option(value: str | None, option: str) -> dict[str, Any] | None:
-    if not value:
-        return None
-    text = Path(value[1:]).read_text() if value.startswith("@") else value
-    try:
-        parsed = json.loads(text)
-    except json.JSONDecodeError as exc:
-        typer.echo(f"error: {option} is not JSON: {exc}", err=True)
-        raise typer.Exit(2) from None
-    if not isinstance(parsed, dict):
-        typer.echo(f"error: {option} must be a JSON object", err=True)
-        raise typer.Exit(2)
-    return parsed
+from tessera.cli.json_args import json_object
 
 
 def up(
@@ -52,8 +37,8 @@ def up(
 
     options = LocalPlatformOptions(
         state_dir=state_dir, model_dir=model, num_engines=engines, gateway_port=port, gateway_workers=workers,
-        routing_policy=policy, engine_overrides=_json_option(engine_config, "--engine-config") or {},
-        kvcontrol=kvcontrol, kvcontrol_policy=_json_option(kvcontrol_policy, "--kvcontrol-policy"))
+        routing_policy=policy, engine_overrides=json_object(engine_config, "--engine-config") or {},
+        kvcontrol=kvcontrol, kvcontrol_policy=json_object(kvcontrol_policy, "--kvcontrol-policy"))
     platform = LocalPlatform(options)
     stop = threading.Event()
     signal.signal(signal.SIGINT, lambda *_: stop.set())
