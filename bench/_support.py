@@ -17,6 +17,8 @@ from typing import Any
 import httpx
 import numpy as np
 
+from tessera.gateway.launch import GatewayLaunch
+
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
 BIN = Path(sys.executable).parent
@@ -80,9 +82,8 @@ def start_gateway(
 ) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
     proc = subprocess.Popen(
-        _pinned([str(BIN / "python"), "-m", "uvicorn", "tessera.gateway.app:create_app", "--factory", "--port",
-                 str(port), "--workers", str(workers), "--loop", "uvloop", "--http", "httptools", "--no-access-log",
-                 "--log-level", "warning"], cpus),
+        _pinned(GatewayLaunch(port=port, workers=workers, metrics_dir=log.parent / f"gateway-{port}-metrics")
+                .command(str(BIN / "python")), cpus),
         env={**os.environ, **env}, stdout=log.open("wb"), stderr=subprocess.STDOUT, process_group=0,
     )
     url = f"http://127.0.0.1:{port}"

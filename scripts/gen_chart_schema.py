@@ -7,7 +7,7 @@
 - ``helm/tessera/crds/*.yaml``: the Tenant and Model CRDs (tessera_operators.operator.crds).
 
 Usage: ``python scripts/gen_chart_schema.py`` rewrites the files; ``--check`` only reports stale ones
-(exit 1). tests/unit/helm/test_schema_drift.py runs the check.
+(exit 1). tests/unit/helm/test_helm_schema.py runs the check.
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ def engine_defs() -> dict[str, JSON]:
 
 def _add_cross_field_rules(defs: dict[str, JSON]) -> None:
     """EngineConfig's model validators that JSON Schema can express. The rest (n-gram bounds, KV capacity)
-    are checked by templates/_validate.tpl; test_engine_values.py checks both against EngineConfig."""
+    are checked by templates/_validate.tpl; test_helm_engine_values.py checks both against EngineConfig."""
     speculative = defs.get(ENGINE_PREFIX + "SpeculativeConfig")
     if speculative is not None and {"method", "draftModel"} <= set(speculative["properties"]):
         speculative["allOf"] = [
@@ -167,6 +167,17 @@ DNS_LABEL: JSON = {"type": "string", "pattern": "^[a-z0-9]([-a-z0-9]{0,61}[a-z0-
 DIGEST: JSON = {"type": "string", "pattern": "^(sha256:[a-f0-9]{64})?$"}
 PULL_POLICY: JSON = {"type": "string", "enum": ["Always", "IfNotPresent", "Never"]}
 QUANTITY: JSON = {"anyOf": [{"type": "string", "minLength": 1}, {"type": "number"}]}
+# A Kubernetes quantity, or "" for none (a size limit that may be left unset).
+OPTIONAL_QUANTITY: JSON = {"anyOf": [{"type": "string"}, {"type": "number"}]}
+ABSOLUTE_PATH: JSON = {"type": "string", "pattern": "^/"}
+# A key inside a Secret or ConfigMap, or "" (templates/_validate.tpl says when one is required).
+SECRET_KEY: JSON = {"type": "string", "pattern": "^[-._a-zA-Z0-9]*$"}
+# A DNS subdomain (names of Secrets, claims, priority and runtime classes), or "" for none.
+OPTIONAL_DNS_SUBDOMAIN: JSON = {
+    "type": "string",
+    "maxLength": 253,
+    "pattern": r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*)?$",
+}
 
 
 def ref(name: str) -> JSON:
@@ -204,6 +215,41 @@ TOLERATIONS: JSON = {"type": "array", "items": ref("io.k8s.api.core.v1.Toleratio
 AFFINITY = ref("io.k8s.api.core.v1.Affinity")
 PEERS: JSON = {"type": "array", "items": ref("io.k8s.api.networking.v1.NetworkPolicyPeer")}
 PORT = integer(1, 65535)
+ENV: JSON = {"type": "array", "items": ref("io.k8s.api.core.v1.EnvVar")}
+# NOTE: ConfigMaps only. A Secret reaches a container by env[].valueFrom.secretKeyRef (or hfTokenSecret),
+# never as a whole Secret imported into the environment (tests/unit/helm/test_helm_security.py).
+ENV_FROM: JSON = {
+    "type": "array",
+    "items": obj(
+        {"configMapRef": ref("io.k8s.api.core.v1.ConfigMapEnvSource"), "prefix": STRING},
+        required=("configMapRef",),
+    ),
+}
+VOLUME_MOUNTS: JSON = {"type": "array", "items": ref("io.k8s.api.core.v1.VolumeMount")}
+# The volume types the restricted Pod Security Standard allows, one per volume (no hostPath, no NFS, ...).
+# NOTE: not "ephemeral", which the standard allows too: its claim template embeds ObjectMeta, whose
+# managedFields are an untyped map that the strict schema cannot close.
+RESTRICTED_VOLUME_SOURCES = {
+    "configMap": "ConfigMapVolumeSource",
+    "csi": "CSIVolumeSource",
+    "downwardAPI": "DownwardAPIVolumeSource",
+    "emptyDir": "EmptyDirVolumeSource",
+    "persistentVolumeClaim": "PersistentVolumeClaimVolumeSource",
+    "projected": "ProjectedVolumeSource",
+    "secret": "SecretVolumeSource",
+}
+VOLUMES: JSON = {
+    "type": "array",
+    "items": obj(
+        {
+            "name": DNS_LABEL,
+            **{key: ref(f"io.k8s.api.core.v1.{name}") for key, name in RESTRICTED_VOLUME_SOURCES.items()},
+        },
+        required=("name",),
+        minProperties=2,
+        maxProperties=2,
+    ),
+}
 
 
 def image() -> JSON:
@@ -221,6 +267,43 @@ def port_range() -> JSON:
     return obj({"start": PORT, "end": PORT}, required=("start", "end"))
 
 
+def engine_pod() -> dict[str, JSON]:
+    """What both Ray groups' pods take beyond placement: scheduling classes, environment, extra volumes."""
+    return {
+        "priorityClassName": OPTIONAL_DNS_SUBDOMAIN,
+        "runtimeClassName": OPTIONAL_DNS_SUBDOMAIN,
+        "env": ENV,
+        "envFrom": ENV_FROM,
+        "extraVolumes": VOLUMES,
+        "extraVolumeMounts": VOLUME_MOUNTS,
+    }
+
+
+def model_storage() -> JSON:
+    return obj(
+        {
+            "existingClaim": STRING,
+            "mountPath": ABSOLUTE_PATH,
+            "subPath": STRING,
+            "pvcMountRoot": ABSOLUTE_PATH,
+            "hubCache": obj(
+                {"existingClaim": STRING, "mountPath": ABSOLUTE_PATH, "sizeLimit": OPTIONAL_QUANTITY}
+            ),
+            "fetch": obj(
+                {
+                    "enabled": BOOLEAN,
+                    "image": obj(
+                        {"repository": STRING, "tag": STRING, "digest": DIGEST, "pullPolicy": PULL_POLICY}
+                    ),
+                    "command": {"type": "array", "items": NON_EMPTY},
+                    "env": ENV,
+                    "resources": RESOURCES,
+                }
+            ),
+        }
+    )
+
+
 def chart_properties() -> dict[str, JSON]:
     model = obj(
         {"name": DNS_LABEL, "replicas": integer(1), "engine": ref(ENGINE_PREFIX + "EngineConfig")},
@@ -233,6 +316,7 @@ def chart_properties() -> dict[str, JSON]:
             "podAnnotations": STRING_MAP,
             "rayStartParams": STRING_MAP,
             "pdb": obj({"enabled": BOOLEAN}),
+            **engine_pod(),
         }
     )
     engine_workers = obj(
@@ -249,6 +333,16 @@ def chart_properties() -> dict[str, JSON]:
             "rayStartParams": STRING_MAP,
             "replicaPorts": port_range(),
             "pdb": obj({"enabled": BOOLEAN, "maxUnavailable": integer(1)}),
+            **engine_pod(),
+            "startupProbe": obj(
+                {
+                    "enabled": BOOLEAN,
+                    "initialDelaySeconds": integer(0),
+                    "periodSeconds": integer(1),
+                    "timeoutSeconds": integer(1),
+                    "failureThreshold": integer(1),
+                }
+            ),
         }
     )
     gateway = obj(
@@ -257,6 +351,7 @@ def chart_properties() -> dict[str, JSON]:
             "workers": integer(1, 64),
             "port": PORT,
             "healthPath": {"type": "string", "pattern": "^/"},
+            "readyPath": {"type": "string", "pattern": "^/"},
             "routingPolicy": {"type": "string", "minLength": 1},
             "redisFailOpen": BOOLEAN,
             "keyCacheTtlS": number(0),
@@ -318,9 +413,8 @@ def chart_properties() -> dict[str, JSON]:
         "image": image(),
         "operatorImage": image(),
         "models": {"type": "array", "items": model},
-        "modelStorage": obj(
-            {"existingClaim": STRING, "mountPath": {"type": "string", "pattern": "^/"}, "subPath": STRING}
-        ),
+        "modelStorage": model_storage(),
+        "hfTokenSecret": obj({"name": OPTIONAL_DNS_SUBDOMAIN, "key": SECRET_KEY}),
         "rayService": obj(
             {
                 "rayVersion": {"type": "string", "pattern": r"^\d+\.\d+\.\d+$"},

@@ -1,4 +1,4 @@
-"""Real gateway processes for tests: ``uvicorn tessera.gateway.app:create_app --factory`` on free ports.
+"""Real gateway processes for tests: ``tessera gateway`` (the launch the chart and ``tessera up`` use) on free ports.
 
 Each gateway is its own process group, so ``kill()`` (SIGKILL) and ``stop()`` (SIGTERM, then SIGKILL) reach
 exactly the processes this helper started.
@@ -17,7 +17,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -25,6 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+
+from tessera.gateway.launch import GatewayLaunch
 
 HEALTH_TIMEOUT_S = 90.0
 
@@ -98,9 +99,7 @@ def spawn_gateway(redis_url: str, log_dir: Path, env: Mapping[str, str] | None =
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"gateway-{port}.log"
     full_env = {**os.environ, "TESSERA_REDIS_URL": redis_url, "TESSERA_TRACE_EXPORTER": "none", **(env or {})}
-    cmd = [sys.executable, "-m", "uvicorn", "tessera.gateway.app:create_app", "--factory",
-           "--host", "127.0.0.1", "--port", str(port), "--workers", str(workers),
-           "--loop", "uvloop", "--http", "httptools", "--no-access-log", "--log-level", "warning"]
+    cmd = GatewayLaunch(port=port, workers=workers, metrics_dir=log_dir / f"gateway-{port}-metrics").command()
     with open(log_path, "ab") as log:
         process = subprocess.Popen(cmd, env=full_env, stdout=log, stderr=subprocess.STDOUT, process_group=0)
     return GatewayProcess(port, process, log_path)

@@ -204,12 +204,89 @@ imagePullSecrets:
 {{- end }}
 {{- end }}
 
-{{/* The model volume (read-only PVC) when modelStorage.existingClaim is set. */}}
+{{/*
+Model paths. models[].engine.model, .tokenizer and .speculative.draftModel are each a directory in the pod,
+a Hugging Face hub id, or "pvc://<claim>/<path>": that PersistentVolumeClaim is mounted read-only at
+<modelStorage.pvcMountRoot>/<claim> (engine workers and gateway) and the engine is given the path below it.
+"tessera.modelPaths" lists them as JSON [{where, path}] for the helpers and checks below.
+*/}}
+{{- define "tessera.modelPaths" -}}
+{{- $paths := list }}
+{{- range $i, $m := .Values.models }}
+{{- $where := printf "models[%d] (%s).engine" $i $m.name }}
+{{- range $key := list "model" "tokenizer" }}
+{{- with index $m.engine $key }}
+{{- $paths = append $paths (dict "where" (printf "%s.%s" $where $key) "path" (toString .)) }}
+{{- end }}
+{{- end }}
+{{- if kindIs "map" $m.engine.speculative }}
+{{- with $m.engine.speculative.draftModel }}
+{{- $paths = append $paths (dict "where" (printf "%s.speculative.draftModel" $where) "path" (toString .)) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- toJson $paths }}
+{{- end }}
+
+{{/* The claim of a "pvc://<claim>/<path>" model path ("" when it names none). */}}
+{{- define "tessera.pvcClaim" -}}
+{{- first (splitList "/" (trimPrefix "pvc://" .)) }}
+{{- end }}
+
+{{/* The path the engine is given for a model path: pvc:// paths below their mount, others unchanged. Call with (list . path). */}}
+{{- define "tessera.modelPath" -}}
+{{- $root := index . 0 }}
+{{- $path := index . 1 }}
+{{- if hasPrefix "pvc://" $path }}
+{{- printf "%s/%s" (trimSuffix "/" $root.Values.modelStorage.pvcMountRoot) (trimPrefix "pvc://" $path | trimSuffix "/") }}
+{{- else }}
+{{- $path }}
+{{- end }}
+{{- end }}
+
+{{/* The claims named by pvc:// model paths, sorted, space-separated. */}}
+{{- define "tessera.pvcClaims" -}}
+{{- $claims := list }}
+{{- range include "tessera.modelPaths" . | fromJsonArray }}
+{{- if hasPrefix "pvc://" .path }}
+{{- $claims = append $claims (include "tessera.pvcClaim" .path) }}
+{{- end }}
+{{- end }}
+{{- $claims | compact | uniq | sortAlpha | join " " }}
+{{- end }}
+
+{{/* The hub ids among the model paths (neither a pod path nor a URL), sorted, space-separated. */}}
+{{- define "tessera.hubModelIds" -}}
+{{- $ids := list }}
+{{- range include "tessera.modelPaths" . | fromJsonArray }}
+{{- if not (or (hasPrefix "/" .path) (hasPrefix "." .path) (contains "://" .path)) }}
+{{- $ids = append $ids .path }}
+{{- end }}
+{{- end }}
+{{- $ids | uniq | sortAlpha | join " " }}
+{{- end }}
+
+{{/* The volume name of a pvc:// claim: "pvc-<claim>" when that is a DNS label, else a hash of the claim. */}}
+{{- define "tessera.pvcVolumeName" -}}
+{{- if and (le (len .) 59) (regexMatch "^[a-z0-9]([-a-z0-9]*[a-z0-9])?$" .) }}
+{{- printf "pvc-%s" . }}
+{{- else }}
+{{- printf "pvc-%s" (sha256sum . | trunc 16) }}
+{{- end }}
+{{- end }}
+
+{{/* The model volumes (read-only PVCs): modelStorage.existingClaim and the claims of pvc:// model paths. */}}
 {{- define "tessera.modelVolume" -}}
 {{- if .Values.modelStorage.existingClaim }}
 - name: models
   persistentVolumeClaim:
     claimName: {{ .Values.modelStorage.existingClaim }}
+    readOnly: true
+{{- end }}
+{{- range include "tessera.pvcClaims" . | splitList " " | compact }}
+- name: {{ include "tessera.pvcVolumeName" . }}
+  persistentVolumeClaim:
+    claimName: {{ . }}
     readOnly: true
 {{- end }}
 {{- end }}
@@ -223,6 +300,188 @@ imagePullSecrets:
   subPath: {{ . }}
   {{- end }}
 {{- end }}
+{{- range include "tessera.pvcClaims" . | splitList " " | compact }}
+- name: {{ include "tessera.pvcVolumeName" . }}
+  mountPath: {{ printf "%s/%s" (trimSuffix "/" $.Values.modelStorage.pvcMountRoot) . }}
+  readOnly: true
+{{- end }}
+{{- end }}
+
+{{/* A quantity as written in a manifest or a message: numbers (Helm holds them as float64) in full. */}}
+{{- define "tessera.quantityText" -}}
+{{- if kindIs "float64" . }}{{ int64 . }}{{ else }}{{ toString . }}{{ end }}
+{{- end }}
+
+{{/* The Hugging Face cache of the engine workers: modelStorage.hubCache's claim, or an emptyDir. */}}
+{{- define "tessera.hubCacheVolume" -}}
+{{- $cache := .Values.modelStorage.hubCache -}}
+- name: hf-cache
+  {{- if $cache.existingClaim }}
+  persistentVolumeClaim:
+    claimName: {{ $cache.existingClaim }}
+  {{- else if $cache.sizeLimit }}
+  emptyDir:
+    sizeLimit: {{ include "tessera.quantityText" $cache.sizeLimit }}
+  {{- else }}
+  emptyDir: {}
+  {{- end }}
+{{- end }}
+
+{{/* What the engine workers' and the fetch container's model downloads need: HF_HOME and HF_TOKEN. */}}
+{{- define "tessera.hubEnv" -}}
+- name: HF_HOME
+  value: {{ .Values.modelStorage.hubCache.mountPath | quote }}
+{{- with .Values.hfTokenSecret.name }}
+- name: HF_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ . }}
+      key: {{ $.Values.hfTokenSecret.key }}
+{{- end }}
+{{- end }}
+
+{{/* The environment the chart sets on an engine worker container (extra env is appended after it). */}}
+{{- define "tessera.engineWorkerEnv" -}}
+{{ include "tessera.env" . | trim }}
+# The address a replica registers in Redis for the gateway to call it at.
+- name: TESSERA_ADVERTISE_HOST
+  valueFrom:
+    fieldRef:
+      fieldPath: status.podIP
+# The port ranges the NetworkPolicy opens on this pod: replica HTTP endpoints to the
+# gateway, KV events to the controller ("start-end", inclusive).
+- name: TESSERA_ENGINE_PORT_RANGE
+  value: "{{ .Values.rayService.engineWorkers.replicaPorts.start }}-{{ .Values.rayService.engineWorkers.replicaPorts.end }}"
+- name: TESSERA_KV_EVENTS_PORT_RANGE
+  value: "{{ .Values.kvcontrol.kvEventsPorts.start }}-{{ .Values.kvcontrol.kvEventsPorts.end }}"
+{{ include "tessera.hubEnv" . }}
+{{- end }}
+
+{{/* The chart's volumes and mounts of the engine workers and of the Ray head (extra ones are appended). */}}
+{{- define "tessera.engineWorkerVolumes" -}}
+- name: dshm
+  emptyDir:
+    medium: Memory
+    sizeLimit: {{ include "tessera.quantityText" .Values.rayService.engineWorkers.shmSizeLimit }}
+- name: ray-logs
+  emptyDir: {}
+{{ include "tessera.hubCacheVolume" . }}
+{{- include "tessera.modelVolume" . }}
+{{- end }}
+
+{{- define "tessera.engineWorkerMounts" -}}
+- name: dshm
+  mountPath: /dev/shm
+- name: ray-logs
+  mountPath: /tmp/ray
+- name: hf-cache
+  mountPath: {{ .Values.modelStorage.hubCache.mountPath }}
+{{- include "tessera.modelVolumeMount" . }}
+{{- end }}
+
+{{- define "tessera.rayHeadVolumes" -}}
+- name: ray-logs
+  emptyDir: {}
+{{- end }}
+
+{{- define "tessera.rayHeadMounts" -}}
+- name: ray-logs
+  mountPath: /tmp/ray
+{{- end }}
+
+{{/*
+The init container that fetches the models into the hub cache (modelStorage.fetch). Restricted like every
+container; by default it downloads each hub id of `models` with huggingface_hub.snapshot_download.
+*/}}
+{{- define "tessera.modelFetchContainer" -}}
+{{- $fetch := .Values.modelStorage.fetch -}}
+- name: fetch-models
+  {{- if $fetch.image.repository }}
+  image: {{ include "tessera.image" (list . $fetch.image) }}
+  imagePullPolicy: {{ $fetch.image.pullPolicy }}
+  {{- else }}
+  image: {{ include "tessera.image" (list . .Values.image) }}
+  imagePullPolicy: {{ .Values.image.pullPolicy }}
+  {{- end }}
+  {{- if $fetch.command }}
+  command:
+    {{- toYaml $fetch.command | nindent 4 }}
+  {{- else }}
+  command:
+    - python3
+    - -c
+    - |
+      import sys
+      from huggingface_hub import snapshot_download
+      for repo_id in sys.argv[1:]:
+          print(f"fetching {repo_id}", flush=True)
+          print(snapshot_download(repo_id=repo_id), flush=True)
+    {{- range include "tessera.hubModelIds" . | splitList " " | compact }}
+    - {{ . | quote }}
+    {{- end }}
+  {{- end }}
+  securityContext:
+    {{- include "tessera.containerSecurityContext" (list . false) | nindent 4 }}
+  env:
+    {{- include "tessera.hubEnv" . | nindent 4 }}
+    {{- with $fetch.env }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
+  resources:
+    {{- toYaml $fetch.resources | nindent 4 }}
+  volumeMounts:
+    - name: hf-cache
+      mountPath: {{ .Values.modelStorage.hubCache.mountPath }}
+    {{- with .Values.rayService.engineWorkers.extraVolumeMounts }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
+{{- end }}
+
+{{/*
+The engine workers' startup probe. An engine replica's model loads inside a Ray actor that Ray Serve places
+on some worker pod after the pod's raylet has joined the cluster, and it serves on a port picked from a
+range, so no fixed port or file of the pod says "loaded". Ray Serve does know: a replica is STARTING until
+its constructor (EngineHost.start: vLLM load, KV profiling, warm-up, endpoint listening) has returned. The
+probe passes once the local raylet is healthy and the head's Serve API lists no replica on this pod's IP
+that is still starting. A pod that hosts no replica passes as soon as its raylet is up.
+Arguments: the local dashboard agent's URL and the head dashboard's port (a test runs the script against
+a stand-in server); the head's address comes from FQ_RAY_IP, which KubeRay sets on every worker.
+*/}}
+{{- define "tessera.engineStartupProbe" -}}
+{{- $probe := .Values.rayService.engineWorkers.startupProbe -}}
+exec:
+  command:
+    - python3
+    - -c
+    - |
+      import json, os, sys, urllib.request
+      def get(url):
+          with urllib.request.urlopen(url, timeout=4) as response:
+              return response.read()
+      agent, dashboard_port = sys.argv[1], sys.argv[2]
+      try:
+          if b"success" not in get(f"{agent}/api/local_raylet_healthz"):
+              sys.exit("the raylet is not healthy yet")
+          head = os.environ.get("FQ_RAY_IP") or os.environ["RAY_IP"]
+          status = json.loads(get(f"http://{head}:{dashboard_port}/api/serve/applications/"))
+      except Exception as exc:
+          sys.exit(f"cannot tell yet: {exc}")
+      here = os.environ["TESSERA_ADVERTISE_HOST"]
+      loading = sorted(
+          f"{app_name}/{replica.get('replica_id')}"
+          for app_name, app in (status.get("applications") or {}).items()
+          for deployment in (app.get("deployments") or {}).values()
+          for replica in deployment.get("replicas") or []
+          if replica.get("node_ip") == here and replica.get("state") in ("STARTING", "UPDATING", "RECOVERING")
+      )
+      if loading:
+          sys.exit("engine replicas still starting on this pod: " + ", ".join(loading))
+    - http://localhost:52365
+    - "8265"
+initialDelaySeconds: {{ $probe.initialDelaySeconds }}
+periodSeconds: {{ $probe.periodSeconds }}
+timeoutSeconds: {{ $probe.timeoutSeconds }}
+failureThreshold: {{ $probe.failureThreshold }}
 {{- end }}
 
 {{/*

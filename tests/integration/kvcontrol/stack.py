@@ -27,6 +27,8 @@ from typing import Any
 import httpx
 import orjson
 
+from tessera.gateway.launch import GatewayLaunch
+
 BIN = Path(sys.executable).parent
 ADMIN_TOKEN = "kvcontrol-admin"
 
@@ -121,9 +123,8 @@ class KVStack:
             self.engine_urls[engine_id] = path.read_text().strip()
         port = free_port()
         self.gateway = subprocess.Popen(
-            _pinned([str(BIN / "python"), "-m", "uvicorn", "tessera.gateway.app:create_app", "--factory", "--port",
-                     str(port), "--workers", "1", "--loop", "uvloop", "--http", "httptools", "--no-access-log",
-                     "--log-level", "warning"], o.platform_cpus),
+            _pinned(GatewayLaunch(port=port, metrics_dir=o.run_dir / "gateway-metrics").command(str(BIN / "python")),
+                    o.platform_cpus),
             env=self.env(), stdout=(o.run_dir / "gateway.log").open("wb"), stderr=subprocess.STDOUT,
             process_group=0)
         self.gateway_url = f"http://127.0.0.1:{port}"

@@ -57,6 +57,25 @@ def serve_config(docs: list[JSON]) -> JSON:
     return config
 
 
+PVC_MOUNT_ROOT = "/mnt/pvc"  # values.yaml modelStorage.pvcMountRoot
+
+
+def served_engine(engine: JSON, pvc_mount_root: str = PVC_MOUNT_ROOT) -> JSON:
+    """The engine settings the chart puts in the serve config for these values: the same, except that a
+    pvc://<claim>/<path> model, tokenizer or draft model becomes <pvc_mount_root>/<claim>/<path>."""
+
+    def resolve(path: Any) -> Any:
+        if isinstance(path, str) and path.startswith("pvc://"):
+            return f"{pvc_mount_root.rstrip('/')}/{path.removeprefix('pvc://').rstrip('/')}"
+        return path
+
+    served = {**engine, **{key: resolve(engine[key]) for key in ("model", "tokenizer") if key in engine}}
+    speculative = engine.get("speculative")
+    if isinstance(speculative, dict) and "draftModel" in speculative:
+        served["speculative"] = {**speculative, "draftModel": resolve(speculative["draftModel"])}
+    return served
+
+
 def pod_specs(doc: JSON) -> Iterator[tuple[str, JSON]]:
     """(where, pod spec) for each pod template in an object: workloads and the RayService's groups."""
     kind, name = doc["kind"], doc["metadata"]["name"]

@@ -8,7 +8,7 @@ from typing import Any
 
 import helm_python
 import pytest
-from chart_support import CHART_DIR, CI_VALUES, load_values, render, serve_config
+from chart_support import CHART_DIR, CI_VALUES, load_values, render, serve_config, served_engine
 from pydantic import ValidationError
 
 from tessera.engine.config import EngineConfig
@@ -24,13 +24,13 @@ def test_serve_config_engine_settings_equal_the_values(values_file: Path) -> Non
     assert list(applications) == [m["name"] for m in values["models"]]
     for model in values["models"]:
         rendered = applications[model["name"]]["args"]["engine"]
-        assert rendered == model["engine"], "the chart must pass engine settings through unchanged"
-        assert EngineConfig.model_validate(rendered, strict=True) == EngineConfig.model_validate(
-            model["engine"]
-        )
+        # Unchanged, except pvc:// model paths, which become the paths where the chart mounts their claims.
+        expected = served_engine(model["engine"])
+        assert rendered == expected, "the chart must pass engine settings through unchanged"
+        assert EngineConfig.model_validate(rendered, strict=True) == EngineConfig.model_validate(expected)
         # The operator's builder makes the same application from the same settings (Model objects).
         assert applications[model["name"]] == build_serve_application(
-            model["name"], model["engine"], model.get("replicas", 1)
+            model["name"], expected, model.get("replicas", 1)
         )
 
 

@@ -43,7 +43,17 @@ def ray_service_validator() -> jsonschema.Draft202012Validator:
 
 def test_ci_has_the_required_values_files() -> None:
     names = set(VALUES_IDS)
-    assert {"minimal", "production-external-redis", "two-models", "eagle", "fp8-off", "planner"} <= names
+    assert {
+        "minimal",
+        "production-external-redis",
+        "two-models",
+        "eagle",
+        "fp8-off",
+        "planner",
+        "gpu-nodes",
+        "pvc-model",
+        "model-fetch",
+    } <= names
 
 
 @pytest.mark.parametrize("values_file", CI_VALUES, ids=VALUES_IDS)

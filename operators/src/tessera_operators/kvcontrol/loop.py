@@ -261,6 +261,8 @@ class EngineControlLoop:
         m = self.ctx.metrics
         m.blocks_total.labels(self.engine_id).set(state.num_gpu_blocks)
         m.blocks_used.labels(self.engine_id).set(state.num_gpu_blocks - state.num_free_blocks)
+        m.requests.labels(self.engine_id, "running").set(state.num_running)
+        m.requests.labels(self.engine_id, "waiting").set(state.num_waiting)
         m.pressure.labels(self.engine_id).set(1 if self.under_pressure else 0)
         m.set_tenant_blocks(self.engine_id, self.ledger.owner_blocks(self.ctx.tenants.salt_to_tenant))
 

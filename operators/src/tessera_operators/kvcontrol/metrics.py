@@ -22,6 +22,8 @@ class ControllerMetrics:
                                  ["engine", "tenant", "cause"], registry=r)
         self.actions = Counter("tessera_kvcontrol_actions_total", "Controller actions taken",
                                ["engine", "action", "tenant"], registry=r)
+        self.requests = Gauge("tessera_engine_requests", "Requests in the engine by state (running, waiting), "
+                              "as the controller polled them", ["engine", "state"], registry=r)
         self.pressure = Gauge("tessera_engine_kv_pressure", "1 while the engine's pressure flag is set",
                               ["engine"], registry=r)
         self.batches = Counter("tessera_kvcontrol_event_batches_total", "KV event batches applied",
@@ -51,6 +53,11 @@ class ControllerMetrics:
         for gauge in (self.blocks_total, self.blocks_used, self.pressure):
             try:
                 gauge.remove(engine)
+            except KeyError:
+                pass
+        for state in ("running", "waiting"):
+            try:
+                self.requests.remove(engine, state)
             except KeyError:
                 pass
 

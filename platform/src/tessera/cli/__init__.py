@@ -6,6 +6,7 @@ import typer
 
 from tessera.cli.doctor import doctor
 from tessera.cli.engine import engine_app
+from tessera.cli.gateway import gateway
 from tessera.cli.model import model_app
 from tessera.cli.plan import plan_app
 from tessera.cli.tenants import keys_app, tenants_app
@@ -21,6 +22,7 @@ app.add_typer(plan_app, name="plan")
 app.add_typer(traces_app, name="traces")
 app.command("up")(up)
 app.command("doctor")(doctor)
+app.command("gateway")(gateway)
 
 
 def main() -> None:

@@ -9,6 +9,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 
+from tessera.engine.placement import vllm_executor_backend
+
+Accelerator = Literal["auto", "gpu", "cpu"]
 KVCacheDtype = Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"]
 SpeculativeMethod = Literal["ngram", "eagle", "eagle3", "draft_model", "mtp"]
 # Methods that need a separate draft checkpoint; mtp and ngram draft from the target model itself.
@@ -109,6 +112,13 @@ class EngineConfig(BaseModel):
         default=0.9, gt=0.0, le=1.0, description="Share of accelerator memory vLLM may use."
     )
     tensor_parallel_size: int = Field(default=1, ge=1, description="GPUs per replica (tensor parallel).")
+    accelerator: Accelerator = Field(
+        default="auto",
+        description="What a replica runs on and asks Ray for: 'gpu', tensorParallelSize GPUs on one node (one: "
+        "the replica's own; more: a STRICT_PACK placement group of one-GPU bundles for vLLM's Ray executor); "
+        "'cpu', no GPU (vLLM's CPU build); 'auto', what the installed vLLM build runs on (CPU build: cpu, "
+        "otherwise gpu).",
+    )
     num_gpu_blocks_override: int | None = Field(
         default=None, ge=1, description="Explicit KV block count (tests provoke eviction with a tiny cache)."
     )
@@ -172,6 +182,9 @@ class EngineConfig(BaseModel):
             "seed": self.seed,
             "disable_log_stats": False,
         }
+        backend = vllm_executor_backend(self.accelerator, self.tensor_parallel_size)
+        if backend is not None:
+            kwargs["distributed_executor_backend"] = backend
         if self.max_num_batched_tokens is not None:
             kwargs["max_num_batched_tokens"] = self.max_num_batched_tokens
         if self.num_gpu_blocks_override is not None:

@@ -113,8 +113,10 @@ class Gateway:
                                       headers, request_id)
             elif path == "/v1/usage" and method == "GET":
                 await self._usage(scope, send, headers, request_id)
-            elif path == "/health":
+            elif path == "/health":  # liveness: the process serves requests
                 await respond(send, 200, {"status": "ok"}, request_id)
+            elif path == "/ready":
+                await self._ready(send, request_id)
             elif path == "/metrics":
                 body, content_type = self.metrics.render()
                 await send({"type": "http.response.start", "status": 200,
@@ -157,6 +159,20 @@ class Gateway:
             raise APIError(404, f"The model {name!r} does not exist; GET /v1/models lists yours.",
                            "model_not_found")
         await respond(send, 200, tokenizer_document(served), request_id)
+
+    async def _ready(self, send: Send, request_id: str) -> None:
+        """Readiness: Redis answers (unless the gateway runs fail-open) and at least one engine is registered;
+        503 naming what is missing otherwise, so Kubernetes sends no traffic a gateway cannot serve."""
+        problems: list[str] = []
+        try:
+            await self.redis.ping()
+            if not await self.router.num_live_engines():
+                problems.append("no engine replica is registered")
+        except REDIS_ERRORS as exc:
+            if not self.settings.redis_fail_open:
+                problems.append(f"Redis is unreachable ({type(exc).__name__})")
+        await respond(send, 503 if problems else 200,
+                      {"status": "not_ready" if problems else "ready", "problems": problems}, request_id)
 
     async def _usage(self, scope: Scope, send: Send, headers: dict[str, str], request_id: str) -> None:
         tenant = await self.auth.tenant_for(headers.get("authorization"))
@@ -208,7 +224,7 @@ def validation_message(exc: ValidationError) -> tuple[str, str | None]:
 
 
 def create_app() -> Gateway:
-    """uvicorn factory: ``uvicorn tessera.gateway.app:create_app --factory``."""
+    """uvicorn factory; start it with ``tessera gateway`` (gateway/launch.py), which sums workers' metrics."""
     return Gateway(load_settings())
 
 

@@ -317,7 +317,12 @@ class GenerationFlow:
                 "tessera.retries": result.retries,
                 "tessera.engine.final": result.engines_tried[-1] if result.engines_tried else "",
             })
-            gw.metrics.completed(tenant.name, result.completion_tokens, time.monotonic() - t_start)
+            elapsed_s = time.monotonic() - t_start
+            # The first delta is stamped on the wall clock (it is a span event): TTFT is the elapsed time
+            # less the time since that stamp.
+            ttft_s = (None if result.first_delta_ns is None
+                      else elapsed_s - (time.time_ns() - result.first_delta_ns) / 1e9)
+            gw.metrics.completed(tenant.name, result.completion_tokens, elapsed_s, ttft_s)
 
     async def _all_engines_pressured(self, model: str) -> bool:
         """True while the KV-eviction controller flags every live engine of the model (registry view, cached

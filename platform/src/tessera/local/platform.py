@@ -23,6 +23,7 @@ import httpx
 from tessera.engine.config import EngineConfig, default_small_model_dir
 from tessera.engine.registry import EngineRecord, EngineRegistry
 from tessera.engine.small_model import is_small_model_dir, make_small_model
+from tessera.gateway.launch import GatewayLaunch
 from tessera.local.engine_failure import engine_failure_cause
 from tessera.redis_conn import EmbeddedRedis, connect
 from tessera.tenancy.policy import TenantPolicy
@@ -151,10 +152,8 @@ class LocalPlatform:
 
     def _start_gateway(self, env: dict[str, str]) -> None:
         opts = self.options
-        cmd = [sys.executable, "-m", "uvicorn", "tessera.gateway.app:create_app", "--factory",
-               "--host", opts.gateway_host, "--port", str(opts.gateway_port), "--workers", str(opts.gateway_workers),
-               "--loop", "uvloop", "--http", "httptools", "--no-access-log", "--log-level", "warning",
-               "--timeout-keep-alive", "30"]
+        cmd = GatewayLaunch(host=opts.gateway_host, port=opts.gateway_port, workers=opts.gateway_workers,
+                            metrics_dir=self.run_dir / "gateway-metrics").command()
         # Its own process group (Ctrl-C in the terminal does not reach it; shutdown stops it in order), but in
         # this session, where Ray's engine processes are too: with the kernel's autogroup scheduling each
         # session is a scheduling group, and a gateway alone in one was seen starved for seconds beside the

@@ -73,6 +73,11 @@ class Router:
             await self._read_registry()
         return [e for e in self._engines if e.model == model]
 
+    async def num_live_engines(self) -> int:
+        """Live engines of every model, read from the registry now (readiness probes; not the request path)."""
+        await self._read_registry()
+        return len(self._engines)
+
     async def close(self) -> None:
         await self._refresher.close()
         if self._sweep_task is not None:

@@ -1,0 +1,56 @@
+"""One multi-node Ray cluster with GPU-declaring nodes, shared by this directory's tests (see
+cluster_driver.py for why its driver is a child process)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from integration.ray.cluster_driver import ClusterDriver, ClusterSpec
+from tessera.engine.registry import EngineRecord, EngineRegistry
+from tessera.redis_conn import EmbeddedRedis, connect
+
+GPU_NODES = 2
+GPUS_PER_NODE = 2
+
+
+@pytest.fixture(scope="module")
+def cluster(redis_server: EmbeddedRedis, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClusterDriver]:
+    """A head without GPUs (as the chart's) and GPU_NODES nodes declaring GPUS_PER_NODE GPUs each."""
+    env = {
+        # Serve says a replica waits for resources after this long (default 30 s).
+        "RAY_SERVE_SLOW_STARTUP_WARNING_S": "1",
+        "RAY_SERVE_SLOW_STARTUP_WARNING_PERIOD_S": "1",
+        "RAY_USAGE_STATS_ENABLED": "0",
+        # The real engine replica: its registry, and the CPU build's settings as the local platform's.
+        "TESSERA_REDIS_URL": redis_server.url,
+        "TESSERA_TRACE_DIR": str(tmp_path_factory.mktemp("ray-traces")),
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    }
+    driver = ClusterDriver(ClusterSpec(gpu_nodes=GPU_NODES, gpus_per_node=GPUS_PER_NODE, cpus_per_gpu_node=2,
+                                       env=tuple(env.items())))
+    try:
+        yield driver
+    finally:
+        driver.close()
+
+
+def live_engines(redis_url: str) -> list[EngineRecord]:
+    async def read() -> list[EngineRecord]:
+        redis = connect(redis_url, timeout_s=5)
+        try:
+            return await EngineRegistry(redis).live_engines()
+        finally:
+            await redis.aclose()
+
+    return asyncio.run(read())
+
+
+def engine_settings(model_dir: Path) -> dict[str, object]:
+    """The real engine, small and quick on the CPU build, asking for a GPU as on a GPU node."""
+    return {"model": str(model_dir), "accelerator": "gpu", "kvEvents": {"enabled": False}, "speculative": None,
+            "maxModelLen": 512, "maxNumSeqs": 4, "cpuKvCacheSpaceGib": 1, "heartbeatIntervalS": 0.5}
