@@ -56,12 +56,6 @@ def openapi_document() -> dict[str, Any]:
                         "parameters": [{"name": "model", "in": "path", "required": True,
                                         "schema": {"type": "string"}}],
                         "responses": _responses("tokenizer document")}},
-            "/health": {"get": {"summary": "Liveness: 200 while the process serves", "security": [],
-                                "responses": {"200": {"description": "alive"}}}},
-            "/ready": {"get": {"summary": "Readiness: Redis answers and an engine is registered (503 names what "
-                                          "is missing)", "security": [],
-                               "responses": {"200": {"description": "ready"},
-                                             "503": {"description": "not ready, with the problems"}}}},
             "/v1/usage": {"get": {"summary": "This key's tenant's usage in the current period",
                                   "security": [{"bearer": []}],
                                   "parameters": [{"name": "period", "in": "query", "required": False,
