@@ -42,8 +42,9 @@ def quiet_refresher(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(router_module, "REGISTRY_CACHE_S", 60.0)
 
 
-async def register(redis: aioredis.Redis, *engine_ids: str, model: str = MODEL) -> None:
-    registry = EngineRegistry(redis)
+async def register(redis: aioredis.Redis, *engine_ids: str, model: str = MODEL,
+                   heartbeat_interval_s: float = 1.0) -> None:
+    registry = EngineRegistry(redis, heartbeat_interval_s)
     for engine_id in engine_ids:
         await registry.heartbeat(EngineRecord(engine_id, f"http://{engine_id}", model, 32, 100, 2048))
 
@@ -120,7 +121,10 @@ async def test_the_router_sweeps_departed_engines_out_of_the_index(
         redis: aioredis.Redis, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(router_module, "SWEEP_INTERVAL_S", 0.0)
     monkeypatch.setattr(router_module, "REGISTRY_CACHE_S", 0.0)
-    await register(redis, "a")
+    # NOTE: a long registry TTL. Twice in the full suite (this process also hosts engines there) "a" was
+    # swept; a lapsed 5 s TTL is the only way the registry drops it, and the sweep under test is not about
+    # expiry.
+    await register(redis, "a", heartbeat_interval_s=60.0)
     index = PrefixIndex(redis)
     hashes = chain(3)
     await index.apply("a", [("store", h) for h in hashes])
