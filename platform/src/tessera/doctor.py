@@ -150,11 +150,11 @@ def kv_capacity_estimate(config: object) -> str:
     from vllm.config import ParallelConfig
     from vllm.platforms import current_platform
 
+    from tessera.engine.capabilities import probe_engine_kwargs
     from tessera.engine.config import EngineConfig
 
     assert isinstance(config, EngineConfig)
-    probe = config.model_copy(update={"kv_events": config.kv_events.model_copy(update={"enabled": False})})
-    model_config = AsyncEngineArgs(**probe.to_vllm_kwargs()).create_model_config()
+    model_config = AsyncEngineArgs(**probe_engine_kwargs(config)).create_model_config()
     parallel = ParallelConfig(tensor_parallel_size=config.tensor_parallel_size)
     model_dtype = model_config.dtype
     assert not isinstance(model_dtype, str), "vLLM resolves the model dtype to a torch.dtype"

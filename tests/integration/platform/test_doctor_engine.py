@@ -8,19 +8,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 from tessera.doctor import engine_findings
 
 TESSERA = str(Path(sys.executable).parent / "tessera")
-
-
-@pytest.fixture
-def cpu_without_fp8_kv(monkeypatch: pytest.MonkeyPatch) -> None:
-    import torch
-
-    monkeypatch.setattr(torch.cpu, "_is_avx512_supported", lambda: False)
-    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
 
 
 def test_without_fp8_doctor_reports_the_fallback_and_its_capacity(cpu_without_fp8_kv: None,

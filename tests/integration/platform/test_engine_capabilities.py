@@ -35,15 +35,6 @@ def fp8_kv_refusal(model_dir: Path) -> str | None:
 
 
 @pytest.fixture
-def cpu_without_fp8_kv(monkeypatch: pytest.MonkeyPatch) -> None:
-    """This process's torch reports no AVX-512 and no AMX: what vLLM sees on an AVX2-only CPU."""
-    import torch
-
-    monkeypatch.setattr(torch.cpu, "_is_avx512_supported", lambda: False)
-    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
-
-
-@pytest.fixture
 def fallback_engine(cpu_without_fp8_kv: None, small_model_dir: Path, redis_server: EmbeddedRedis,
                     caplog: pytest.LogCaptureFixture) -> Iterator[EngineHost]:
     """The platform defaults (FP8 KV, n-gram) plus an eagle draft model that does not exist."""

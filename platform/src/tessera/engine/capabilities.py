@@ -104,7 +104,7 @@ def ask_vllm(config: EngineConfig) -> PlatformAnswers:
     """vLLM's answers for ``config`` on this process's platform; reads the model's config, loads no weights."""
     from vllm import AsyncEngineArgs
 
-    model_config = AsyncEngineArgs(**_probe_kwargs(config)).create_model_config()
+    model_config = AsyncEngineArgs(**probe_engine_kwargs(config)).create_model_config()
     return PlatformAnswers(
         kv_cache_dtype_refusal=kv_cache_dtype_refusal(
             config.vllm_kv_cache_dtype, model_config.dtype, model_config.get_head_size(),
@@ -146,7 +146,7 @@ def _speculative_refusal(config: EngineConfig, model_config: Any) -> str | None:
     from vllm import AsyncEngineArgs
 
     # A fresh copy: vLLM writes the target model into the args' speculative dict.
-    args = AsyncEngineArgs(**_probe_kwargs(config))
+    args = AsyncEngineArgs(**probe_engine_kwargs(config))
     try:
         args.create_speculative_config(model_config, _parallel(config))
     except (ValueError, NotImplementedError, OSError) as exc:  # pydantic's ValidationError is a ValueError
@@ -154,7 +154,8 @@ def _speculative_refusal(config: EngineConfig, model_config: Any) -> str | None:
     return None
 
 
-def _probe_kwargs(config: EngineConfig) -> dict[str, Any]:
+def probe_engine_kwargs(config: EngineConfig) -> dict[str, Any]:
+    """vLLM engine arguments for reading configs only (no weights, no engine)."""
     # No KV-event publisher: the probe builds configs only, and must not claim the replica's event port.
     return config.model_copy(update={"kv_events": config.kv_events.model_copy(update={"enabled": False})}
                              ).to_vllm_kwargs()

@@ -32,7 +32,7 @@ from tessera.engine.ports import below_ephemeral_range, free_port, reserve_port
 from tessera.engine.protocol import GenerateRequest, RequestStats
 from tessera.engine.registry import EngineRecord, EngineRegistry, ModelInfo, register_model
 from tessera.engine.root_cause import EngineErrorLog, start_failure_line
-from tessera.engine.stats import LoadTracker, make_stat_logger_factory
+from tessera.engine.stats import EngineLoad, LoadTracker, make_stat_logger_factory
 
 logger = logging.getLogger(__name__)
 
@@ -234,10 +234,10 @@ class EngineHost:
             else:
                 logger.warning("engine %s: %s", self.engine_id, fallback.describe())
 
-    def facts(self) -> dict[str, Any]:
+    def facts(self, load: EngineLoad | None = None) -> dict[str, Any]:
         """What this replica runs, for /stats, /metrics and the registry: the effective KV dtype and
         capacity, the speculative method, and why any of them differ from the config."""
-        load = self.tracker.snapshot()
+        load = load or self.tracker.snapshot()
         return {
             "kv_cache_dtype": self.resolution.config.kv_cache_dtype,
             "kv_cache_dtype_requested": self.config.kv_cache_dtype,
@@ -264,6 +264,7 @@ class EngineHost:
 
     def record(self) -> EngineRecord:
         load = self.tracker.snapshot()
+        facts = self.facts(load)
         return EngineRecord(
             engine_id=self.engine_id,
             url=self.url,
@@ -275,10 +276,10 @@ class EngineHost:
             num_running=load.num_running,
             num_waiting=load.num_waiting,
             kv_cache_usage=load.kv_cache_usage,
-            kv_cache_dtype=self.resolution.config.kv_cache_dtype,
-            kv_capacity_tokens=load.num_gpu_blocks * load.block_size,
-            speculative_method=self.resolution.speculative_method,
-            fallbacks="\n".join(f.describe() for f in self.resolution.fallbacks),
+            kv_cache_dtype=facts["kv_cache_dtype"],
+            kv_capacity_tokens=facts["kv_capacity_tokens"],
+            speculative_method=facts["speculative_method"],
+            fallbacks="\n".join(facts["fallbacks"]),
         )
 
     async def _heartbeat_loop(self) -> None:
@@ -366,11 +367,12 @@ class EngineHost:
             healthy = self.is_healthy()
             await _respond(send, 200 if healthy else 503, {"healthy": healthy, "engine_id": self.engine_id})
         elif path == "/stats":
-            await _respond(send, 200, {"engine_id": self.engine_id, **asdict(self.tracker.snapshot()),
-                                       **self.facts()})
+            load = self.tracker.snapshot()
+            await _respond(send, 200, {"engine_id": self.engine_id, **asdict(load), **self.facts(load)})
         elif path == "/metrics":
-            body, content_type = render_engine_metrics(self.engine_id, self.config.served_model_name,
-                                                       self.tracker.snapshot(), self.facts())
+            load = self.tracker.snapshot()
+            body, content_type = render_engine_metrics(self.engine_id, self.config.served_model_name, load,
+                                                       self.facts(load))
             await send({"type": "http.response.start", "status": 200,
                         "headers": [(b"content-type", content_type.encode())]})
             await send({"type": "http.response.body", "body": body})
