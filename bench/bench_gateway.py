@@ -208,7 +208,7 @@ def main() -> None:
     gateway, gateway_url = start_gateway(env, work / "gateway.log", cpus=platform_cpus)
     try:
         key = issue_keys(redis.url, {"bench": None})["bench"]
-        from tessera.engine.registry import ModelInfo
+        from tessera.registry import ModelInfo
         from tessera.gateway.models import load_served_model
 
         served = load_served_model(ModelInfo("tessera-small", str(model_dir.resolve()), 2048, 32))

@@ -32,7 +32,7 @@ from _support import (
     write_results,
 )
 
-from tessera.engine.registry import ModelInfo
+from tessera.registry import ModelInfo
 from tessera.gateway.models import load_served_model
 from tessera.telemetry.spanfile import SpanRecord, load_spans
 

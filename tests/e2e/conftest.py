@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tessera.engine.registry import EngineRegistry
+from tessera.registry import EngineRegistry
 from tessera.local.platform import LocalPlatform, LocalPlatformOptions
 from tessera.redis_conn import connect
 

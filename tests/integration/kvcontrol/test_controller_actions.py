@@ -16,7 +16,7 @@ import httpx
 import orjson
 import pytest
 
-from tessera.engine.registry import pressure_key
+from tessera.registry import pressure_key
 from tessera.redis_conn import connect
 from tessera.telemetry.spanfile import SpanRecord, load_spans
 from tessera.tenancy.demotion import demoted_key

@@ -21,7 +21,7 @@ import orjson
 import pytest
 from support.evidence_checks import check_culprit, check_evidence
 
-from tessera.engine.registry import EngineRegistry
+from tessera.registry import EngineRegistry
 from tessera.redis_conn import connect
 from tessera.routing.hashing import block_hash_chain
 from tessera.routing.kv_events import DecodedBatch, KVEventSubscriber

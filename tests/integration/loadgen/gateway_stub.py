@@ -17,7 +17,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from tessera.engine.registry import ModelInfo
+from tessera.registry import ModelInfo
 from tessera.gateway.models import ServedModel, load_served_model
 
 

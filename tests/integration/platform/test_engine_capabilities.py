@@ -20,7 +20,7 @@ import redis
 from tessera.engine.capabilities import ask_vllm
 from tessera.engine.config import EngineConfig
 from tessera.engine.host import EngineHost, EngineStartError
-from tessera.engine.registry import engine_key
+from tessera.registry import engine_key
 from tessera.redis_conn import EmbeddedRedis
 
 from .conftest import start_host

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from integration.ray.cluster_driver import ClusterDriver, ClusterSpec
-from tessera.engine.registry import EngineRecord, EngineRegistry
+from tessera.registry import EngineRecord, EngineRegistry
 from tessera.redis_conn import EmbeddedRedis, connect
 
 GPU_NODES = 2

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from tessera.engine.registry import EngineRecord, EngineRegistry
+from tessera.registry import EngineRecord, EngineRegistry
 from tessera.gateway.app import Gateway
 from tessera.gateway.flow import GenerationFlow
 from tessera.redis_conn import EmbeddedRedis

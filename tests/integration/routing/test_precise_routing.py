@@ -22,7 +22,7 @@ import httpx
 import pytest
 
 from tessera.engine.host import EngineHost
-from tessera.engine.registry import EngineRegistry
+from tessera.registry import EngineRegistry
 from tessera.redis_conn import connect
 from tessera.routing.hashing import block_hash_chain
 from tessera.routing.kv_events import DecodedBatch, KVEventSubscriber

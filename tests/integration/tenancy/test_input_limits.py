@@ -13,7 +13,7 @@ import pytest
 from support.gateways import GatewayProcess
 
 from tessera.engine.host import EngineHost
-from tessera.engine.registry import ModelInfo, register_model
+from tessera.registry import ModelInfo, register_model
 from tessera.redis_conn import connect
 
 from .conftest import MODEL, RestartableRedis, TenantHandle, completion_body, create_tenant, error_of

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from tessera.engine.registry import ModelInfo
+from tessera.registry import ModelInfo
 from tessera.gateway.models import ServedModel, load_served_model
 from tessera_loadgen.factory import RequestFactory
 from tessera_loadgen.prompt_tokenizer import PromptTokenizer

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tessera.engine.registry import EngineRecord
+from tessera.registry import EngineRecord
 from tessera.local.banner import up_banner
 
 

@@ -12,7 +12,7 @@ import pytest
 from tessera.engine.config import EngineConfig
 from tessera.engine.host import EngineHost
 from tessera.engine.ports import below_ephemeral_range, free_port, reserve_port
-from tessera.engine.registry import EngineRegistry, list_models
+from tessera.registry import EngineRegistry, list_models
 from tessera.redis_conn import EmbeddedRedis, connect
 
 

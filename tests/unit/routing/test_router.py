@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator, Iterator
 import pytest
 import redis.asyncio as aioredis
 
-from tessera.engine.registry import EngineRecord, EngineRegistry
+from tessera.registry import EngineRecord, EngineRegistry
 from tessera.redis_conn import EmbeddedRedis, connect
 from tessera.routing import router as router_module
 from tessera.routing.prefix_index import PrefixIndex

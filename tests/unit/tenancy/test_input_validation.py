@@ -5,7 +5,7 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from tessera.engine.registry import ModelInfo
+from tessera.registry import ModelInfo
 from tessera.gateway.errors import APIError, field_param
 from tessera.gateway.flow import check_limits, parse_request
 from tessera.gateway.models import ServedModel

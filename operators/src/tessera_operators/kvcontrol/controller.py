@@ -9,7 +9,7 @@ import time
 
 import aiohttp
 
-from tessera.engine.registry import EngineRecord, EngineRegistry
+from tessera.registry import EngineRecord, EngineRegistry
 from tessera.redis_conn import connect
 from tessera.tenancy.store import TenantStore
 

@@ -24,7 +24,7 @@ import redis.asyncio as aioredis
 from opentelemetry import trace
 from opentelemetry.context import Context
 
-from tessera.engine.registry import EngineRecord, pressure_key
+from tessera.registry import EngineRecord, pressure_key
 from tessera.routing.kv_events import subscribe
 from tessera.tenancy.demotion import clear_demoted, set_demoted
 

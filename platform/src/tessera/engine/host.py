@@ -30,7 +30,7 @@ from tessera.engine.config import EngineConfig
 from tessera.engine.metrics import render_engine_metrics
 from tessera.engine.ports import below_ephemeral_range, free_port, reserve_port
 from tessera.engine.protocol import GenerateRequest, RequestStats
-from tessera.engine.registry import EngineRecord, EngineRegistry, ModelInfo, register_model
+from tessera.registry import EngineRecord, EngineRegistry, ModelInfo, register_model
 from tessera.engine.root_cause import EngineErrorLog, start_failure_line
 from tessera.engine.stats import EngineLoad, LoadTracker, make_stat_logger_factory
 

@@ -20,10 +20,19 @@ another replica from exactly where it stopped (prompt + generated ids), with not
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-from typing import Any
+from dataclasses import asdict, dataclass, field
+from typing import Any, TypedDict
 
+import orjson
 from pydantic import BaseModel, ConfigDict, Field
+
+# Both sides use only what is below: the gateway encodes with ``GenerateBody``/``encode_request`` and parses
+# with ``parse_lines``; the engine validates with ``GenerateRequest`` and writes with ``delta_line``,
+# ``done_line`` and ``error_line``. The short keys ("i", "t", "d") are on every streamed token.
+
+
+class ProtocolError(ValueError):
+    """A line from the engine that is not part of this protocol."""
 
 
 class GenerateRequest(BaseModel):
@@ -72,3 +81,89 @@ class RequestStats:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+class GenerateBody(TypedDict, total=False):
+    """The gateway's side of ``GenerateRequest``: a plain dict, so the hot path builds no model per request."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    max_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int | None
+    stop: list[str]
+    ignore_eos: bool
+    n: int
+    cache_salt: str | None
+    priority: int
+
+
+def encode_request(body: GenerateBody) -> bytes:
+    return orjson.dumps(body)
+
+
+def continuation(body: GenerateBody, generated: list[int], attempt: int) -> GenerateBody:
+    """The same request on another replica after ``generated`` tokens came from the first one: the prompt
+    grows by those ids, ``max_tokens`` shrinks by their number, and the request id gets an attempt suffix
+    (vLLM refuses a request id it is still running)."""
+    again: GenerateBody = {**body, "request_id": f"{body['request_id']}-r{attempt}"}
+    if generated:
+        again["prompt_token_ids"] = body["prompt_token_ids"] + generated
+        again["max_tokens"] = body["max_tokens"] - len(generated)
+    return again
+
+
+# -- engine -> gateway lines ---------------------------------------------------------------------------
+
+
+def delta_line(index: int, text: str, token_ids: list[int]) -> bytes:
+    return orjson.dumps({"i": index, "t": text, "d": token_ids})
+
+
+def done_line(finish: dict[str, str | None], stats: RequestStats) -> bytes:
+    return orjson.dumps({"done": True, "finish": finish, "stats": stats.to_dict()})
+
+
+def error_line(message: str, status: int, retryable: bool, stats: RequestStats) -> bytes:
+    return orjson.dumps({"error": message, "status": status, "retryable": retryable, "stats": stats.to_dict()})
+
+
+@dataclass(slots=True)
+class Delta:
+    index: int
+    text: str
+    token_ids: list[int]
+
+
+@dataclass(slots=True)
+class Done:
+    finish: dict[int, str]
+    stats: dict[str, Any]
+
+
+@dataclass(slots=True)
+class Failed:
+    message: str
+    status: int
+    retryable: bool
+    stats: dict[str, Any] = field(default_factory=dict)
+
+
+def parse_line(line: bytes) -> Delta | Done | Failed:
+    """One response line; ``ProtocolError`` names a line that is not JSON or not one of the three kinds."""
+    try:
+        message = orjson.loads(line)
+    except orjson.JSONDecodeError:
+        raise ProtocolError(f"the engine sent a malformed line: {line[:200]!r}") from None
+    if not isinstance(message, dict):
+        raise ProtocolError(f"the engine sent a line that is not an object: {line[:200]!r}")
+    if "t" in message:
+        return Delta(message["i"], message["t"], message["d"])
+    if message.get("done"):
+        return Done({int(k): v for k, v in message["finish"].items()}, message["stats"])
+    if "error" in message:
+        return Failed(str(message["error"]), int(message.get("status", 502)), bool(message.get("retryable")),
+                      message.get("stats") or {})
+    raise ProtocolError(f"the engine sent a line of no known kind: {line[:200]!r}")

@@ -30,7 +30,7 @@ from tessera.tenancy.demotion import demoted_key
 from tessera.tenancy.policy import DEMOTION_STEP, PRIORITY_VALUES
 
 if TYPE_CHECKING:
-    from tessera.engine.registry import EngineRecord
+    from tessera.registry import EngineRecord
     from tessera.gateway.app import Gateway, Receive, Scope, Send
     from tessera.gateway.models import ServedModel
     from tessera.tenancy.store import Tenant

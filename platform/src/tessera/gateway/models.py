@@ -10,7 +10,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from tessera.engine.registry import EngineRecord, ModelInfo, list_models
+from tessera.registry import EngineRecord, ModelInfo, list_models
 from tessera.refresher import UsageRefresher
 
 # Re-read in the background this often while requests come (models change on deploys, not per request).

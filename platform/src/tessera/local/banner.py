@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tessera.engine.registry import EngineRecord
+from tessera.registry import EngineRecord
 
 
 def engine_lines(records: list[EngineRecord]) -> list[str]:

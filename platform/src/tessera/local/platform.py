@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 
 from tessera.engine.config import EngineConfig, default_small_model_dir
-from tessera.engine.registry import EngineRecord, EngineRegistry
+from tessera.registry import EngineRecord, EngineRegistry
 from tessera.engine.small_model import is_small_model_dir, make_small_model
 from tessera.gateway.launch import GatewayLaunch
 from tessera.local.engine_failure import engine_failure_cause

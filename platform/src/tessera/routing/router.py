@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from tessera.engine.registry import EngineRecord, EngineRegistry
+from tessera.registry import EngineRecord, EngineRegistry
 from tessera.refresher import REFRESHER_IDLE_S, UsageRefresher
 from tessera.routing.policies import make_policy
 from tessera.routing.prefix_index import PrefixIndex
