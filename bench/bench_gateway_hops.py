@@ -32,8 +32,8 @@ from _support import (
     write_results,
 )
 
-from tessera.registry import ModelInfo
 from tessera.gateway.models import load_served_model
+from tessera.registry import ModelInfo
 from tessera.telemetry.spanfile import SpanRecord, load_spans
 
 PROMPT = "Tell me about the KV cache and speculative decoding in one paragraph."

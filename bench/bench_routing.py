@@ -320,8 +320,8 @@ def _reason_counts(outcomes: list[Outcome]) -> dict[str, int]:
 
 
 async def routing_cost(redis_url: str, num_engines: int = 64, num_blocks: int = 100_000) -> dict[str, Any]:
-    from tessera.registry import EngineRecord, EngineRegistry
     from tessera.redis_conn import connect
+    from tessera.registry import EngineRecord, EngineRegistry
     from tessera.routing.hashing import block_hash_chain
     from tessera.routing.policies import make_policy
     from tessera.routing.prefix_index import PrefixIndex

@@ -9,8 +9,8 @@ import time
 
 import aiohttp
 
-from tessera.registry import EngineRecord, EngineRegistry
 from tessera.redis_conn import connect
+from tessera.registry import EngineRecord, EngineRegistry
 from tessera.tenancy.store import TenantStore
 
 from .directory import DemotionBook, TenantDirectory

@@ -9,6 +9,7 @@ from typing import Any
 import kopf
 
 from tessera.redis_conn import connect
+from tessera.registry import EngineRegistry
 from tessera.tenancy.store import TenantStore
 
 from .handlers import OperatorContext
@@ -32,7 +33,10 @@ async def operator_startup(settings: kopf.OperatorSettings, memo: Any, **_: Any)
     redis = connect(operator_settings.redis_url, timeout_s=5.0)
     memo.redis = redis
     memo.tessera = OperatorContext(
-        store=TenantStore(redis), kube=KubernetesApi(), ray_service=operator_settings.operator_ray_service
+        store=TenantStore(redis),
+        kube=KubernetesApi(),
+        ray_service=operator_settings.operator_ray_service,
+        registry=EngineRegistry(redis),
     )
 
 

@@ -22,7 +22,7 @@ VERSION = "v1alpha1"
 JSON = dict[str, Any]
 
 TENANT_PHASES = ["Pending", "Ready", "Failed", "Deleting"]
-MODEL_PHASES = ["Pending", "Applied", "Failed", "Deleting"]
+MODEL_PHASES = ["Pending", "Applied", "Ready", "Failed", "Deleting"]
 # Secret names are DNS subdomains.
 DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
 
@@ -121,6 +121,26 @@ def _crd(
     }
 
 
+# The Kubernetes condition shape (metav1.Condition): Applied, EnginesRunning, Ready (operator/conditions.py).
+_CONDITIONS: JSON = {
+    "type": "array",
+    "x-kubernetes-list-type": "map",
+    "x-kubernetes-list-map-keys": ["type"],
+    "items": {
+        "type": "object",
+        "required": ["type", "status", "reason", "lastTransitionTime"],
+        "properties": {
+            "type": {"type": "string", "maxLength": 316},
+            "status": {"type": "string", "enum": ["True", "False", "Unknown"]},
+            "reason": {"type": "string", "maxLength": 1024},
+            "message": {"type": "string", "maxLength": 32768},
+            "lastTransitionTime": {"type": "string", "format": "date-time"},
+            "observedGeneration": {"type": "integer", "format": "int64", "minimum": 0},
+        },
+    },
+}
+
+
 def _status(phases: list[str], extra: dict[str, JSON]) -> JSON:
     return {
         "type": "object",
@@ -186,9 +206,13 @@ def build_model_crd() -> JSON:
             "engine": engine,
         },
     }
-    status = _status(MODEL_PHASES, {"application": {"type": "string"}, "rayService": {"type": "string"}})
+    status = _status(
+        MODEL_PHASES,
+        {"application": {"type": "string"}, "rayService": {"type": "string"}, "conditions": _CONDITIONS},
+    )
     columns = [
         _printer_column("Phase", ".status.phase"),
+        _printer_column("Ready", '.status.conditions[?(@.type=="Ready")].status'),
         _printer_column("Served as", ".spec.engine.servedModelName"),
         _printer_column("Replicas", ".spec.replicas", "integer"),
     ]

@@ -16,12 +16,14 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any
 
 import kopf
 from pydantic import ValidationError
 from redis.exceptions import RedisError
 
+from tessera.registry import EngineRegistry
 from tessera.tenancy.store import TenantExistsError, TenantNotFoundError, TenantStore
 
 from .builders import (
@@ -39,6 +41,7 @@ from .builders import (
     parse_tenant,
     secret_key_material,
 )
+from .conditions import application_state, build_model_conditions, is_ready
 from .crds import GROUP, VERSION
 from .kube import KubeApi, KubeConflictError, KubeUnavailableError
 
@@ -58,6 +61,9 @@ class OperatorContext:
     store: TenantStore
     kube: KubeApi
     ray_service: str
+    # The engine registry (same Redis): a Model's EnginesRunning condition counts its heartbeating replicas.
+    # None: the condition says Unknown.
+    registry: EngineRegistry | None = None
 
 
 def _context(memo: Any) -> OperatorContext:
@@ -343,7 +349,12 @@ async def _apply_model(
         ray_service = await context.kube.read_ray_service(namespace, context.ray_service)
         if ray_service is None:
             message = f"RayService {context.ray_service!r} not found in namespace {namespace!r}"
-            patch.status.update(build_model_status("Pending", generation=generation, message=message))
+            pending = build_model_status("Pending", generation=generation, message=message)
+            pending["conditions"] = build_model_conditions(
+                applied=False, applied_message=message, app=application_state(None, model.name), live_engines=0,
+                wanted_replicas=model.replicas, served_model_name=model.engine.served_model_name,
+                generation=generation, previous=(body.get("status") or {}).get("conditions"), now=_now())
+            patch.status.update(pending)
             raise kopf.TemporaryError(message, delay=RAY_SERVICE_MISSING_DELAY_S)
         serve_patch = build_serve_config_patch(ray_service, upsert=application)
         if serve_patch is not None:
@@ -354,10 +365,39 @@ async def _apply_model(
         raise kopf.TemporaryError(f"RayService changed while patching: {exc}", delay=1.0) from exc
     except KubeUnavailableError as exc:
         raise kopf.TemporaryError(str(exc), delay=KUBE_RETRY_DELAY_S) from exc
-    _report(
-        patch,
-        body.get("status"),
-        build_model_status(
-            "Applied", generation=generation, ray_service=context.ray_service, application=model.name
-        ),
+    current = body.get("status") or {}
+    served = model.engine.served_model_name
+    conditions = build_model_conditions(
+        applied=True,
+        applied_message=f"application {model.name!r} is in RayService {context.ray_service!r}",
+        app=application_state(ray_service, model.name),
+        live_engines=await _live_engines(context, served),
+        wanted_replicas=model.replicas,
+        served_model_name=served,
+        generation=generation,
+        previous=current.get("conditions"),
+        now=_now(),
     )
+    status = build_model_status(
+        "Ready" if is_ready(conditions) else "Applied",
+        generation=generation,
+        ray_service=context.ray_service,
+        application=model.name,
+    )
+    status["conditions"] = conditions
+    _report(patch, current, status)
+
+
+async def _live_engines(context: OperatorContext, served_model_name: str) -> int:
+    """Replicas of the model heartbeating in the registry; -1 (never enough) when Redis cannot say."""
+    if context.registry is None:
+        return -1
+    try:
+        return sum(1 for r in await context.registry.live_engines() if r.model == served_model_name)
+    except RedisError as exc:
+        _log.warning("engine registry unreadable for %s: %s", served_model_name, exc)
+        return -1
+
+
+def _now() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
