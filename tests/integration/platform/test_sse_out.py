@@ -13,7 +13,7 @@ import orjson
 import pytest
 import uvicorn
 
-from tessera.gateway.engine_client import Delta
+from tessera.engine.protocol import Delta
 from tessera.gateway.openai_format import ChunkWriter
 from tessera.gateway.sse_out import SSEOut
 

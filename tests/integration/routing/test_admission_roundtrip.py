@@ -1,26 +1,28 @@
-"""Admission, the demotion flag and the prefix lookup share one Redis round trip (GenerationFlow._admit),
-against real Redis: the pipelined answers equal the standalone ones, a recently rejected tenant's admissions
-carry no lookup, a demotion shows from the next request on, and a Redis that lost its scripts (NOSCRIPT)
-still admits exactly once."""
+"""Admission, the demotion flag and the prefix lookup share one Redis round trip (the gateway's ``Admitter``
+over ``tenancy.admission_trip``), against real Redis: the pipelined answers equal the standalone ones, a
+recently rejected tenant's admissions carry no lookup, a demotion shows from the next request on, and a
+Redis that lost its scripts (NOSCRIPT) still admits exactly once."""
 
 from __future__ import annotations
 
-import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 
-from tessera.registry import EngineRecord, EngineRegistry
 from tessera.gateway.app import Gateway
-from tessera.gateway.flow import GenerationFlow
+from tessera.gateway.failopen import FailOpen
+from tessera.gateway.request.admit import Admitter
+from tessera.gateway.request.route import decide
 from tessera.redis_conn import EmbeddedRedis
+from tessera.registry import EngineRecord, EngineRegistry
 from tessera.routing.hashing import block_hash_chain
 from tessera.routing.prefix_index import PrefixIndex
 from tessera.routing.snapshot import RouteRequest
 from tessera.settings import TesseraSettings
 from tessera.tenancy.admission import Lease, Rejection
+from tessera.tenancy.admission_trip import build_trip, parse_trip
 from tessera.tenancy.demotion import clear_demoted, set_demoted
 from tessera.tenancy.policy import TenantPolicy
 from tessera.tenancy.store import Tenant
@@ -33,7 +35,12 @@ async def gateway(redis_server: EmbeddedRedis) -> AsyncIterator[Gateway]:
     gw = Gateway(TesseraSettings(redis_url=redis_server.url, trace_exporter="none"))
     yield gw
     await gw.router.close()
+    await gw.wire.close()
     await gw.redis.aclose()
+
+
+def _admitter(gw: Gateway) -> Admitter:
+    return Admitter(gw.admission, gw.wire, gw.router, gw.metrics, FailOpen(False))
 
 
 async def _setup(gw: Gateway, policy: TenantPolicy) -> tuple[Tenant, RouteRequest, tuple[int, ...]]:
@@ -61,15 +68,15 @@ def _forbid(obj: Any, name: str, monkeypatch: pytest.MonkeyPatch) -> None:
 
 async def test_an_admitted_request_gets_its_prefix_lookup_in_the_same_round_trip(
         gateway: Gateway, monkeypatch: pytest.MonkeyPatch) -> None:
-    flow = GenerationFlow(gateway)
+    flow = _admitter(gateway)
     tenant, request, _ = await _setup(gateway, TenantPolicy(requests_per_minute=10))
     plan = await gateway.router.plan(request)
     standalone = await gateway.router.lookup(plan)
     assert standalone == {f"{request.model.replace('rt-model', 'rt')}-a": 2}
-    await flow._admit(tenant, 500, plan)  # a fresh Redis has no scripts yet: the first admission loads them
+    await flow.admit(tenant, 500, plan)  # a fresh Redis has no scripts yet: the first admission loads them
     _forbid(gateway.admission, "admit", monkeypatch)
     _forbid(gateway.router, "lookup", monkeypatch)
-    decision, cached, _ = await flow._admit(tenant, 500, plan)
+    decision, cached, _ = await flow.admit(tenant, 500, plan)
     assert isinstance(decision, Lease)
     assert cached == standalone
     route, _ = gateway.router.decide(plan, cached)
@@ -78,27 +85,27 @@ async def test_an_admitted_request_gets_its_prefix_lookup_in_the_same_round_trip
 
 
 async def test_a_recently_rejected_tenant_is_admitted_without_the_lookup(gateway: Gateway) -> None:
-    flow = GenerationFlow(gateway)
+    flow = _admitter(gateway)
     tenant, request, _ = await _setup(gateway, TenantPolicy(requests_per_minute=1))
     plan = await gateway.router.plan(request)
-    first, cached, _ = await flow._admit(tenant, 100, plan)
+    first, cached, _ = await flow.admit(tenant, 100, plan)
     assert isinstance(first, Lease) and cached is not None
-    second, cached, _ = await flow._admit(tenant, 100, plan)
+    second, cached, _ = await flow.admit(tenant, 100, plan)
     assert isinstance(second, Rejection) and second.limit == "requests_per_minute"
-    flow._rejected_at[tenant.name] = time.monotonic()  # as handle() records it
-    third, cached, _ = await flow._admit(tenant, 100, plan)
+    flow.note_rejected(tenant.name)  # as a rejection in Admitter.run records it
+    third, cached, _ = await flow.admit(tenant, 100, plan)
     assert isinstance(third, Rejection) and cached is None  # no lookup rode along
 
 
 async def test_lost_scripts_still_admit_once_and_route_later(gateway: Gateway) -> None:
-    flow = GenerationFlow(gateway)
+    flow = _admitter(gateway)
     tenant, request, _ = await _setup(gateway, TenantPolicy(requests_per_minute=2))
     plan = await gateway.router.plan(request)
     await gateway.redis.script_flush()  # a restarted Redis: neither script is loaded
-    decision, cached, _ = await flow._admit(tenant, 100, plan)
+    decision, cached, _ = await flow.admit(tenant, 100, plan)
     assert isinstance(decision, Lease)
     assert cached is None  # the lookup failed with NOSCRIPT: the route does its own
-    route, _ = await flow._route((request, plan, cached))
+    route, _ = await decide(gateway.router, FailOpen(False), request, plan, cached)
     assert route.ranked[0].endswith("-a")
     # Admitted exactly once: one more fits under 2/min, the next does not.
     assert isinstance(await gateway.admission.admit(tenant.name, tenant.policy, 100), Lease)
@@ -106,25 +113,42 @@ async def test_lost_scripts_still_admit_once_and_route_later(gateway: Gateway) -
 
 
 async def test_a_prompt_without_full_blocks_needs_no_lookup(gateway: Gateway) -> None:
-    flow = GenerationFlow(gateway)
+    flow = _admitter(gateway)
     tenant, request, _ = await _setup(gateway, TenantPolicy())
     short = RouteRequest(tenant=tenant.name, model=request.model, num_prompt_tokens=5, block_hashes=(),
                          prompt_prefix="", session_id=None)
     plan = await gateway.router.plan(short)
     assert plan.lookup_args is None
-    decision, cached, _ = await flow._admit(tenant, 100, plan)
+    decision, cached, _ = await flow.admit(tenant, 100, plan)
     assert isinstance(decision, Lease) and cached == {}
 
 
 async def test_the_demotion_flag_rides_in_admission_and_applies_at_once(gateway: Gateway,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    flow = GenerationFlow(gateway)
+    flow = _admitter(gateway)
     tenant, request, _ = await _setup(gateway, TenantPolicy())
     plan = await gateway.router.plan(request)
-    assert (await flow._admit(tenant, 100, plan)).demoted is False
+    assert (await flow.admit(tenant, 100, plan)).demoted is False
     await set_demoted(gateway.redis, tenant.name, "kv quota exceeded", ttl_s=30)
     _forbid(gateway.admission, "admit", monkeypatch)  # the flag comes in the same pipeline, not a call of its own
-    admitted = await flow._admit(tenant, 100, plan)
+    admitted = await flow.admit(tenant, 100, plan)
     assert isinstance(admitted.decision, Lease) and admitted.demoted is True
     await clear_demoted(gateway.redis, tenant.name)
-    assert (await flow._admit(tenant, 100, plan)).demoted is False
+    assert (await flow.admit(tenant, 100, plan)).demoted is False
+
+
+async def test_the_trip_is_one_write_whose_replies_parse_to_the_standalone_answers(gateway: Gateway) -> None:
+    tenant, request, _ = await _setup(gateway, TenantPolicy(requests_per_minute=1))
+    plan = await gateway.router.plan(request)
+    assert plan.lookup is not None
+    await gateway.admission.admit(tenant.name, tenant.policy, 1)  # loads the script; uses the one request
+    await gateway.router.lookup(plan)  # loads the lookup script
+    trip = build_trip(gateway.admission, tenant.name, tenant.policy, 100, plan.lookup)
+    assert [c[0] for c in trip.commands] == ["EVALSHA", "EXISTS", "EVALSHA"]
+    reply = await parse_trip(gateway.admission, trip, await gateway.wire.execute(trip.commands))
+    assert isinstance(reply.decision, Rejection) and reply.decision.limit == "requests_per_minute"
+    assert reply.demoted is False
+    assert gateway.router.parse_lookup(reply.extra) == await gateway.router.lookup(plan)
+    bare = build_trip(gateway.admission, tenant.name, tenant.policy, 100)
+    assert len(bare.commands) == 2 and not bare.carries_extra
+    assert (await parse_trip(gateway.admission, bare, await gateway.wire.execute(bare.commands))).extra is None

@@ -5,10 +5,12 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from tessera.registry import ModelInfo
 from tessera.gateway.errors import APIError, field_param
-from tessera.gateway.flow import check_limits, parse_request
 from tessera.gateway.models import ServedModel
+from tessera.gateway.request.endpoint import CHAT, COMPLETIONS, Endpoint, OpenAIRequest
+from tessera.gateway.request.parse import parse_body
+from tessera.gateway.request.prompt import check_limits
+from tessera.registry import ModelInfo
 from tessera.tenancy.policy import TenantPolicy
 from tessera.tenancy.store import Tenant
 
@@ -17,6 +19,11 @@ MODEL = ServedModel(ModelInfo("m", "/nowhere", max_model_len=256, block_size=32)
 
 def tenant(**policy: object) -> Tenant:
     return Tenant("t", TenantPolicy.model_validate(policy), "salt", 0.0)
+
+
+def parse_request(chat: bool, raw: bytes) -> OpenAIRequest:
+    endpoint: Endpoint = CHAT if chat else COMPLETIONS
+    return parse_body(endpoint, raw)
 
 
 def parse_error(chat: bool, body: object) -> APIError:
@@ -90,7 +97,7 @@ def completion(**fields: object) -> object:
 
 def limit_error(req: object, tenant_: Tenant, num_prompt: int) -> APIError:
     with pytest.raises(APIError) as info:
-        check_limits(False, req, tenant_, MODEL, num_prompt)  # type: ignore[arg-type]
+        check_limits(COMPLETIONS, req, tenant_, MODEL, num_prompt)  # type: ignore[arg-type]
     assert info.value.status == 400
     return info.value
 
@@ -98,7 +105,7 @@ def limit_error(req: object, tenant_: Tenant, num_prompt: int) -> APIError:
 def test_max_tokens_over_the_tenant_cap_is_400() -> None:
     err = limit_error(completion(max_tokens=65), tenant(max_tokens_cap=64), 10)
     assert (err.code, err.param) == ("max_tokens_too_large", "max_tokens")
-    assert check_limits(False, completion(max_tokens=64), tenant(max_tokens_cap=64), MODEL, 10) == 64  # type: ignore[arg-type]
+    assert check_limits(COMPLETIONS, completion(max_tokens=64), tenant(max_tokens_cap=64), MODEL, 10) == 64  # type: ignore[arg-type]
 
 
 def test_n_over_the_tenant_cap_is_400() -> None:
@@ -125,5 +132,5 @@ def test_prompt_over_the_model_context_is_400() -> None:
 
 def test_default_max_tokens_fits_cap_and_context() -> None:
     req = parse_request(True, orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "x"}]}))
-    assert check_limits(True, req, tenant(max_tokens_cap=1000), MODEL, 200) == 56
-    assert check_limits(True, req, tenant(max_tokens_cap=8), MODEL, 200) == 8
+    assert check_limits(CHAT, req, tenant(max_tokens_cap=1000), MODEL, 200) == 56
+    assert check_limits(CHAT, req, tenant(max_tokens_cap=8), MODEL, 200) == 8

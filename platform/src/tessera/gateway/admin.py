@@ -17,20 +17,22 @@ wrong admin token is 401, an admin API without a configured token answers 403 to
 from __future__ import annotations
 
 import hmac
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from urllib.parse import parse_qs
 
 import orjson
 from pydantic import ValidationError
 
-from tessera.gateway.errors import APIError, bad_request
+from tessera.asgi import Receive, Scope, Send
+from tessera.gateway.errors import APIError, bad_request, invalid_field
+from tessera.gateway.responses import request_body, respond
 from tessera.tenancy.admission import Admission
 from tessera.tenancy.periods import check_period
 from tessera.tenancy.policy import TenantPolicy
 from tessera.tenancy.store import Tenant, TenantExistsError, TenantNotFoundError, TenantStore
 
-if TYPE_CHECKING:
-    from tessera.gateway.app import Receive, Scope, Send
+# Admin bodies are a tenant name and a policy: small.
+MAX_ADMIN_BODY_BYTES = 65536
 
 
 def tenant_json(tenant: Tenant) -> dict[str, Any]:
@@ -45,13 +47,10 @@ class AdminAPI:
 
     async def handle(self, scope: Scope, receive: Receive, send: Send, headers: dict[str, str],
                      request_id: str) -> None:
-        from tessera.gateway.app import respond
-        from tessera.gateway.flow import read_body
-
         self._authorize(headers.get("authorization"))
         method = scope["method"]
         parts = [p for p in scope["path"].split("/") if p][1:]  # drop "admin"
-        body = await read_body(receive, headers, 65536) if method in ("POST", "PATCH") else b""
+        body = await request_body(receive, headers, MAX_ADMIN_BODY_BYTES) if method in ("POST", "PATCH") else b""
         try:
             status, payload = await self._dispatch(method, parts, body, scope.get("query_string", b""))
         except TenantNotFoundError as exc:
@@ -59,9 +58,7 @@ class AdminAPI:
         except TenantExistsError as exc:
             raise APIError(409, str(exc), "tenant_exists") from None
         except ValidationError as exc:
-            first = exc.errors()[0]
-            loc = ".".join(str(p) for p in first["loc"])
-            raise bad_request(f"Invalid policy: {loc}: {first['msg']}", "invalid_policy", loc) from None
+            raise invalid_field(exc.errors(), "invalid_policy") from None  # type: ignore[arg-type]
         except ValueError as exc:
             raise bad_request(str(exc)) from None
         await respond(send, status, payload, request_id)

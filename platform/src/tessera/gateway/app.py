@@ -1,54 +1,48 @@
 """The gateway: a stateless ASGI app (uvicorn + uvloop, several workers); all shared state is in Redis.
 
-Request path: read body (413) → auth (401) → parse (400) → model (404/403) → tokenize once → limits (400)
-→ admission, one Lua call (429/503) → route (prefix/KV-aware) → stream from the chosen replica's own
-port → reconcile usage. Raw ASGI rather than a framework: this is the hot path of every token.
+This module wires the services and dispatches by path; a generation request goes through the phases of
+``request/pipeline.py`` (read → authenticate → parse → prompt → admit → route → call → settle). Raw ASGI
+(``tessera.asgi``) rather than a framework: this is the hot path of every token.
 """
 
 from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import Awaitable, Callable
-from typing import Any
 
-import orjson
 from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.propagate import extract, get_global_textmap
-from pydantic import ValidationError
 
+from tessera.asgi import Receive, Scope, Send, header_map, send_response
 from tessera.gateway.admin import AdminAPI, usage_report
 from tessera.gateway.auth import Authenticator
 from tessera.gateway.engine_client import EngineClient
-from tessera.gateway.errors import APIError, error_body, unauthorized
-from tessera.gateway.flow import GenerationFlow
+from tessera.gateway.errors import STORE_ERRORS, APIError, store_unavailable
+from tessera.gateway.failopen import FailOpen
 from tessera.gateway.metrics import GatewayMetrics
 from tessera.gateway.models import ModelCatalog, replicas_extension, tokenizer_document
 from tessera.gateway.openapi import openapi_document
+from tessera.gateway.request.authenticate import require_tenant
+from tessera.gateway.request.endpoint import ENDPOINTS
+from tessera.gateway.request.pipeline import GenerationPipeline
+from tessera.gateway.responses import respond, respond_error
 from tessera.redis_conn import connect
 from tessera.redis_wire import RedisWire
+from tessera.routing.prefix_index import PrefixIndex
 from tessera.routing.router import Router
 from tessera.settings import TesseraSettings, load_settings
 from tessera.telemetry.late_spans import LateTrace
 from tessera.telemetry.tracing import configure_tracing
 from tessera.tenancy.admission import Admission
+from tessera.tenancy.billing import FinishQueue
 from tessera.tenancy.store import TenantStore
 
 logger = logging.getLogger(__name__)
 
-Scope = dict[str, Any]
-Receive = Callable[[], Awaitable[dict[str, Any]]]
-Send = Callable[[dict[str, Any]], Awaitable[None]]
 
-REDIS_ERRORS: tuple[type[BaseException], ...]
-try:
-    from redis.exceptions import ConnectionError as RedisConnectionError
-    from redis.exceptions import TimeoutError as RedisTimeoutError
-
-    REDIS_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError)
-except ImportError:  # pragma: no cover
-    REDIS_ERRORS = (OSError,)
+def _is_store_error(exc: BaseException) -> bool:
+    return isinstance(exc, STORE_ERRORS)
 
 
 class Gateway:
@@ -63,19 +57,20 @@ class Gateway:
         # connection; everything else uses the redis-py client above (see redis_wire.py for why).
         self.wire = RedisWire(settings.redis_url, settings.redis_timeout_s)
         self.store = TenantStore(self.redis)
-        self.auth = Authenticator(self.store, settings.key_cache_ttl_s, settings.redis_fail_open,
-                                  lambda exc: isinstance(exc, REDIS_ERRORS))
+        self.auth = Authenticator(self.store, settings.key_cache_ttl_s, settings.redis_fail_open, _is_store_error)
         self.catalog = ModelCatalog(self.redis)
         self.admission = Admission(self.redis, settings.lease_ttl_s)
-        from tessera.routing.prefix_index import PrefixIndex
-
         self.router = Router(self.redis, settings.routing_policy, PrefixIndex(self.redis))
         self.engines = EngineClient()
         self.metrics = GatewayMetrics()
         self.tracer = trace.get_tracer("tessera.gateway")
         # The headers the configured propagators read (traceparent, tracestate, baggage by default).
         self._trace_fields = frozenset(get_global_textmap().fields)
-        self.flow = GenerationFlow(self)
+        self.finishes = FinishQueue(self.admission, _is_store_error)
+        self.pipeline = GenerationPipeline(
+            auth=self.auth, catalog=self.catalog, admission=self.admission, wire=self.wire, router=self.router,
+            engines=self.engines, metrics=self.metrics, fail_open=FailOpen(settings.redis_fail_open),
+            finishes=self.finishes, max_body_bytes=settings.max_body_bytes)
         self.admin = AdminAPI(self.store, self.admission, settings.admin_token)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -84,13 +79,14 @@ class Gateway:
             return
         if scope["type"] != "http":
             return
-        headers = {k.decode().lower(): v.decode("latin-1") for k, v in scope.get("headers") or []}
+        headers = header_map(scope)
         request_id = headers.get("x-request-id") or f"req-{uuid.uuid4().hex}"
         if len(request_id) > 128:
             request_id = f"req-{uuid.uuid4().hex}"
         path, method = scope["path"], scope["method"]
         try:
-            if path in ("/v1/completions", "/v1/chat/completions"):
+            endpoint = ENDPOINTS.get(path)
+            if endpoint is not None:
                 if method != "POST":
                     raise APIError(405, f"{path} only accepts POST", "method_not_allowed")
                 # The request's spans are noted as it runs and made after it (see telemetry/late_spans.py).
@@ -99,8 +95,7 @@ class Gateway:
                 late = LateTrace(self.tracer, context, {"tessera.request_id": request_id, "http.route": path})
                 error: Exception | None = None
                 try:
-                    await self.flow.handle(path == "/v1/chat/completions", scope, receive, send, headers,
-                                           request_id, late)
+                    await self.pipeline.handle(endpoint, headers, request_id, late, receive, send)
                 except Exception as exc:
                     error = exc
                     raise
@@ -119,9 +114,7 @@ class Gateway:
                 await self._ready(send, request_id)
             elif path == "/metrics":
                 body, content_type = self.metrics.render()
-                await send({"type": "http.response.start", "status": 200,
-                            "headers": [(b"content-type", content_type.encode())]})
-                await send({"type": "http.response.body", "body": body})
+                await send_response(send, 200, body, [(b"content-type", content_type.encode())])
             elif path == "/openapi.json":
                 await respond(send, 200, openapi_document(), request_id)
             elif path.startswith("/admin/"):
@@ -130,19 +123,16 @@ class Gateway:
                 raise APIError(404, f"No route {method} {path}.", "not_found")
         except APIError as err:
             await respond_error(send, err, request_id)
-        except REDIS_ERRORS as exc:
+        except STORE_ERRORS as exc:
             logger.warning("redis unavailable: %s", exc)
-            await respond_error(send, APIError(503, "The rate-limit store is unavailable; retry shortly.",
-                                               "store_unavailable", headers={"Retry-After": "1"}), request_id)
+            await respond_error(send, store_unavailable(), request_id)
         except Exception:
             logger.exception("unhandled error in %s %s", method, path)
             await respond_error(send, APIError(500, "Internal error; the request id identifies it in the logs.",
                                                "internal_error"), request_id)
 
     async def _models(self, send: Send, headers: dict[str, str], request_id: str) -> None:
-        tenant = await self.auth.tenant_for(headers.get("authorization"))
-        if tenant is None:
-            raise unauthorized()
+        tenant = await require_tenant(self.auth, headers)
         names = [n for n in await self.catalog.names() if tenant.policy.allows_model(n)]
         data = [{"id": n, "object": "model", "created": 0, "owned_by": "tessera",
                  "tessera": replicas_extension(await self.router.engines(n))} for n in names]
@@ -151,9 +141,7 @@ class Gateway:
     async def _tokenizer(self, name: str, send: Send, headers: dict[str, str], request_id: str) -> None:
         """The served model's tokenizer and chat template, so a load generator can build prompts of exact
         token lengths (tessera-loadgen); only for a model this key may use."""
-        tenant = await self.auth.tenant_for(headers.get("authorization"))
-        if tenant is None:
-            raise unauthorized()
+        tenant = await require_tenant(self.auth, headers)
         served = await self.catalog.get(name) if tenant.policy.allows_model(name) else None
         if served is None:
             raise APIError(404, f"The model {name!r} does not exist; GET /v1/models lists yours.",
@@ -168,16 +156,14 @@ class Gateway:
             await self.redis.ping()
             if not await self.router.num_live_engines():
                 problems.append("no engine replica is registered")
-        except REDIS_ERRORS as exc:
+        except STORE_ERRORS as exc:
             if not self.settings.redis_fail_open:
                 problems.append(f"Redis is unreachable ({type(exc).__name__})")
         await respond(send, 503 if problems else 200,
                       {"status": "not_ready" if problems else "ready", "problems": problems}, request_id)
 
     async def _usage(self, scope: Scope, send: Send, headers: dict[str, str], request_id: str) -> None:
-        tenant = await self.auth.tenant_for(headers.get("authorization"))
-        if tenant is None:
-            raise unauthorized()
+        tenant = await require_tenant(self.auth, headers)
         report = await usage_report(self.admission, tenant, scope.get("query_string", b""))
         await respond(send, 200, report, request_id)
 
@@ -187,7 +173,7 @@ class Gateway:
             if message["type"] == "lifespan.startup":
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
-                await self.flow.finishes.close()
+                await self.finishes.close()
                 await self.router.close()
                 await self.auth.close()
                 await self.catalog.close()
@@ -198,34 +184,9 @@ class Gateway:
                 return
 
 
-async def respond(send: Send, status: int, payload: Any, request_id: str,
-                  extra_headers: dict[str, str] | None = None) -> None:
-    headers = [(b"content-type", b"application/json"), (b"x-request-id", request_id.encode())]
-    headers += [(k.lower().encode(), v.encode()) for k, v in (extra_headers or {}).items()]
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": orjson.dumps(payload)})
-
-
-async def respond_error(send: Send, err: APIError, request_id: str) -> None:
-    headers = [(b"content-type", b"application/json"), (b"x-request-id", request_id.encode())]
-    headers += [(k.lower().encode(), v.encode()) for k, v in err.headers.items()]
-    try:
-        await send({"type": "http.response.start", "status": err.status, "headers": headers})
-        await send({"type": "http.response.body", "body": err.body()})
-    except RuntimeError:
-        # The response already started (mid-stream failure): the stream's own error event was sent.
-        pass
-
-
-def validation_message(exc: ValidationError) -> tuple[str, str | None]:
-    first = exc.errors()[0]
-    loc = ".".join(str(p) for p in first["loc"]) or None
-    return f"Invalid request: {loc}: {first['msg']}" if loc else f"Invalid request: {first['msg']}", loc
-
-
 def create_app() -> Gateway:
     """uvicorn factory; start it with ``tessera gateway`` (gateway/launch.py), which sums workers' metrics."""
     return Gateway(load_settings())
 
 
-__all__ = ["Gateway", "create_app", "error_body", "respond", "respond_error"]
+__all__ = ["Gateway", "create_app"]

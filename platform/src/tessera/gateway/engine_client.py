@@ -19,19 +19,19 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import orjson
-
+from tessera.engine.protocol import (
+    Delta,
+    Done,
+    GenerateBody,
+    ProtocolError,
+    continuation,
+    encode_request,
+    parse_line,
+)
 from tessera.gateway.errors import APIError
 from tessera.gateway.http_wire import EngineHTTP, EngineUnreachable, StreamResponse
 
 MAX_ATTEMPTS = 3
-
-
-@dataclass(slots=True)
-class Delta:
-    index: int
-    text: str
-    token_ids: list[int]
 
 
 @dataclass(slots=True)
@@ -77,23 +77,23 @@ class _Attempt:
         result, deltas = self.result, []
         for line in lines:
             try:
-                message = orjson.loads(line)
-            except orjson.JSONDecodeError:
-                raise APIError(502, f"the engine sent a malformed line: {line[:200]!r}", "engine_error") from None
-            if "t" in message:
-                ids = message["d"]
+                message = parse_line(line)
+            except ProtocolError as exc:
+                raise APIError(502, str(exc), "engine_error") from None
+            if isinstance(message, Delta):
+                ids = message.token_ids
                 result.completion_tokens += len(ids)
                 if self.generated is not None:
                     self.generated.extend(ids)
-                deltas.append(Delta(message["i"], message["t"], ids))
-            elif message.get("done"):
-                result.finish = {int(k): v for k, v in message["finish"].items()}
-                result.stats = message["stats"]
+                deltas.append(message)
+            elif isinstance(message, Done):
+                result.finish = message.finish
+                result.stats = message.stats
                 self.done = True
             else:
-                self.error = str(message.get("error"))
-                result.stats = message.get("stats", {})
-                self.retryable = bool(message.get("retryable"))
+                self.error = message.message
+                result.stats = message.stats
+                self.retryable = message.retryable
         if not deltas:
             return
         if result.first_delta_ns is None:
@@ -125,32 +125,29 @@ class EngineClient:
     async def close(self) -> None:
         await self.http.close()
 
-    async def relay(self, urls: list[tuple[str, str]], body: dict[str, Any], headers: dict[str, str],
+    async def relay(self, urls: list[tuple[str, str]], body: GenerateBody, headers: dict[str, str],
                     result: StreamResult, on_deltas: DeltaSink) -> None:
         """Relays the deltas of the first engine that serves the request to ``on_deltas``; ``urls`` is
         [(engine_id, url)] in the route's order. Returns once the engine's closing line came."""
         generated: list[int] = []
-        original_prompt = body["prompt_token_ids"]
         last_error = "no engine available"
+        single = body.get("n", 1) == 1
+        sent = body
         for attempt, (engine_id, url) in enumerate(urls[:MAX_ATTEMPTS]):
-            if attempt and generated:
-                if body.get("n", 1) != 1:
+            if attempt:
+                if generated and not single:
                     break  # continuation is defined for one sequence only
-                body = {**body, "prompt_token_ids": original_prompt + generated,
-                        "max_tokens": body["max_tokens"] - len(generated),
-                        "request_id": f"{body['request_id']}-r{attempt}"}
-            elif attempt:
-                body = {**body, "request_id": f"{body['request_id']}-r{attempt}"}
+                sent = continuation(body, generated, attempt)
             result.engines_tried.append(engine_id)
             result.retries = attempt
             try:
-                async with self.http.post(f"{url}/generate", orjson.dumps(body), headers) as resp:
+                async with self.http.post(f"{url}/generate", encode_request(sent), headers) as resp:
                     if resp.status != 200:
                         last_error = f"engine {engine_id} answered {resp.status}: {(await resp.text())[:200]}"
                         if resp.status >= 500:
                             continue
                         raise APIError(502, last_error, "engine_error")
-                    answer = _Attempt(resp, result, generated if body.get("n", 1) == 1 else None, on_deltas)
+                    answer = _Attempt(resp, result, generated if single else None, on_deltas)
                     resp.relay(answer)
                     failure = await answer.ended
             except (EngineUnreachable, TimeoutError) as exc:

@@ -8,6 +8,8 @@ import orjson
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from tessera.asgi import BodyTooLarge, ClientDisconnected
+
 # Redis did not answer (down, restarting, too slow): 503, or fail open where configured; never a 500.
 STORE_ERRORS: tuple[type[BaseException], ...] = (RedisConnectionError, RedisTimeoutError, OSError)
 
@@ -45,6 +47,19 @@ class APIError(Exception):
 
 def error_body(message: str, type_: str, code: str, param: str | None = None) -> bytes:
     return orjson.dumps({"error": {"message": message, "type": type_, "code": code, "param": param}})
+
+
+def store_unavailable() -> APIError:
+    """Redis did not answer and the gateway fails closed (or has nothing last known to serve): 503."""
+    return APIError(503, "The rate-limit store is unavailable; retry shortly.", "store_unavailable",
+                    headers={"Retry-After": "1"})
+
+
+def body_error(exc: BodyTooLarge | ClientDisconnected) -> APIError:
+    """The HTTP answer to ``tessera.asgi.read_body``'s two failures."""
+    if isinstance(exc, BodyTooLarge):
+        return APIError(413, str(exc), "body_too_large")
+    return APIError(400, str(exc), "client_disconnected")
 
 
 def bad_request(message: str, code: str = "invalid_request", param: str | None = None) -> APIError:

@@ -10,8 +10,8 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from tessera.registry import EngineRecord, ModelInfo, list_models
 from tessera.refresher import UsageRefresher
+from tessera.registry import EngineRecord, ModelInfo, list_models
 
 # Re-read in the background this often while requests come (models change on deploys, not per request).
 CATALOG_REFRESH_S = 2.0
@@ -27,6 +27,10 @@ class ServedModel:
     bos_token: str
     eos_token: str
     chat_template_text: str | None = None
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.tokenizer.get_vocab_size())
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False).ids)

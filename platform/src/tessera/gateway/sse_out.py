@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, Any
 from tessera.gateway.eager_send import send_now
 
 if TYPE_CHECKING:
-    from tessera.gateway.app import Send
-    from tessera.gateway.engine_client import Delta
+    from tessera.asgi import Send
+    from tessera.engine.protocol import Delta
     from tessera.gateway.openai_format import ChunkWriter
 
 SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]

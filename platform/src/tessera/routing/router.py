@@ -13,14 +13,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import defaultdict
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from tessera.registry import EngineRecord, EngineRegistry
+from tessera.redis_wire import Command
 from tessera.refresher import REFRESHER_IDLE_S, UsageRefresher
+from tessera.registry import EngineRecord, EngineRegistry
 from tessera.routing.policies import make_policy
 from tessera.routing.prefix_index import PrefixIndex
 from tessera.routing.snapshot import EngineView, RouteDecision, RouteRequest, RouteSnapshot
@@ -45,12 +45,40 @@ def engine_view(record: EngineRecord) -> EngineView:
 
 @dataclass(frozen=True, slots=True)
 class RoutePlan:
-    """A request's route before the prefix lookup: the live engines, and the lookup's script arguments
-    (None when the policy or the prompt needs no lookup)."""
+    """A request's route before the prefix lookup: the live engines of its model, and the lookup as one Redis
+    command (None when the policy or the prompt needs none), for a caller that sends it in a round trip of
+    its own making (the gateway sends it with admission). ``lookup_args`` are that command's arguments."""
 
     request: RouteRequest
     records: list[EngineRecord]
     lookup_args: list[str | int] | None
+    lookup: Command | None
+
+
+# A route: the policy's decision and the records of the engines it ranks (by engine id).
+Routed = tuple[RouteDecision, dict[str, EngineRecord]]
+
+
+class InFlight:
+    """``with router.in_flight(engine_id):`` counts a request this process sent to an engine until it
+    ends; the policies see the counts (fresher than heartbeats). A plain class: the request path pays no
+    generator frame for it."""
+
+    __slots__ = ("_counts", "_engine_id")
+
+    def __init__(self, counts: dict[str, int], engine_id: str) -> None:
+        self._counts = counts
+        self._engine_id = engine_id
+
+    def __enter__(self) -> None:
+        self._counts[self._engine_id] = self._counts.get(self._engine_id, 0) + 1
+
+    def __exit__(self, *_: object) -> None:
+        left = self._counts[self._engine_id] - 1
+        if left > 0:
+            self._counts[self._engine_id] = left
+        else:
+            del self._counts[self._engine_id]
 
 
 class Router:
@@ -65,7 +93,7 @@ class Router:
         self._swept_at = time.monotonic()
         self._sweep_task: asyncio.Task[None] | None = None
         self._refresher = UsageRefresher("registry", self._read_registry, REGISTRY_CACHE_S, REFRESHER_IDLE_S)
-        self.in_flight: dict[str, int] = defaultdict(int)
+        self._in_flight: dict[str, int] = {}
 
     async def engines(self, model: str) -> list[EngineRecord]:
         self._refresher.used()
@@ -91,43 +119,48 @@ class Router:
         if started - self._swept_at > SWEEP_INTERVAL_S:
             self._start_sweep()
 
-    async def route(self, request: RouteRequest) -> tuple[RouteDecision, dict[str, EngineRecord]]:
+    # The seam: ``route`` = ``plan`` (the cached registry; no Redis call as a rule) → the prefix lookup
+    # (``lookup``, its own round trip, or ``plan.lookup`` sent by the caller with other commands and its reply
+    # read by ``parse_lookup``) → ``decide`` (the pure policy over a snapshot). ``in_flight`` counts the
+    # request while an engine serves it.
+
+    async def route(self, request: RouteRequest) -> Routed:
         plan = await self.plan(request)
         return self.decide(plan, await self.lookup(plan))
 
-    # ``route`` in three steps, for a caller that sends the lookup in one round trip with other commands:
-    # ``plan`` (the cached registry, no Redis call as a rule), the lookup (``lookup``, or ``EVALSHA lookup_sha
-    # 0 *plan.lookup_args`` and ``parse_lookup``), and ``decide`` (pure).
-
     async def plan(self, request: RouteRequest) -> RoutePlan:
         records = await self.engines(request.model)
-        lookup_args = None
-        if self._prefix_index is not None and request.block_hashes and records:
-            lookup_args = PrefixIndex.lookup_args(request.block_hashes, [r.engine_id for r in records])
-        return RoutePlan(request, records, lookup_args)
-
-    @property
-    def lookup_sha(self) -> str:
-        return self._prefix_index.lookup_sha if self._prefix_index is not None else ""
+        if self._prefix_index is None or not request.block_hashes or not records:
+            return RoutePlan(request, records, None, None)
+        args = PrefixIndex.lookup_args(request.block_hashes, [r.engine_id for r in records])
+        return RoutePlan(request, records, args, ("EVALSHA", self._prefix_index.lookup_sha, 0, *args))
 
     parse_lookup = staticmethod(PrefixIndex.parse_lookup)
 
     async def lookup(self, plan: RoutePlan) -> dict[str, int]:
+        """The plan's prefix lookup in a round trip of its own (it loads the script when Redis lost it)."""
         if self._prefix_index is None or plan.lookup_args is None:
             return {}
         return await self._prefix_index.lookup(plan.lookup_args)  # arguments built once, in plan()
 
-    def decide(self, plan: RoutePlan, cached: dict[str, int]) -> tuple[RouteDecision, dict[str, EngineRecord]]:
-        snapshot = RouteSnapshot(tuple(engine_view(r) for r in plan.records), cached, dict(self.in_flight))
+    def decide(self, plan: RoutePlan, cached: dict[str, int]) -> Routed:
+        snapshot = RouteSnapshot(tuple(engine_view(r) for r in plan.records), cached, dict(self._in_flight))
         return self._policy(snapshot, plan.request), {r.engine_id: r for r in plan.records}
 
+    def in_flight(self, engine_id: str) -> InFlight:
+        return InFlight(self._in_flight, engine_id)
+
+    # ``in_flight`` by hand, for a caller that cannot hold a ``with`` block (bench/bench_routing.py).
     def started(self, engine_id: str) -> None:
-        self.in_flight[engine_id] += 1
+        InFlight(self._in_flight, engine_id).__enter__()
 
     def finished(self, engine_id: str) -> None:
-        self.in_flight[engine_id] -= 1
-        if self.in_flight[engine_id] <= 0:
-            del self.in_flight[engine_id]
+        InFlight(self._in_flight, engine_id).__exit__()
+
+    @property
+    def num_in_flight(self) -> dict[str, int]:
+        """engine_id -> requests this process has running there (a copy)."""
+        return dict(self._in_flight)
 
     def _start_sweep(self) -> None:
         # Off the request path: the sweep may walk a dead engine's whole block set.

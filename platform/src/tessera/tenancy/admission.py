@@ -119,7 +119,7 @@ class Admission:
 
     def prepare(self, tenant: str, policy: TenantPolicy, reserve_tokens: int) -> AdmitCall:
         """The admission as a script call, for a caller that sends it in one round trip with other commands
-        (``EVALSHA admit_sha len(keys) *keys *args``; on NOSCRIPT, ``admit`` loads the script)."""
+        (``admission_trip.build_trip`` and ``parse_trip``, which falls back to ``admit`` on NOSCRIPT)."""
         period_id, budget_ttl = period_window(policy.budget_period, datetime.now(UTC))
         keys = limiter_keys(tenant, period_id)
         lease_id = uuid.uuid4().hex

@@ -1,0 +1,56 @@
+"""Phase ``call``: the engine request (``engine.protocol.GenerateBody``) to the route's replicas, best first
+(``EngineClient.relay`` retries on the next one), answered to the client as a stream (respond_stream.py) or
+as one body (respond_full.py). The first engine counts the request in flight while it runs."""
+
+from __future__ import annotations
+
+import functools
+import time
+import uuid
+from typing import TYPE_CHECKING
+
+from tessera.gateway.request.context import ResponseHead
+from tessera.gateway.request.respond_full import respond_full
+from tessera.gateway.request.respond_stream import respond_stream
+from tessera.tenancy.policy import DEMOTION_STEP
+
+if TYPE_CHECKING:
+    from tessera.engine.protocol import GenerateBody
+    from tessera.gateway.engine_client import EngineClient
+    from tessera.gateway.request.context import RequestContext
+    from tessera.routing.router import Router
+
+
+async def call_engine(ctx: RequestContext, engines: EngineClient, router: Router) -> None:
+    body, decision, records = ctx.body, ctx.decision, ctx.records
+    priority = ctx.tenant.policy.priority + (DEMOTION_STEP if ctx.demoted else 0)
+    engine_body: GenerateBody = {
+        "request_id": ctx.request_id, "prompt_token_ids": ctx.prompt_ids, "max_tokens": ctx.max_tokens,
+        "temperature": body.temperature, "top_p": body.top_p, "seed": body.seed, "stop": body.stop_list,
+        "n": body.n, "cache_salt": ctx.cache_salt, "priority": priority, "ignore_eos": body.ignore_eos}
+    ctx.engine_body = engine_body
+    engine_headers = {"x-tessera-tenant": ctx.tenant.name, "x-request-id": ctx.request_id}
+    ctx.notes.engine_headers(engine_headers)
+    first = decision.ranked[0]
+    head = ResponseHead(ctx.endpoint.id_prefix + uuid.uuid4().hex, int(time.time()),
+                        [(b"x-request-id", ctx.request_id.encode()), (b"x-tessera-engine", first.encode()),
+                         (b"x-tessera-route-reason", decision.reason.encode())])
+    ctx.notes.attributes.update({"tessera.engine": first, "tessera.route.reason": decision.reason,
+                                 "tessera.priority": priority})
+    relay = functools.partial(engines.relay, [(eid, records[eid].url) for eid in decision.ranked], engine_body,
+                              engine_headers, ctx.result)
+    respond = respond_stream if body.stream else respond_full
+    result, notes = ctx.result, ctx.notes
+    with router.in_flight(first):
+        ctx.called = True
+        notes.call_started()
+        call_error: Exception | None = None
+        try:
+            await respond(ctx, relay, head)
+        except Exception as exc:
+            call_error = exc
+            raise
+        finally:
+            if result.first_delta_ns is not None:
+                notes.event("first_token", result.first_delta_ns)  # the analyzer's TTFT as the gateway saw it
+            notes.call_ended({"tessera.engines_tried": ",".join(result.engines_tried)}, call_error)
