@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -17,43 +16,23 @@ from typing import Any
 import httpx
 import numpy as np
 
-from tessera.gateway.launch import GatewayLaunch
-
 REPO = Path(__file__).resolve().parents[1]
+# The benchmarks run as scripts (``python bench/bench_x.py``): the repository root makes ``tests.support``
+# importable, whose machine helpers (ports, CPU sets) tests and benchmarks share.
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from tessera.gateway.launch import GatewayLaunch  # noqa: E402
+from tests.support.machine import free_port, pin_this_process, pinned, split_cores  # noqa: E402
+
 RESULTS = REPO / "bench" / "results"
 BIN = Path(sys.executable).parent
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def percentiles(values: Sequence[float], qs: Sequence[float] = (50, 99)) -> list[float]:
     if not values:
         return [float("nan")] * len(qs)
     return [float(np.percentile(np.asarray(values), q)) for q in qs]
-
-
-def split_cores() -> tuple[str | None, str | None]:
-    """(engine cores, platform cores) for benchmarks that compare paths through one engine: the engine on
-    core 0 and everything else (gateway, client, Redis) on the rest. Unpinned on a 2-core machine, vLLM's
-    busy engine-core loop and worker share the cores with the gateway and the client, which then wait for a
-    CPU for up to a whole generation (measured: a 687-byte socket write to the engine held for ~120 ms)."""
-    cores = sorted(os.sched_getaffinity(0))
-    if len(cores) < 2:
-        return None, None
-    return str(cores[0]), ",".join(str(c) for c in cores[1:])
-
-
-def pin_this_process(cpus: str | None) -> None:
-    if cpus:
-        os.sched_setaffinity(0, {int(c) for c in cpus.split(",")})
-
-
-def _pinned(cmd: list[str], cpus: str | None) -> list[str]:
-    return ["taskset", "-c", cpus, *cmd] if cpus else cmd
 
 
 def start_engine(
@@ -65,7 +44,7 @@ def start_engine(
     # Bound to ``cpus``, vLLM's OpenMP threads must be told too (its auto binding would pick core 0 anyway).
     bind = {"VLLM_CPU_OMP_THREADS_BIND": cpus} if cpus else {}
     proc = subprocess.Popen(
-        _pinned([str(BIN / "tessera"), "engine", "serve", "--config", json.dumps(config), "--ready-file", str(ready)],
+        pinned([str(BIN / "tessera"), "engine", "serve", "--config", json.dumps(config), "--ready-file", str(ready)],
                 cpus),
         env={**os.environ, **env, **bind}, stdout=log.open("wb"), stderr=subprocess.STDOUT, process_group=0,
     )
@@ -82,7 +61,7 @@ def start_gateway(
 ) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
     proc = subprocess.Popen(
-        _pinned(GatewayLaunch(port=port, workers=workers, metrics_dir=log.parent / f"gateway-{port}-metrics")
+        pinned(GatewayLaunch(port=port, workers=workers, metrics_dir=log.parent / f"gateway-{port}-metrics")
                 .command(str(BIN / "python")), cpus),
         env={**os.environ, **env}, stdout=log.open("wb"), stderr=subprocess.STDOUT, process_group=0,
     )

@@ -29,18 +29,15 @@ import argparse
 import asyncio
 import os
 import random
-import sys
 import tempfile
 import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from _support import REPO, bench_model, percentiles, pin_this_process, print_table, split_cores, write_results
+from _support import bench_model, percentiles, pin_this_process, print_table, split_cores, write_results
 
-sys.path.insert(0, str(REPO / "tests"))
-
-from integration.kvcontrol.stack import Completion, KVStack, StackOptions, complete, new_client
+from tests.support.kvstack import Completion, KVStack, StackOptions, complete, new_client
 
 PREFIX_TOKENS = 512
 VICTIM_SUFFIX_TOKENS = 8

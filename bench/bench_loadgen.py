@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from _support import pinned
 
 ROOT = Path(__file__).resolve().parents[1]
 VENV_PYTHON = ROOT / ".venv" / "bin" / "python"
@@ -152,10 +153,6 @@ class MockServer:
         self.process.wait(timeout=10)
 
 
-def _pinned(command: list[str]) -> list[str]:
-    return ["taskset", "-c", CLIENT_CORE, *command]
-
-
 # tessera-loadgen ----------------------------------------------------------------------------------
 def tessera_trial(rate: float, warmup_s: float, duration_s: float) -> Trial:
     import yaml
@@ -186,7 +183,7 @@ def tessera_trial(rate: float, warmup_s: float, duration_s: float) -> Trial:
         run_dir = Path(tmp) / "run"
         command = [str(ROOT / ".venv" / "bin" / "tessera-loadgen"), "run", str(path), "--target", url]
         done = subprocess.run(
-            _pinned([*command, "--out", str(run_dir), "--no-plots"]),
+            pinned([*command, "--out", str(run_dir), "--no-plots"], CLIENT_CORE),
             capture_output=True,
             text=True,
             timeout=TRIAL_TIMEOUT_S,
@@ -208,7 +205,7 @@ def vllm_trial(rate: float, warmup_s: float, duration_s: float) -> Trial:
         args = ["--url", url, "--rate", str(rate), "--seconds", str(warmup_s + duration_s), "--out", str(out)]
         env = {k: v for k, v in os.environ.items() if k != "OPENAI_API_KEY"}
         done = subprocess.run(
-            _pinned([str(VENV_PYTHON), __file__, "_vllm-trial", *args]),
+            pinned([str(VENV_PYTHON), __file__, "_vllm-trial", *args], CLIENT_CORE),
             capture_output=True,
             text=True,
             timeout=TRIAL_TIMEOUT_S,
@@ -315,7 +312,7 @@ def guidellm_trial(rate: float, warmup_s: float, duration_s: float, tokenizer: P
             f"kind=json,path={out}",
             "--disable-console",
         ]
-        done = subprocess.run(_pinned(command), capture_output=True, text=True, timeout=TRIAL_TIMEOUT_S)
+        done = subprocess.run(pinned(command, CLIENT_CORE), capture_output=True, text=True, timeout=TRIAL_TIMEOUT_S)
         if done.returncode != 0 or not out.exists():
             return Trial("guidellm", rate, 0, 0, 0.0, 0.0, 0.0, False, (done.stderr or done.stdout)[-300:])
         requests = json.loads(out.read_text())["benchmarks"][0]["requests"]

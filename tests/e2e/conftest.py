@@ -4,30 +4,24 @@ processes), once per test session."""
 from __future__ import annotations
 
 import asyncio
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tessera.registry import EngineRegistry
 from tessera.local.platform import LocalPlatform, LocalPlatformOptions
 from tessera.redis_conn import connect
+from tessera.registry import EngineRegistry
+from tests.support.machine import free_port
 
 ADMIN_TOKEN = "e2e-admin-token"
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @pytest.fixture(scope="session")
 def platform_stack(small_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalPlatform]:
     state = tmp_path_factory.mktemp("platform")
     platform = LocalPlatform(LocalPlatformOptions(
-        state_dir=state, model_dir=small_model_dir, gateway_port=_free_port(), gateway_workers=2,
+        state_dir=state, model_dir=small_model_dir, gateway_port=free_port(), gateway_workers=2,
         admin_token=ADMIN_TOKEN, trace_dir=state / "traces",
         engine_overrides={"served_model_name": "tessera-small", "max_model_len": 1024},
     ))

@@ -10,7 +10,7 @@ from typing import Any
 import helm_python
 import yaml
 
-REPO = Path(__file__).resolve().parents[3]
+REPO = Path(__file__).resolve().parents[2]
 CHART_DIR = REPO / "helm" / "tessera"
 CI_VALUES = sorted((CHART_DIR / "ci").glob("*-values.yaml"))
 RAY_SERVICE_CRD = REPO.parent / "shared" / "crds" / "ray.io_rayservices.yaml"

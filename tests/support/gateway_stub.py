@@ -17,8 +17,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from tessera.registry import ModelInfo
 from tessera.gateway.models import ServedModel, load_served_model
+from tessera.registry import ModelInfo
 
 
 @dataclass

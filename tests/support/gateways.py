@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import time
 from collections.abc import Iterator, Mapping
@@ -26,14 +25,9 @@ from pathlib import Path
 import httpx
 
 from tessera.gateway.launch import GatewayLaunch
+from tests.support.machine import free_port
 
 HEALTH_TIMEOUT_S = 90.0
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @dataclass

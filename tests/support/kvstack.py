@@ -14,7 +14,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -28,15 +27,10 @@ import httpx
 import orjson
 
 from tessera.gateway.launch import GatewayLaunch
+from tests.support.machine import free_port, pinned
 
 BIN = Path(sys.executable).parent
 ADMIN_TOKEN = "kvcontrol-admin"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _stop(proc: subprocess.Popen[bytes] | None, timeout_s: float = 20) -> None:
@@ -67,10 +61,6 @@ class StackOptions:
     # The benchmark pins them apart, so the engine's busy threads do not starve the gateway's event loop.
     engine_cpus: str | None = None
     platform_cpus: str | None = None
-
-
-def _pinned(cmd: list[str], cpus: str | None) -> list[str]:
-    return ["taskset", "-c", cpus, *cmd] if cpus else cmd
 
 
 class KVStack:
@@ -123,7 +113,7 @@ class KVStack:
             self.engine_urls[engine_id] = path.read_text().strip()
         port = free_port()
         self.gateway = subprocess.Popen(
-            _pinned(GatewayLaunch(port=port, metrics_dir=o.run_dir / "gateway-metrics").command(str(BIN / "python")),
+            pinned(GatewayLaunch(port=port, metrics_dir=o.run_dir / "gateway-metrics").command(str(BIN / "python")),
                     o.platform_cpus),
             env=self.env(), stdout=(o.run_dir / "gateway.log").open("wb"), stderr=subprocess.STDOUT,
             process_group=0)
@@ -136,7 +126,7 @@ class KVStack:
         config = {"model": str(o.model_dir), "served_model_name": o.served_model_name, **o.engine}
         ready_file.unlink(missing_ok=True)
         self.engines[engine_id] = subprocess.Popen(
-            _pinned([str(BIN / "tessera"), "engine", "serve", "--config", json.dumps(config), "--engine-id",
+            pinned([str(BIN / "tessera"), "engine", "serve", "--config", json.dumps(config), "--engine-id",
                      engine_id, "--ready-file", str(ready_file)], o.engine_cpus),
             env=self.env(**({"VLLM_CPU_OMP_THREADS_BIND": o.engine_cpus} if o.engine_cpus else {})),
             stdout=(o.run_dir / f"{engine_id}.log").open("ab"), stderr=subprocess.STDOUT, process_group=0)
@@ -154,7 +144,7 @@ class KVStack:
                        TESSERA_KVCONTROL_OBSERVE_ONLY="1" if observe_only else "0", TESSERA_KVCONTROL_LOG_LEVEL="DEBUG",
                        TESSERA_KVCONTROL_POLICY=json.dumps(policy or {}))
         log = (self.options.run_dir / "kvcontrol.log").open("ab")
-        self.controller = subprocess.Popen(_pinned([str(BIN / "tessera-kvcontrol")], self.options.platform_cpus),
+        self.controller = subprocess.Popen(pinned([str(BIN / "tessera-kvcontrol")], self.options.platform_cpus),
                                            env=env, stdout=log,
                                            stderr=subprocess.STDOUT, process_group=0)
         self.metrics_url = f"http://127.0.0.1:{port}/metrics"

@@ -1,13 +1,14 @@
 """Runs a mixed multi-tenant workload on a real vLLM engine *in this process* (so the engine's own block pool
 can be read) and prints, after every engine step, each tenant's blocks by the engine's own count and by a
-``KVLedger`` fed only from the engine's ZMQ KV events. Used by test_ledger_engine.py in a subprocess: an
-in-process engine sets process-wide state (torch threads, a gloo group) a pytest process should not carry.
+``KVLedger`` fed only from the engine's ZMQ KV events. Used by tests/integration/kvcontrol/test_ledger_engine.py
+in a subprocess: an in-process engine sets process-wide state (torch threads, a gloo group) a pytest process
+should not carry.
 
 Engine truth per tenant: every cached block in ``BlockPool.cached_block_hash_to_block`` (copies included)
 whose hash belongs to one of the tenant's token sequences (its live requests' ``block_hashes``, and the
 hash chains of its finished requests' prompt + output tokens, salted as vLLM salts them).
 
-Usage: python ledger_probe.py MODEL_DIR NUM_ROUNDS SEED
+Usage (from the repository root): python -m tests.support.ledger_probe MODEL_DIR NUM_ROUNDS SEED
 """
 
 from __future__ import annotations
@@ -36,10 +37,10 @@ def main(model_dir: str, rounds: int, seed: int) -> None:
     from vllm.v1.engine.llm_engine import LLMEngine
 
     from tessera.engine.config import EngineConfig
-    from tessera.engine.ports import free_port
     from tessera.routing.hashing import block_hashes_bytes
     from tessera.routing.kv_events import decode_batch
     from tessera_operators.kvcontrol.ledger import KVLedger
+    from tests.support.machine import free_port
 
     port = free_port()
     config = EngineConfig.model_validate({"model": model_dir, "num_gpu_blocks_override": NUM_GPU_BLOCKS,

@@ -10,6 +10,7 @@ command over a pipe (``ClusterDriver.call``); its Ray calls run in that process'
 
 from __future__ import annotations
 
+import asyncio
 import multiprocessing
 import os
 import time
@@ -20,8 +21,13 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-TESTS_DIR = Path(__file__).resolve().parents[2]
+from tessera.redis_conn import connect
+from tessera.registry import EngineRecord, EngineRegistry
+
+REPO = Path(__file__).resolve().parents[2]
 PROBE_DEPLOYMENT = "probe"
+GPU_NODES = 2
+GPUS_PER_NODE = 2
 
 
 @dataclass(frozen=True)
@@ -38,8 +44,8 @@ class _Driver:
     def __init__(self, spec: ClusterSpec) -> None:
         # Before the first node starts: every Ray process (raylets, Serve controller, replicas) inherits it.
         os.environ.update(dict(spec.env))
-        # The probe deployment's module must import in Ray's workers.
-        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS_DIR), os.environ.get("PYTHONPATH")]))
+        # The probe deployment's module (tests.support.ray_probe) must import in Ray's workers.
+        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
         import ray
         from ray import serve
         from ray.cluster_utils import Cluster
@@ -74,7 +80,7 @@ class _Driver:
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        from integration.ray.probe import GpuWorker
+        from tests.support.ray_probe import GpuWorker
 
         holder = GpuWorker.options(  # type: ignore[attr-defined]
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote()
@@ -95,9 +101,9 @@ class _Driver:
         """The light replica, deployed with the engine's own options builder."""
         from ray import serve
 
-        from integration.ray.probe import PlacementProbe
         from tessera.engine.config import EngineConfig
         from tessera.engine.placement import deployment_options
+        from tests.support.ray_probe import PlacementProbe
 
         config = EngineConfig.model_validate(engine)
         bound = PlacementProbe.options(name=PROBE_DEPLOYMENT, num_replicas=replicas,  # type: ignore[attr-defined]
@@ -225,3 +231,20 @@ def wait_for(condition: Callable[[], Any], timeout_s: float, what: str, period_s
         if time.monotonic() > deadline:
             raise TimeoutError(f"timed out after {timeout_s} s waiting for {what}")
         time.sleep(period_s)
+
+
+def live_engines(redis_url: str) -> list[EngineRecord]:
+    async def read() -> list[EngineRecord]:
+        redis = connect(redis_url, timeout_s=5)
+        try:
+            return await EngineRegistry(redis).live_engines()
+        finally:
+            await redis.aclose()
+
+    return asyncio.run(read())
+
+
+def engine_settings(model_dir: Path) -> dict[str, object]:
+    """The real engine, small and quick on the CPU build, asking for a GPU as on a GPU node."""
+    return {"model": str(model_dir), "accelerator": "gpu", "kvEvents": {"enabled": False}, "speculative": None,
+            "maxModelLen": 512, "maxNumSeqs": 4, "cpuKvCacheSpaceGib": 1, "heartbeatIntervalS": 0.5}

@@ -7,8 +7,7 @@ from typing import Any
 from tessera.telemetry.analyze import AnalysisOptions, Report, analyze_spans
 from tessera.telemetry.causes import Attribution
 from tessera.telemetry.spanfile import SpanRecord
-
-from .spans_factory import Req
+from tests.support.spans_factory import Req
 
 SLOW_AT = 20_000.0  # ms: the slow request comes after 20 typical ones, one per second
 

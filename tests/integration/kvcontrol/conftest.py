@@ -9,8 +9,7 @@ from typing import Any
 import pytest
 
 from tessera.redis_conn import EmbeddedRedis
-
-from .stack import KVStack, StackOptions
+from tests.support.kvstack import KVStack, StackOptions
 
 StackFactory = Callable[..., KVStack]
 

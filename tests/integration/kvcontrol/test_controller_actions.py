@@ -16,14 +16,14 @@ import httpx
 import orjson
 import pytest
 
-from tessera.registry import pressure_key
 from tessera.redis_conn import connect
+from tessera.registry import pressure_key
 from tessera.telemetry.spanfile import SpanRecord, load_spans
 from tessera.tenancy.demotion import demoted_key
 from tessera.tenancy.policy import DEMOTION_STEP, PRIORITY_VALUES, TenantPolicy
 from tessera.tenancy.store import TenantStore
-
-from .stack import ADMIN_TOKEN, KVStack, complete, new_client
+from tests.support.kvstack import ADMIN_TOKEN, KVStack, complete, new_client
+from tests.support.poll import async_wait_until
 
 pytestmark = pytest.mark.engine
 
@@ -109,8 +109,8 @@ async def test_over_quota_tenant_is_demoted_and_restored(act_stack: KVStack) -> 
     async with new_client() as client:
         first = await complete(client, stack.gateway_url, hog, stack.model, prompt(640, 1), 200)
         assert first.status == 200
+        # Read in every admission round trip: the next request sees the flag.
         await wait_for(lambda: redis_exists(stack, demoted_key("act-hog")), 30, "the demotion flag", stack)
-        await asyncio.sleep(0.6)  # a gateway caches a tenant's demotion state for half a second
         # New requests of the demoted tenant carry the lower priority; another tenant's do not.
         demoted = await complete(client, stack.gateway_url, hog, stack.model, prompt(64, 2), 20)
         other = await complete(client, stack.gateway_url, calm, stack.model, prompt(64, 3), 20)
@@ -123,11 +123,16 @@ async def test_over_quota_tenant_is_demoted_and_restored(act_stack: KVStack) -> 
             return not await redis_exists(stack, demoted_key("act-hog"))
 
         await wait_for(restored, 30, "the demotion flag to be cleared", stack)
-        await asyncio.sleep(0.6)
         after = await complete(client, stack.gateway_url, hog, stack.model, prompt(64, 4), 20)
     assert stack.metric("tessera_kvcontrol_actions_total", action="demote", tenant="act-hog") == 1
     assert stack.metric("tessera_kvcontrol_actions_total", action="restore", tenant="act-hog") == 1
-    await asyncio.sleep(1.5)  # span export
+    request_ids = {first.request_id, demoted.request_id, other.request_id, after.request_id}
+
+    def exported() -> bool:  # each process's batch span processor exports within 0.5 s
+        names = {(s.name, s.attr("tessera.request_id")) for s in spans_of(stack)}
+        return {("engine.generate", r) for r in request_ids} <= names and "kvcontrol.demote" in {n for n, _ in names}
+
+    await async_wait_until(exported, 30, "the requests' engine.generate spans and the kvcontrol.demote span")
     spans = spans_of(stack)
 
     def engine_priority(request_id: str) -> int:
@@ -289,7 +294,14 @@ async def test_abort_is_retried_elsewhere_once_billed_once_streamed_and_traced(a
         raise AssertionError(f"the controller did not abort in {ATTEMPTS} attempts")
     assert result.engine == engine  # the stream started there, then moved
 
-    await asyncio.sleep(1.5)  # span export
+    def exported() -> bool:  # each process's batch span processor exports within 0.5 s
+        spans = spans_of(stack)
+        traces = {s.trace_id for s in spans
+                  if s.name == "gateway.request" and s.attr("tessera.request_id") == result.request_id}
+        names = [s.name for s in spans if s.trace_id in traces]
+        return {"gateway.request", "kvcontrol.abort"} <= set(names) and names.count("engine.generate") == 2
+
+    await async_wait_until(exported, 30, "the aborted request's gateway.request and kvcontrol.abort spans")
     if not client_traceparent:  # the gateway started the trace: find it by the response's request id
         trace_id = next(s.trace_id for s in spans_of(stack)
                         if s.name == "gateway.request" and s.attr("tessera.request_id") == result.request_id)

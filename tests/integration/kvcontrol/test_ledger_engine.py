@@ -1,6 +1,6 @@
 """The ledger matches the engine's own KV usage, per tenant, after every step of a mixed workload on a real
 engine with a tiny KV cache (48 blocks of 32 tokens): evictions, shared prefixes, prefix hits, three salted
-tenants. The engine's count is read from its own block pool (see ledger_probe.py)."""
+tenants. The engine's count is read from its own block pool (see tests/support/ledger_probe.py)."""
 
 from __future__ import annotations
 
@@ -13,12 +13,12 @@ import pytest
 
 pytestmark = pytest.mark.engine
 
-PROBE = Path(__file__).with_name("ledger_probe.py")
+REPO = Path(__file__).resolve().parents[3]
 
 
 def test_ledger_matches_the_engine_block_pool_per_tenant(small_model_dir: Path) -> None:
-    proc = subprocess.run([sys.executable, str(PROBE), str(small_model_dir), "20", "3"], capture_output=True,
-                          text=True, timeout=900)
+    proc = subprocess.run([sys.executable, "-m", "tests.support.ledger_probe", str(small_model_dir), "20", "3"],
+                          cwd=REPO, capture_output=True, text=True, timeout=900)
     lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
     *steps, done = lines

@@ -11,8 +11,8 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from tessera.registry import EngineRecord, pressure_key
 from tessera.redis_conn import EmbeddedRedis, connect
+from tessera.registry import EngineRecord, pressure_key
 from tessera.routing.kv_events import DecodedBatch
 from tessera.tenancy.demotion import demoted_key
 from tessera.tenancy.policy import TenantPolicy

@@ -19,16 +19,15 @@ from typing import Any
 
 import orjson
 import pytest
-from support.evidence_checks import check_culprit, check_evidence
 
-from tessera.registry import EngineRegistry
 from tessera.redis_conn import connect
+from tessera.registry import EngineRegistry
 from tessera.routing.hashing import block_hash_chain
 from tessera.routing.kv_events import DecodedBatch, KVEventSubscriber
 from tessera.telemetry.analyze import AnalysisOptions, analyze
 from tessera.tenancy.store import TenantStore
-
-from .stack import KVStack, complete, new_client
+from tests.support.evidence_checks import check_culprit, check_evidence
+from tests.support.kvstack import KVStack, complete, new_client
 
 pytestmark = pytest.mark.engine
 

@@ -13,12 +13,12 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from gateway_stub import gateway_stub
 
 from tessera_loadgen.client import Target
 from tessera_loadgen.runner import run_in_loop
 from tessera_loadgen.tokenizer_source import resolve_tokenizers
 from tessera_loadgen.workload import Workload
+from tests.support.gateway_stub import gateway_stub
 
 MODEL = "tessera-small"
 KEYS = {"key-chat", "key-batch"}

@@ -7,11 +7,11 @@ from collections.abc import AsyncIterator, Iterator
 import kopf
 import pytest
 import redis.asyncio as aioredis
-from fake_kube import NAMESPACE, RAY_SERVICE, FakeKube
 
 from tessera.redis_conn import EmbeddedRedis, connect
 from tessera.tenancy.store import TenantStore
 from tessera_operators.operator.handlers import OperatorContext
+from tests.support.fake_kube import NAMESPACE, RAY_SERVICE, FakeKube
 
 
 @pytest.fixture(scope="module")

@@ -11,13 +11,13 @@ from typing import Any
 import kopf
 import pytest
 import yaml
-from fake_kube import NAMESPACE, RAY_SERVICE, FakeKube, merge_patch
 
 from tessera.redis_conn import connect
 from tessera.tenancy.policy import TenantPolicy
 from tessera.tenancy.store import TenantStore
 from tessera_operators.operator import handlers
 from tessera_operators.operator.handlers import OperatorContext
+from tests.support.fake_kube import NAMESPACE, RAY_SERVICE, FakeKube, merge_patch
 
 
 @dataclass

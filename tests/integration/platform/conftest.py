@@ -5,14 +5,12 @@ from pathlib import Path
 
 import pytest
 
-from tessera.engine.config import EngineConfig
 from tessera.engine.host import EngineHost
 from tessera.redis_conn import EmbeddedRedis
+from tests.support.engines import start_host
 
-
-def start_host(model_dir: Path, redis: EmbeddedRedis | None, **overrides: object) -> EngineHost:
-    config = EngineConfig.model_validate({"model": str(model_dir), "heartbeat_interval_s": 0.5, **overrides})
-    return EngineHost(config, redis.url if redis else None).start()
+# NOTE(#18): re-exported for test_engine_capabilities.py until it imports tests.support.engines itself.
+__all__ = ["start_host"]
 
 
 @pytest.fixture(scope="session")

@@ -1,20 +1,14 @@
 """One multi-node Ray cluster with GPU-declaring nodes, shared by this directory's tests (see
-cluster_driver.py for why its driver is a child process)."""
+tests/support/ray_cluster.py for why its driver is a child process)."""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
-from integration.ray.cluster_driver import ClusterDriver, ClusterSpec
-from tessera.registry import EngineRecord, EngineRegistry
-from tessera.redis_conn import EmbeddedRedis, connect
-
-GPU_NODES = 2
-GPUS_PER_NODE = 2
+from tessera.redis_conn import EmbeddedRedis
+from tests.support.ray_cluster import GPU_NODES, GPUS_PER_NODE, ClusterDriver, ClusterSpec
 
 
 @pytest.fixture(scope="module")
@@ -37,20 +31,3 @@ def cluster(redis_server: EmbeddedRedis, tmp_path_factory: pytest.TempPathFactor
         yield driver
     finally:
         driver.close()
-
-
-def live_engines(redis_url: str) -> list[EngineRecord]:
-    async def read() -> list[EngineRecord]:
-        redis = connect(redis_url, timeout_s=5)
-        try:
-            return await EngineRegistry(redis).live_engines()
-        finally:
-            await redis.aclose()
-
-    return asyncio.run(read())
-
-
-def engine_settings(model_dir: Path) -> dict[str, object]:
-    """The real engine, small and quick on the CPU build, asking for a GPU as on a GPU node."""
-    return {"model": str(model_dir), "accelerator": "gpu", "kvEvents": {"enabled": False}, "speculative": None,
-            "maxModelLen": 512, "maxNumSeqs": 4, "cpuKvCacheSpaceGib": 1, "heartbeatIntervalS": 0.5}

@@ -13,10 +13,17 @@ from pathlib import Path
 import httpx
 import pytest
 
-from integration.ray.cluster_driver import PROBE_DEPLOYMENT, ClusterDriver, wait_for
-from integration.ray.conftest import GPU_NODES, GPUS_PER_NODE, engine_settings, live_engines
-from integration.ray.probe import live_reports
 from tessera.redis_conn import EmbeddedRedis
+from tests.support.ray_cluster import (
+    GPU_NODES,
+    GPUS_PER_NODE,
+    PROBE_DEPLOYMENT,
+    ClusterDriver,
+    engine_settings,
+    live_engines,
+    wait_for,
+)
+from tests.support.ray_probe import live_reports
 
 pytestmark = pytest.mark.engine
 

@@ -2,49 +2,20 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from support.gateways import GatewayProcess, running_gateways
 
 from tessera.engine.host import EngineHost
-from tessera.redis_conn import EmbeddedRedis, connect
-from tessera.tenancy.store import TenantStore
+from tessera.redis_conn import EmbeddedRedis
+from tests.support.engines import start_host
+from tests.support.gateways import running_gateways
+from tests.support.routing_stack import ENGINE_OVERRIDES, MODEL, RoutingStack, issue_tenant_key
 
-from ..platform.conftest import start_host
-
-MODEL = "routing-small"
-# 31 usable blocks of 32 tokens (vLLM keeps one null block): two 600-token prompts cannot both stay cached.
-ENGINE_OVERRIDES = {
-    "served_model_name": MODEL, "num_gpu_blocks_override": 32, "max_model_len": 640, "block_size": 32,
-    "enable_prefix_caching": True, "speculative": None, "max_num_seqs": 8,
-}
-
-
-@dataclass
-class RoutingStack:
-    redis_url: str
-    engines: list[EngineHost]
-    gateways: list[GatewayProcess]
-    api_key: str
-    cache_salt: str
-
-
-def create_tenant(redis_url: str, name: str) -> tuple[str, str]:
-    async def run() -> tuple[str, str]:
-        redis = connect(redis_url, timeout_s=5.0)
-        try:
-            store = TenantStore(redis)
-            tenant = await store.get_tenant(name) or await store.create_tenant(name)
-            return (await store.issue_key(name)).plaintext, tenant.cache_salt
-        finally:
-            await redis.aclose()
-
-    return asyncio.run(run())
+# NOTE(#18): re-exported for test_precise_routing.py until it imports tests.support.routing_stack itself.
+__all__ = ["MODEL", "RoutingStack"]
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +25,7 @@ def routing_stack(small_model_dir: Path, redis_server: EmbeddedRedis,
     try:
         for _ in range(2):
             engines.append(start_host(small_model_dir, redis_server, **ENGINE_OVERRIDES))
-        key, salt = create_tenant(redis_server.url, f"routing-{time.monotonic_ns()}")
+        key, salt = issue_tenant_key(redis_server.url, f"routing-{time.monotonic_ns()}")
         # NOTE: a 2 s Redis timeout: on this 2-core machine a gateway beside two engines can stall past the
         # default 250 ms and fail closed (the timeout's own behaviour is tested with the tenancy tests).
         env = {"TESSERA_ROUTING_POLICY": "prefix_affinity", "TESSERA_REDIS_TIMEOUT_S": "2.0"}

@@ -20,13 +20,13 @@ from pathlib import Path
 
 import orjson
 import pytest
-from support.evidence_checks import check_culprit, check_evidence
 from typer.testing import CliRunner
 
-from integration.kvcontrol.stack import KVStack, StackOptions, complete, new_client
 from tessera.cli import app
 from tessera.redis_conn import EmbeddedRedis
 from tessera.telemetry.analyze import AnalysisOptions, analyze, render
+from tests.support.evidence_checks import check_culprit, check_evidence
+from tests.support.kvstack import KVStack, StackOptions, complete, new_client
 
 pytestmark = pytest.mark.engine
 

@@ -12,12 +12,12 @@ from typing import Any
 
 import httpx
 import pytest
-from support.gateways import GatewayProcess, start_gateways
 from typer.testing import CliRunner
 
 from tessera.cli import app as cli_app
-
-from .conftest import RestartableRedis, admin_headers, completion_body, create_tenant, error_of
+from tests.support.gateways import GatewayProcess, start_gateways
+from tests.support.tenancy import admin_headers, completion_body, create_tenant, error_of
+from tests.support.valkey import RestartableRedis
 
 
 def name() -> str:

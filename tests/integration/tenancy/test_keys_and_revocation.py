@@ -6,10 +6,11 @@ import time
 
 import httpx
 import redis.asyncio as aioredis
-from support.gateways import GatewayProcess
-from support.probe import probe_results, start_probe
 
-from .conftest import RestartableRedis, admin_headers, create_tenant
+from tests.support.gateways import GatewayProcess
+from tests.support.probe import probe_results, start_probe
+from tests.support.tenancy import admin_headers, create_tenant
+from tests.support.valkey import RestartableRedis
 
 REVOCATION_WITHIN_S = 2.0
 

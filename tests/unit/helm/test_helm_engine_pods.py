@@ -15,7 +15,7 @@ from typing import Any
 
 import helm_python
 import pytest
-from chart_support import (
+from tests.support.chart import (
     CHART_DIR,
     JSON,
     find,

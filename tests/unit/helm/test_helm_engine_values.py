@@ -8,7 +8,7 @@ from typing import Any
 
 import helm_python
 import pytest
-from chart_support import CHART_DIR, CI_VALUES, load_values, render, serve_config, served_engine
+from tests.support.chart import CHART_DIR, CI_VALUES, load_values, render, serve_config, served_engine
 from pydantic import ValidationError
 
 from tessera.engine.config import EngineConfig

@@ -12,7 +12,7 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
-from chart_support import (
+from tests.support.chart import (
     CHART_DIR,
     CI_VALUES,
     KUBE_VERSION,

@@ -10,7 +10,7 @@ from typing import Any
 
 import helm_python
 import pytest
-from chart_support import CHART_DIR, REPO, render
+from tests.support.chart import CHART_DIR, REPO, render
 
 from tessera.engine.config import EngineConfig
 

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from chart_support import (
+from tests.support.chart import (
     CHART_DIR,
     CI_VALUES,
     find,

@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from tessera.registry import ModelInfo
 from tessera.gateway.models import ServedModel, load_served_model
+from tessera.registry import ModelInfo
 from tessera_loadgen.factory import RequestFactory
 from tessera_loadgen.prompt_tokenizer import PromptTokenizer
 from tessera_loadgen.prompts import PromptLibrary, synthetic_words

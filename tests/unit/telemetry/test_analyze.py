@@ -14,9 +14,8 @@ from tessera.cli import app
 from tessera.telemetry.analyze import AnalysisOptions, analyze, analyze_spans, render
 from tessera.telemetry.spanfile import SpanRecord
 from tessera.telemetry.timeline import build_timelines
-
-from .scenarios import SLOW_AT, only_slow, typical
-from .spans_factory import Attempt, Req, eviction
+from tests.support.spans_factory import Attempt, Req, eviction
+from tests.support.trace_scenarios import SLOW_AT, only_slow, typical
 
 
 def test_engine_queueing() -> None:

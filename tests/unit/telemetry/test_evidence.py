@@ -9,9 +9,8 @@ import pytest
 
 from tessera.telemetry.analyze import render
 from tessera.telemetry.causes import CAUSES, UNEXPLAINED, Attribution
-
-from .scenarios import SLOW_AT, only_slow, report_of, typical
-from .spans_factory import Attempt, Req, eviction
+from tests.support.spans_factory import Attempt, Req, eviction
+from tests.support.trace_scenarios import SLOW_AT, only_slow, report_of, typical
 
 # Two noisy requests on e1 from SLOW_AT: 2,048-token prompts whose prefill runs [SLOW_AT + 1, SLOW_AT + 395] ms.
 NOISY_PREFILL = Attempt(arrival=0.0, scheduled=1.0, first_token=395.0, finished=450.0, prompt_tokens=2048,

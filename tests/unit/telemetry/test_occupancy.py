@@ -7,8 +7,7 @@ import pytest
 from tessera.telemetry.occupancy import EngineLoad, GatewayLoad
 from tessera.telemetry.spanfile import SpanRecord
 from tessera.telemetry.timeline import RequestTimeline, build_timelines
-
-from .spans_factory import Attempt, Req
+from tests.support.spans_factory import Attempt, Req
 
 MS = 1_000_000
 

@@ -1,4 +1,5 @@
-"""API keys and bearer headers: edge cases that must be refused before Redis is asked."""
+"""API keys (tessera/tenancy/keys.py) and bearer headers: their shape, and the edge cases that must be refused
+before Redis is asked."""
 
 from __future__ import annotations
 
@@ -13,8 +14,16 @@ def test_secret_may_contain_dashes() -> None:
     assert parse_key_id(f"tsk-{key_id}-abc-def--") == key_id
 
 
+def test_keys_are_unique() -> None:
+    assert len({new_key().plaintext for _ in range(200)}) == 200
+
+
 @pytest.mark.parametrize("key", [
+    "",
+    "tsk",
+    "tsk--x",                        # no id
     "tsk-0123456789ab",              # no secret part
+    "tsk-0123456789ab-",             # empty secret
     "tsk-0123456789abc-secret",      # id too long
     "tsk-0123456789a-secret",        # id too short
     "TSK-0123456789ab-secret",       # prefix is case sensitive
@@ -48,6 +57,13 @@ def test_same_id_other_secret_does_not_match() -> None:
     forged = f"tsk-{issued.key_id}-{'A' * 43}"
     assert parse_key_id(forged) == issued.key_id
     assert not key_matches(forged, issued.sha256)
+
+
+def test_key_matches_only_the_exact_key() -> None:
+    issued = new_key()
+    assert key_matches(issued.plaintext, issued.sha256)
+    assert not key_matches(issued.plaintext + "x", issued.sha256)
+    assert not key_matches(issued.plaintext[:-1], issued.sha256)
 
 
 @pytest.mark.parametrize("header, key", [

@@ -1,5 +1,5 @@
-"""More hand-made snapshots: ties, dead engines and the bounded-load rule, for the policies the issue names
-(the basics are in tests/unit/platform/test_policies.py)."""
+"""Routing policies (tessera/routing/policies.py) on hand-made snapshots: the registry, each policy's basic
+order, ties, dead engines and the bounded-load rule."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tessera.routing.policies import APPROX_CHUNK_CHARS, make_policy, policy_names
+from tessera.routing.policies import APPROX_CHUNK_CHARS, BOUND_FACTOR, make_policy, policy_names
 from tessera.routing.snapshot import EngineView, RouteRequest, RouteSnapshot
 
 
@@ -19,6 +19,7 @@ def engine(engine_id: str, running: int = 0, waiting: int = 0, kv: float = 0.0, 
 
 
 REQ = RouteRequest(tenant="t", model="m", num_prompt_tokens=1000, block_hashes=tuple(range(31)))
+REQ_320 = RouteRequest(tenant="t", model="m", num_prompt_tokens=320, block_hashes=tuple(range(10)))
 
 
 @pytest.mark.parametrize("name", policy_names())
@@ -67,6 +68,7 @@ def test_prefix_affinity_counts_at_most_what_vllm_can_reuse() -> None:
 def test_bounded_load_spills_a_hot_prefix_and_takes_it_back_when_load_evens_out() -> None:
     policy = make_policy("prefix_affinity")
     hot = {"a": 31}
+    assert BOUND_FACTOR == 1.25
     # loads 4, 0, 0: mean 1.33, bound 2.67: a is over it and gets no credit for its cache.
     spilled = policy(RouteSnapshot((engine("a", 4), engine("b"), engine("c")), hot), REQ)
     assert spilled.ranked[0] in ("b", "c") and "bounded_load" in spilled.reason
@@ -141,3 +143,87 @@ def test_the_tie_break_is_the_same_in_every_gateway_process() -> None:
     outputs = {subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONHASHSEED": seed},
                               capture_output=True, text=True, check=True).stdout for seed in ("1", "2")}
     assert len(outputs) == 1
+
+
+def test_registry_lists_all_policies_and_rejects_unknown() -> None:
+    assert policy_names() == ["approx_prefix", "least_loaded", "prefix_affinity", "round_robin",
+                              "session_affinity"]
+    with pytest.raises(ValueError, match="valid: approx_prefix, least_loaded"):
+        make_policy("random")
+
+
+@pytest.mark.parametrize("name", ["approx_prefix", "least_loaded", "prefix_affinity", "round_robin",
+                                  "session_affinity"])
+def test_empty_fleet_gives_no_engine(name: str) -> None:
+    decision = make_policy(name)(RouteSnapshot(()), REQ_320)
+    assert decision.ranked == () and "no live engine" in decision.reason
+
+
+@pytest.mark.parametrize("name", ["approx_prefix", "least_loaded", "prefix_affinity", "round_robin",
+                                  "session_affinity"])
+def test_every_policy_ranks_every_engine_and_pressure_last(name: str) -> None:
+    snap = RouteSnapshot((engine("a", pressure=True), engine("b"), engine("c")))
+    decision = make_policy(name)(snap, REQ_320)
+    assert sorted(decision.ranked) == ["a", "b", "c"]
+    assert decision.ranked[-1] == "a"
+
+
+def test_round_robin_cycles_in_id_order() -> None:
+    policy = make_policy("round_robin")
+    snap = RouteSnapshot((engine("b"), engine("a"), engine("c")))
+    assert [policy(snap, REQ_320).ranked[0] for _ in range(4)] == ["a", "b", "c", "a"]
+
+
+def test_least_loaded_ties_break_by_kv_usage_then_id() -> None:
+    policy = make_policy("least_loaded")
+    snap = RouteSnapshot((engine("b", 1), engine("a", 1), engine("c", 0, 2)))
+    assert policy(snap, REQ_320).ranked == ("a", "b", "c")
+    snap = RouteSnapshot((engine("b", 1, kv=0.1), engine("a", 1, kv=0.5)))
+    assert policy(snap, REQ_320).ranked == ("b", "a")
+
+
+def test_least_loaded_counts_this_gateways_in_flight_requests() -> None:
+    policy = make_policy("least_loaded")
+    snap = RouteSnapshot((engine("a"), engine("b")), local_in_flight={"a": 3})
+    assert policy(snap, REQ_320).ranked[0] == "b"
+
+
+def test_session_affinity_is_sticky_and_survives_other_engines_leaving() -> None:
+    policy = make_policy("session_affinity")
+    req = RouteRequest("t", "m", 10, session_id="user-42")
+    full = RouteSnapshot(tuple(engine(x) for x in "abcdef"))
+    chosen = policy(full, req).ranked[0]
+    assert all(policy(full, req).ranked[0] == chosen for _ in range(5))
+    others = [e for e in full.engines if e.engine_id != chosen][:2]
+    smaller = RouteSnapshot((*others, next(e for e in full.engines if e.engine_id == chosen)))
+    assert policy(smaller, req).ranked[0] == chosen
+
+
+def test_prefix_affinity_prefers_the_engine_holding_the_prefix() -> None:
+    policy = make_policy("prefix_affinity")
+    snap = RouteSnapshot((engine("a", 1), engine("b", 0)), cached_prefix_blocks={"a": 8})
+    decision = policy(snap, REQ_320)
+    assert decision.ranked[0] == "a"
+    assert decision.expected_cached_tokens == 8 * 32
+    assert "cached_tokens=256" in decision.reason
+
+
+def test_prefix_affinity_without_hits_is_least_loaded() -> None:
+    policy = make_policy("prefix_affinity")
+    snap = RouteSnapshot((engine("a", 2), engine("b", 1)))
+    decision = policy(snap, REQ_320)
+    assert decision.ranked[0] == "b" and "miss" in decision.reason
+
+
+def test_prefix_affinity_pressure_flag_beats_cache_hits() -> None:
+    policy = make_policy("prefix_affinity")
+    snap = RouteSnapshot((engine("a", pressure=True), engine("b")), cached_prefix_blocks={"a": 10})
+    assert policy(snap, REQ_320).ranked == ("b", "a")
+
+
+def test_approx_prefix_forgets_dead_engines() -> None:
+    policy = make_policy("approx_prefix")
+    req = RouteRequest("t", "m", 100, prompt_prefix="x" * 600)
+    first = policy(RouteSnapshot((engine("a"), engine("b"))), req).ranked[0]
+    survivor = "b" if first == "a" else "a"
+    assert policy(RouteSnapshot((engine(survivor),)), req).ranked == (survivor,)
