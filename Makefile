@@ -12,7 +12,7 @@ MODEL ?=
 PYTEST_ARGS ?=
 
 .PHONY: install run test lint unit integration e2e bench bench-gateway bench-gateway-hops bench-admission bench-routing \
-        bench-kvcontrol bench-loadgen bench-cli helm-check clean
+        bench-kvcontrol bench-loadgen bench-cli bench-wires helm-check clean
 
 install: $(STAMP)
 
@@ -49,7 +49,7 @@ integration: install
 e2e: install
 	$(BIN)/python -m pytest -q tests/e2e
 
-bench: bench-gateway bench-gateway-hops bench-admission bench-routing bench-kvcontrol bench-loadgen bench-cli
+bench: bench-gateway bench-gateway-hops bench-admission bench-routing bench-kvcontrol bench-loadgen bench-cli bench-wires
 
 bench-gateway: install
 	$(BIN)/python bench/bench_gateway.py
@@ -70,6 +70,10 @@ bench-kvcontrol: install
 bench-loadgen: install
 	test -x .venv-bench/bin/guidellm || { $(PYTHON) -m venv .venv-bench && .venv-bench/bin/pip install --quiet guidellm==0.8.1; }
 	$(BIN)/python bench/bench_loadgen.py
+
+# The hand-written wires (http_wire, redis_wire, late_spans) against the libraries they replace.
+bench-wires: install
+	$(BIN)/python bench/bench_wires.py
 
 # Start-up of every console script (--help, a plan): the goal is 1.5 s each on a 2-core machine.
 bench-cli: install

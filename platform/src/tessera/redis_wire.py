@@ -1,9 +1,9 @@
 """One multiplexed Redis connection for the gateway's request path: commands in, replies out, nothing else.
 
-Why not redis-py's pipeline: measured on this project's machines (uvloop, hiredis installed), a GET through
-``redis.asyncio`` costs 65 µs back to back and 520 µs as the first call after 100 ms idle, against 17 and
-200 µs for the same bytes over a plain asyncio protocol. Every request pays one such round trip before its
-engine call (admission), so the difference is a third of the gateway's added time to first token.
+Why not redis-py's pipeline: every request pays one round trip before its engine call (admission), and the
+same bytes over a plain asyncio protocol cost less than through ``redis.asyncio`` (with hiredis), back to
+back and as the first call after an idle spell; ``make bench-wires`` measures both side by side
+(bench/bench_wires.py).
 
 Concurrent callers share the connection: each call writes its commands in one ``write`` and awaits as many
 replies, matched in order (Redis answers a connection's commands in the order they arrive). A timeout or a

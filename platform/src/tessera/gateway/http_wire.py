@@ -1,9 +1,9 @@
 """A lean HTTP/1.1 client for the one call the gateway makes per request: POST to an engine replica and
 read its streamed, chunked NDJSON answer over a pooled keep-alive connection.
 
-Why not aiohttp: measured here (uvloop), from the call to the request's first byte at the server, aiohttp
-takes 62 µs back to back and 446 µs as the first call after 100 ms idle; writing the same request on a
-plain asyncio protocol takes 6 and 132 µs. That is on every request's time to first token, once each way.
+Why not aiohttp: the request is on every request's time to first token, once each way, and a plain asyncio
+protocol sends it and reads the stream in less time than aiohttp, back to back and more so as the first call
+after an idle spell; ``make bench-wires`` measures both side by side (bench/bench_wires.py).
 Parsing is httptools' (llhttp, the parser uvicorn uses), so chunked framing and keep-alive follow the spec.
 
 A response's body is read in one of two ways: ``lines()``, an async iterator, or ``relay(sink)``, which hands
