@@ -17,7 +17,7 @@ from tessera.telemetry.occupancy import QueueDepth
 from tessera.telemetry.timeline import EngineAttempt
 
 if TYPE_CHECKING:
-    from tessera.telemetry.explain import RunContext
+    from tessera.telemetry.run_context import RunContext
 
 
 def depth_on_arrival(attempt: EngineAttempt, owner: str, run: RunContext) -> QueueDepth:

@@ -13,7 +13,7 @@ from tessera.telemetry.causes import Attribution, Baseline
 from tessera.telemetry.evidence import Evidence, culprit_of, loads_text, ms
 
 if TYPE_CHECKING:
-    from tessera.telemetry.explain import RunContext
+    from tessera.telemetry.run_context import RunContext
 
 
 def gateway_queueing(a: Attribution, b: Baseline, run: RunContext) -> Evidence:

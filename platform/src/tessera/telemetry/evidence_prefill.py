@@ -28,7 +28,7 @@ from tessera.telemetry.evidence import (
 from tessera.telemetry.prefill_curve import TypicalPrefill
 
 if TYPE_CHECKING:
-    from tessera.telemetry.explain import RunContext
+    from tessera.telemetry.run_context import RunContext
 
 # A prefill this many times the engine's typical time for its length was slowed by something else than
 # its length (the batch it shared, or a stall).

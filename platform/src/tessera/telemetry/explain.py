@@ -18,23 +18,11 @@ prefill_curve.py) and returns the numbers behind its cause. Windows, per cause:
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from tessera.telemetry import evidence_engine, evidence_gateway, evidence_prefill
 from tessera.telemetry.causes import UNEXPLAINED, Attribution, Baseline
 from tessera.telemetry.evidence import Evidence
-from tessera.telemetry.occupancy import EngineLoad, GatewayLoad
-from tessera.telemetry.prefill_curve import PrefillCurves
-
-
-@dataclass(frozen=True, slots=True)
-class RunContext:
-    """The run-wide indices the evidence is read from (built once per analysis)."""
-
-    engines: EngineLoad
-    gateway: GatewayLoad
-    prefill: PrefillCurves
-
+from tessera.telemetry.run_context import RunContext
 
 Builder = Callable[[Attribution, Baseline, RunContext], Evidence]
 BUILDERS: dict[str, Builder] = {
@@ -44,6 +32,9 @@ BUILDERS: dict[str, Builder] = {
     "slow_prefill": evidence_prefill.slow_prefill,
     "prefill_recompute_after_eviction": evidence_prefill.recompute_after_eviction,
 }
+
+
+__all__ = ["BUILDERS", "RunContext", "explain"]
 
 
 def explain(a: Attribution, baseline: Baseline, run: RunContext) -> dict[str, Evidence]:
