@@ -20,8 +20,8 @@ import redis
 from tessera.engine.capabilities import ask_vllm
 from tessera.engine.config import EngineConfig
 from tessera.engine.host import EngineHost, EngineStartError
-from tessera.registry import engine_key
 from tessera.redis_conn import EmbeddedRedis
+from tessera.registry import engine_key
 
 from .conftest import start_host
 
@@ -38,7 +38,7 @@ def fp8_kv_refusal(model_dir: Path) -> str | None:
 def fallback_engine(cpu_without_fp8_kv: None, small_model_dir: Path, redis_server: EmbeddedRedis,
                     caplog: pytest.LogCaptureFixture) -> Iterator[EngineHost]:
     """The platform defaults (FP8 KV, n-gram) plus an eagle draft model that does not exist."""
-    caplog.set_level(logging.WARNING, logger="tessera.engine.host")
+    caplog.set_level(logging.WARNING, logger="tessera.engine.vllm_engine")
     host = start_host(small_model_dir, redis_server, kv_events={"enabled": False},
                       speculative={"method": "eagle", "draft_model": str(small_model_dir / "no-such-draft")})
     yield host

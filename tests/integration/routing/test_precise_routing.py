@@ -22,8 +22,8 @@ import httpx
 import pytest
 
 from tessera.engine.host import EngineHost
-from tessera.registry import EngineRegistry
 from tessera.redis_conn import connect
+from tessera.registry import EngineRegistry
 from tessera.routing.hashing import block_hash_chain
 from tessera.routing.kv_events import DecodedBatch, KVEventSubscriber
 from tessera.routing.prefix_index import PrefixIndex

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tessera.registry import EngineRecord
 from tessera.local.banner import up_banner
+from tessera.registry import EngineRecord
 
 
 def record(engine_id: str, **what_runs: object) -> EngineRecord:

@@ -10,10 +10,11 @@ from pathlib import Path
 import pytest
 
 from tessera.engine.config import EngineConfig
+from tessera.engine.heartbeat import heartbeat_loop
 from tessera.engine.host import EngineHost
 from tessera.engine.ports import below_ephemeral_range, free_port, reserve_port
-from tessera.registry import EngineRegistry, list_models
 from tessera.redis_conn import EmbeddedRedis, connect
+from tessera.registry import EngineRegistry, list_models
 
 
 def _bind_fails(port: int) -> bool:
@@ -66,8 +67,10 @@ async def test_registration_is_retried_until_redis_answers() -> None:
     port = free_port()
     host = EngineHost(EngineConfig(model="/m", served_model_name="late-redis", heartbeat_interval_s=0.1),
                       redis_url=f"redis://127.0.0.1:{port}/0", engine_id="late-redis-engine")
-    host.is_healthy = lambda: True  # type: ignore[method-assign]  # no vLLM here: only the registry path
-    beat = asyncio.create_task(host._heartbeat_loop())
+    # No vLLM here: only the registry path, with the replica healthy.
+    assert host.redis_url is not None
+    beat = asyncio.create_task(heartbeat_loop(host.redis_url, host.config.heartbeat_interval_s, host.model_info(),
+                                              lambda: True, host.record))
     server = None
     try:
         await asyncio.sleep(0.5)

@@ -10,8 +10,8 @@ from collections.abc import AsyncIterator, Iterator
 import pytest
 import redis.asyncio as aioredis
 
-from tessera.registry import EngineRecord, EngineRegistry
 from tessera.redis_conn import EmbeddedRedis, connect
+from tessera.registry import EngineRecord, EngineRegistry
 from tessera.routing import router as router_module
 from tessera.routing.prefix_index import PrefixIndex
 from tessera.routing.router import Router

@@ -9,9 +9,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 
-from tessera.engine.placement import vllm_executor_backend
+from tessera.engine.placement import Accelerator, vllm_executor_backend
 
-Accelerator = Literal["auto", "gpu", "cpu"]
 KVCacheDtype = Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"]
 SpeculativeMethod = Literal["ngram", "eagle", "eagle3", "draft_model", "mtp"]
 # Methods that need a separate draft checkpoint; mtp and ngram draft from the target model itself.
@@ -131,6 +130,10 @@ class EngineConfig(BaseModel):
     http_host: str = Field(default="0.0.0.0", description="Bind address of the replica's streaming endpoint.")
     http_port: int = Field(default=0, ge=0, le=65535, description="Port of the endpoint; 0 picks a free one.")
     heartbeat_interval_s: float = Field(default=1.0, gt=0.0, description="Registry heartbeat period, seconds.")
+    max_body_bytes: int = Field(
+        default=8 * 1024 * 1024, ge=1024,
+        description="Largest request body the replica's endpoint accepts, bytes; a larger one is refused with 413.",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> EngineConfig:

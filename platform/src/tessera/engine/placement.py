@@ -20,12 +20,21 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal, Protocol
 
-if TYPE_CHECKING:
-    from tessera.engine.config import Accelerator, EngineConfig
-
+# What a replica runs on, as configured (EngineConfig.accelerator) and once resolved.
+Accelerator = Literal["auto", "gpu", "cpu"]
 Placed = Literal["gpu", "cpu"]
+
+
+class ReplicaShape(Protocol):
+    """What placement reads of an ``EngineConfig`` (this module sits beneath config.py)."""
+
+    @property
+    def accelerator(self) -> Accelerator: ...
+
+    @property
+    def tensor_parallel_size(self) -> int: ...
 
 # The replica's own process (the HTTP endpoint, the registry heartbeat, vLLM's front end): the share it
 # asked for before GPUs were asked for.
@@ -104,7 +113,7 @@ def place_replica(accelerator: Placed, tensor_parallel_size: int) -> ReplicaPlac
                             placement_group_strategy=TP_STRATEGY, gpus=tensor_parallel_size)
 
 
-def deployment_options(config: EngineConfig) -> dict[str, Any]:
+def deployment_options(config: ReplicaShape) -> dict[str, Any]:
     """Serve deployment options of a replica of ``config`` (its accelerator resolved, not 'auto')."""
     if config.accelerator == "auto":
         raise ValueError("resolve accelerator 'auto' first (resolve_accelerator)")

@@ -1,0 +1,167 @@
+"""The engine replica's HTTP routes (raw ASGI, the gateway's hot path):
+
+  POST /generate   NDJSON stream (see protocol.py); the vLLM request is aborted if the caller leaves
+  POST /abort      {"request_id", "reason"}: the controller's last-resort abort (gateway retries)
+  GET  /requests   in-flight requests with tenant and priority (the controller picks victims)
+  GET  /health     200 while the engine is alive, 503 once it is dead
+  GET  /stats      engine load, KV geometry, speculative-decoding counters, and what runs
+  GET  /metrics    the same in Prometheus text (tessera_engine_*)
+
+A body that is not a valid request is a 400 whose ``error`` names each wrong field; a body over
+``EngineConfig.max_body_bytes`` is a 413.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import asdict
+from typing import Any, Protocol
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from tessera.asgi import (
+    BodyTooLarge,
+    ClientDisconnected,
+    Receive,
+    Scope,
+    Send,
+    header_map,
+    read_body,
+    respond_json,
+    wait_disconnect,
+)
+from tessera.engine.generation import traced_generation
+from tessera.engine.in_flight import InFlightRequests
+from tessera.engine.metrics import render_engine_metrics
+from tessera.engine.protocol import GenerateRequest
+from tessera.engine.stats import EngineLoad
+
+NDJSON_HEADERS = [(b"content-type", b"application/x-ndjson"), (b"cache-control", b"no-store")]
+
+
+class ServedEngine(Protocol):
+    """What the routes need of the replica that serves them (``EngineHost``)."""
+
+    @property
+    def engine_id(self) -> str: ...
+
+    @property
+    def served_model_name(self) -> str: ...
+
+    @property
+    def engine(self) -> Any: ...  # vLLM's AsyncLLM once started
+
+    def is_healthy(self) -> bool: ...
+
+    def load(self) -> EngineLoad: ...
+
+    def facts(self, load: EngineLoad | None = None) -> dict[str, Any]: ...
+
+
+class AbortRequest(BaseModel):
+    """``POST /abort``: what the KV-eviction controller sends."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    request_id: str = Field(min_length=1)
+    reason: str = "aborted"
+
+
+class BadBody(ValueError):
+    """A request body the route cannot use; the message names what is wrong."""
+
+
+def describe_validation_error(exc: ValidationError) -> str:
+    """One line naming each wrong field and why: "prompt_token_ids: Field required; max_tokens: ..."."""
+    parts = []
+    for error in exc.errors(include_url=False, include_context=False):
+        where = ".".join(str(part) for part in error["loc"])
+        parts.append(f"{where}: {error['msg']}" if where else str(error["msg"]))
+    return "; ".join(parts)
+
+
+class EngineEndpoints:
+    """The routes of one replica; ``asgi`` is the application uvicorn serves."""
+
+    def __init__(self, replica: ServedEngine, in_flight: InFlightRequests, max_body_bytes: int) -> None:
+        self.replica = replica
+        self.in_flight = in_flight
+        self.max_body_bytes = max_body_bytes
+
+    async def asgi(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return
+        path, method = scope["path"], scope["method"]
+        if path == "/generate" and method == "POST":
+            await self.generate(scope, receive, send)
+        elif path == "/health":
+            healthy = self.replica.is_healthy()
+            await respond_json(send, 200 if healthy else 503, {"healthy": healthy, "engine_id": self.replica.engine_id})
+        elif path == "/stats":
+            load = self.replica.load()
+            await respond_json(send, 200, {"engine_id": self.replica.engine_id, **asdict(load),
+                                           **self.replica.facts(load)})
+        elif path == "/metrics":
+            load = self.replica.load()
+            body, content_type = render_engine_metrics(self.replica.engine_id, self.replica.served_model_name, load,
+                                                       self.replica.facts(load))
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-type", content_type.encode())]})
+            await send({"type": "http.response.body", "body": body})
+        elif path == "/requests":
+            await respond_json(send, 200, self.in_flight.listing())
+        elif path == "/abort" and method == "POST":
+            await self.abort(scope, receive, send)
+        else:
+            await respond_json(send, 404, {"error": f"no route {method} {path}"})
+
+    async def _read(self, scope: Scope, receive: Receive, send: Send, model: type[BaseModel]) -> Any:
+        """The body validated as ``model``, or None once an error response is sent (or the client left)."""
+        try:
+            body = await read_body(receive, self.max_body_bytes, header_map(scope).get("content-length"))
+            return model.model_validate_json(body)
+        except ClientDisconnected:
+            return None
+        except BodyTooLarge as exc:
+            await respond_json(send, 413, {"error": str(exc)})
+        except ValidationError as exc:
+            await respond_json(send, 400, {"error": f"invalid {model.__name__}: {describe_validation_error(exc)}"})
+        return None
+
+    async def abort(self, scope: Scope, receive: Receive, send: Send) -> None:
+        body = await self._read(scope, receive, send, AbortRequest)
+        if body is None:
+            return
+        entry = self.in_flight.get(body.request_id)
+        if entry is None:
+            await respond_json(send, 404, {"error": f"request {body.request_id!r} is not running here"})
+            return
+        entry.abort_reason = body.reason
+        await self.replica.engine.abort(body.request_id)
+        await respond_json(send, 200, {"aborted": body.request_id})
+
+    async def generate(self, scope: Scope, receive: Receive, send: Send) -> None:
+        request: GenerateRequest | None = await self._read(scope, receive, send, GenerateRequest)
+        if request is None:
+            return
+        if not self.replica.is_healthy():
+            await respond_json(send, 503, {"error": "engine is not healthy"})
+            return
+        headers = header_map(scope)
+        entry = self.in_flight.start(request.request_id, headers.get("x-tessera-tenant", ""), request.priority)
+        engine = self.replica.engine
+        await send({"type": "http.response.start", "status": 200, "headers": NDJSON_HEADERS})
+        stream = asyncio.create_task(traced_generation(engine, self.replica.engine_id, request, entry, send, headers))
+        disconnect = asyncio.create_task(wait_disconnect(receive))
+        try:
+            done, _ = await asyncio.wait({stream, disconnect}, return_when=asyncio.FIRST_COMPLETED)
+            if stream not in done:
+                # The caller left: cancelling the generator makes vLLM abort; abort explicitly as well.
+                stream.cancel()
+                await asyncio.gather(stream, return_exceptions=True)
+                await engine.abort(request.request_id)
+            else:
+                stream.result()
+        finally:
+            disconnect.cancel()
+            self.in_flight.finish(request.request_id)

@@ -1,0 +1,70 @@
+"""vLLM's ``AsyncLLM`` for one replica: made from the resolved config, warmed up, shut down.
+
+Everything here runs on the host's event-loop thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from vllm import AsyncEngineArgs, SamplingParams
+from vllm.v1.engine.async_llm import AsyncLLM
+
+from tessera.engine.capabilities import Resolution, kv_fallback_note
+from tessera.engine.config import EngineConfig
+from tessera.engine.stats import LoadTracker, make_stat_logger_factory
+
+logger = logging.getLogger(__name__)
+
+# One forward pass before the endpoint opens. Found on this project's CI machine kind (Xeon with AMX, in a
+# VM, vLLM 0.32 CPU build): when the engine's first pass has fewer than 5 tokens, its worker dies with
+# SIGILL (exit code -4) and the engine is dead; after any first pass of 5 or more tokens, prompts of one
+# token run. Fewer tokens than a KV block (32 on CPU), so nothing lands in the prefix cache, and a salt no
+# tenant has.
+WARMUP_PROMPT_TOKENS = 16
+WARMUP_SALT = "tessera-engine-warmup"
+
+
+def prepare_environment(config: EngineConfig) -> None:
+    """What vLLM reads from the environment, set before it starts (its processes inherit it)."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(config.cpu_kv_cache_space_gib))
+
+
+def build_engine(resolution: Resolution, kv_events_bind: str | None, tracker: LoadTracker) -> AsyncLLM:
+    """The engine for what this platform runs of the config; its load and KV geometry go to ``tracker``."""
+    args = AsyncEngineArgs(**resolution.config.to_vllm_kwargs(kv_events_endpoint=kv_events_bind))
+    engine = AsyncLLM.from_engine_args(args, stat_loggers=[make_stat_logger_factory(tracker)])
+    cache = engine.vllm_config.cache_config
+    tracker.load.num_gpu_blocks = int(cache.num_gpu_blocks or 0)
+    tracker.load.block_size = int(cache.block_size)
+    tracker.load.kv_cache_dtype = str(cache.cache_dtype)
+    return engine
+
+
+def log_fallbacks(engine: AsyncLLM, engine_id: str, requested: EngineConfig, resolution: Resolution,
+                  tracker: LoadTracker) -> None:
+    """One line per setting that runs differently from the config; the KV line says what it costs."""
+    load = tracker.snapshot()
+    for fallback in resolution.fallbacks:
+        if fallback.setting == "kvCacheDtype":
+            element: Any = engine.vllm_config.model_config.dtype  # a torch.dtype once resolved
+            logger.warning("engine %s: %s", engine_id, kv_fallback_note(
+                fallback, str(element).removeprefix("torch."), element.itemsize, load.num_gpu_blocks,
+                load.block_size, blocks_fixed=requested.num_gpu_blocks_override is not None))
+        else:
+            logger.warning("engine %s: %s", engine_id, fallback.describe())
+
+
+async def warm_up(engine: AsyncLLM, engine_id: str) -> None:
+    """See WARMUP_PROMPT_TOKENS; also takes the first pass's one-time costs off the first request."""
+    prompt: Any = {"prompt_token_ids": list(range(1, WARMUP_PROMPT_TOKENS + 1)), "cache_salt": WARMUP_SALT}
+    async for _ in engine.generate(prompt, SamplingParams(max_tokens=1, temperature=0.0),
+                                   request_id=f"{engine_id}-warmup"):
+        pass
+
+
+async def shutdown_engine(engine: AsyncLLM) -> None:
+    # A coroutine, run on the host's loop: vLLM closes its asyncio ZMQ sockets only from a running loop.
+    engine.shutdown()

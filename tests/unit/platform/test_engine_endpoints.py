@@ -1,0 +1,202 @@
+"""The engine replica's routes without vLLM: a fake engine streams, the routes validate bodies (400 naming the
+wrong field, 413 over ``max_body_bytes``), list and abort in-flight requests, and write only protocol lines."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+import orjson
+import pytest
+
+from tessera.engine.endpoints import EngineEndpoints
+from tessera.engine.in_flight import InFlightRequests
+from tessera.engine.protocol import Delta, Done, Failed, parse_line
+from tessera.engine.stats import EngineLoad
+
+LIMIT = 2048
+
+
+class FakeEngine:
+    """vLLM's ``AsyncLLM`` as the routes use it: ``generate`` yields DELTA outputs, ``abort`` records."""
+
+    def __init__(self, tokens: list[int], gate: asyncio.Event | None = None) -> None:
+        self.tokens = tokens
+        self.gate = gate
+        self.aborted: list[str] = []
+
+    async def generate(self, prompt: dict[str, Any], params: Any, request_id: str, priority: int = 0) -> Any:
+        for i, token in enumerate(self.tokens):
+            if self.gate is not None and i == 1:
+                await self.gate.wait()
+            last = i == len(self.tokens) - 1
+            yield SimpleNamespace(
+                outputs=[SimpleNamespace(index=0, text=f"<{token}>", token_ids=[token],
+                                         finish_reason="length" if last else None, spec_decode_metrics=None)],
+                finished=last, num_cached_tokens=0, metrics=None)
+
+    async def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+
+
+@dataclass
+class FakeReplica:
+    engine: Any
+    engine_id: str = "fake-engine"
+    served_model_name: str = "fake-model"
+    healthy: bool = True
+
+    def is_healthy(self) -> bool:
+        return self.healthy
+
+    def load(self) -> EngineLoad:
+        return EngineLoad(num_running=1, block_size=32, num_gpu_blocks=10)
+
+    def facts(self, load: EngineLoad | None = None) -> dict[str, Any]:
+        return {"kv_cache_dtype": "fp8", "kv_cache_dtype_requested": "fp8", "kv_capacity_tokens": 320,
+                "speculative_method": "ngram", "fallbacks": []}
+
+
+@dataclass
+class Response:
+    status: int = 0
+    headers: dict[bytes, bytes] = field(default_factory=dict)
+    chunks: list[bytes] = field(default_factory=list)
+
+    @property
+    def body(self) -> bytes:
+        return b"".join(self.chunks)
+
+    def json(self) -> Any:
+        return orjson.loads(self.body)
+
+
+async def call(endpoints: EngineEndpoints, method: str, path: str, body: bytes = b"",
+               headers: list[tuple[bytes, bytes]] | None = None, chunk: int = 0,
+               disconnect: asyncio.Event | None = None) -> Response:
+    chunks = [body[i:i + chunk] for i in range(0, len(body), chunk)] if chunk else [body]
+    messages = [{"type": "http.request", "body": c, "more_body": i < len(chunks) - 1} for i, c in enumerate(chunks)]
+    response = Response()
+
+    async def receive() -> dict[str, Any]:
+        if messages:
+            return messages.pop(0)
+        if disconnect is not None:
+            await disconnect.wait()
+        else:
+            await asyncio.Event().wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.start":
+            response.status = message["status"]
+            response.headers = dict(message["headers"])
+        else:
+            response.chunks.append(message.get("body", b""))
+
+    scope = {"type": "http", "method": method, "path": path, "headers": headers or []}
+    await endpoints.asgi(scope, receive, send)
+    return response
+
+
+def make(engine: Any = None, healthy: bool = True) -> tuple[EngineEndpoints, InFlightRequests, FakeReplica]:
+    replica = FakeReplica(engine or FakeEngine([7, 8, 9]), healthy=healthy)
+    in_flight = InFlightRequests()
+    return EngineEndpoints(replica, in_flight, LIMIT), in_flight, replica
+
+
+def generate_body(**fields: Any) -> bytes:
+    return orjson.dumps({"request_id": "r1", "prompt_token_ids": [1, 2, 3], "max_tokens": 3, **fields})
+
+
+async def test_a_stream_is_protocol_lines_ending_in_done() -> None:
+    endpoints, in_flight, _ = make()
+    response = await call(endpoints, "POST", "/generate", generate_body())
+    assert response.status == 200 and response.headers[b"content-type"] == b"application/x-ndjson"
+    lines = [parse_line(line) for line in response.body.splitlines()]
+    assert lines[:-1] == [Delta(0, "<7>", [7]), Delta(0, "<8>", [8]), Delta(0, "<9>", [9])]
+    done = lines[-1]
+    assert isinstance(done, Done) and done.finish == {0: "length"}
+    assert done.stats["num_output_tokens"] == 3 and done.stats["engine_id"] == "fake-engine"
+    assert len(in_flight) == 0
+
+
+@pytest.mark.parametrize(("body", "named"), [
+    (orjson.dumps({"request_id": "r1", "max_tokens": 3}), "prompt_token_ids: Field required"),
+    (generate_body(max_tokens=0), "max_tokens: Input should be greater than or equal to 1"),
+    (generate_body(temperature="hot"), "temperature: Input should be a valid number"),
+    (generate_body(tempreature=1.0), "tempreature: Extra inputs are not permitted"),
+    (b"{not json", "Invalid JSON"),
+])
+async def test_a_bad_generate_body_is_400_naming_what_is_wrong(body: bytes, named: str) -> None:
+    endpoints, _, _ = make()
+    response = await call(endpoints, "POST", "/generate", body)
+    assert response.status == 400
+    assert response.json()["error"].startswith("invalid GenerateRequest: ") and named in response.json()["error"]
+
+
+async def test_a_body_over_the_limit_is_413_whether_declared_or_streamed() -> None:
+    endpoints, _, _ = make()
+    big = generate_body(stop=["x" * LIMIT])
+    declared = await call(endpoints, "POST", "/generate", big, headers=[(b"content-length", str(len(big)).encode())])
+    assert declared.status == 413 and f"of {len(big)} bytes exceeds the limit of {LIMIT}" in declared.json()["error"]
+    streamed = await call(endpoints, "POST", "/generate", big, chunk=512)
+    assert streamed.status == 413 and f"limit of {LIMIT} bytes" in streamed.json()["error"]
+    at_limit = generate_body(stop=["x" * (LIMIT - len(generate_body(stop=[""])))])
+    assert len(at_limit) == LIMIT
+    assert (await call(endpoints, "POST", "/generate", at_limit)).status == 200
+
+
+async def test_an_unhealthy_engine_answers_503_and_unknown_routes_404() -> None:
+    endpoints, _, _ = make(healthy=False)
+    assert (await call(endpoints, "POST", "/generate", generate_body())).status == 503
+    health = await call(endpoints, "GET", "/health")
+    assert health.status == 503 and health.json() == {"healthy": False, "engine_id": "fake-engine"}
+    missing = await call(endpoints, "GET", "/nope")
+    assert missing.status == 404 and missing.json() == {"error": "no route GET /nope"}
+
+
+async def test_stats_and_metrics_carry_load_and_facts() -> None:
+    endpoints, _, _ = make()
+    stats = (await call(endpoints, "GET", "/stats")).json()
+    assert stats["engine_id"] == "fake-engine" and stats["num_running"] == 1 and stats["kv_cache_dtype"] == "fp8"
+    metrics = await call(endpoints, "GET", "/metrics")
+    assert metrics.status == 200 and b"tessera_engine_" in metrics.body
+
+
+async def test_abort_ends_a_running_request_with_a_retryable_error_line() -> None:
+    gate = asyncio.Event()
+    engine = FakeEngine([7, 8, 9], gate)
+    endpoints, _, _ = make(engine)
+    stream = asyncio.create_task(call(endpoints, "POST", "/generate", generate_body(priority=20),
+                                      headers=[(b"x-tessera-tenant", b"bob")]))
+    while not (listing := (await call(endpoints, "GET", "/requests")).json()):
+        await asyncio.sleep(0.01)
+    assert [(r["request_id"], r["tenant"], r["priority"]) for r in listing] == [("r1", "bob", 20)]
+    unknown = await call(endpoints, "POST", "/abort", orjson.dumps({"request_id": "other"}))
+    assert unknown.status == 404 and "'other' is not running here" in unknown.json()["error"]
+    bad = await call(endpoints, "POST", "/abort", orjson.dumps({"reason": "x"}))
+    assert bad.status == 400 and bad.json()["error"] == "invalid AbortRequest: request_id: Field required"
+    ok = await call(endpoints, "POST", "/abort", orjson.dumps({"request_id": "r1", "reason": "kv pressure"}))
+    assert ok.status == 200 and engine.aborted == ["r1"]
+    # The fake engine ends its stream unfinished for an aborted request as vLLM does: cut it short here.
+    engine.tokens = engine.tokens[:1]
+    gate.set()
+    lines = [parse_line(line) for line in (await stream).body.splitlines()]
+    assert isinstance(lines[-1], Failed) and lines[-1].retryable and lines[-1].status == 503
+    assert lines[-1].message == "request aborted by the engine: kv pressure"
+    assert (await call(endpoints, "GET", "/requests")).json() == []
+
+
+async def test_a_caller_that_leaves_aborts_its_request() -> None:
+    gate, left = asyncio.Event(), asyncio.Event()
+    engine = FakeEngine([7, 8, 9], gate)
+    endpoints, in_flight, _ = make(engine)
+    stream = asyncio.create_task(call(endpoints, "POST", "/generate", generate_body(), disconnect=left))
+    while not len(in_flight):
+        await asyncio.sleep(0.01)
+    left.set()
+    await stream
+    assert engine.aborted == ["r1"] and len(in_flight) == 0
