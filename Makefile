@@ -12,7 +12,7 @@ MODEL ?=
 PYTEST_ARGS ?=
 
 .PHONY: install run test lint unit integration e2e bench bench-gateway bench-gateway-hops bench-admission bench-routing \
-        bench-kvcontrol bench-loadgen bench-cli bench-wires helm-check clean
+        bench-kvcontrol bench-loadgen bench-cli bench-stack bench-wires helm-check clean
 
 install: $(STAMP)
 
@@ -49,7 +49,7 @@ integration: install
 e2e: install
 	$(BIN)/python -m pytest -q tests/e2e
 
-bench: bench-gateway bench-gateway-hops bench-admission bench-routing bench-kvcontrol bench-loadgen bench-cli bench-wires
+bench: bench-gateway bench-gateway-hops bench-admission bench-routing bench-kvcontrol bench-loadgen bench-cli bench-stack bench-wires
 
 bench-gateway: install
 	$(BIN)/python bench/bench_gateway.py
@@ -78,6 +78,17 @@ bench-wires: install
 # Start-up of every console script (--help, a plan): the goal is 1.5 s each on a 2-core machine.
 bench-cli: install
 	$(BIN)/python bench/bench_cli.py
+
+# Tessera end to end against vLLM alone, behind vllm-router and behind LiteLLM (issue #19). The router and
+# the proxy live in their own environment: they are only baselines. BENCH_STACK_ARGS=--quick for a smoke run.
+BENCH_STACK_ARGS ?=
+bench-stack: install
+	test -x .venv-bench-stack/bin/pip || $(PYTHON) -m venv .venv-bench-stack
+	test -x .venv-bench-stack/bin/vllm-router || .venv-bench-stack/bin/pip install --quiet vllm-router==0.1.17 || \
+		echo "bench-stack: vllm-router did not install here; the bench skips its row"
+	test -x .venv-bench-stack/bin/litellm || .venv-bench-stack/bin/pip install --quiet "litellm[proxy]" || \
+		echo "bench-stack: litellm[proxy] did not install here; the bench skips its row"
+	$(BIN)/python bench/bench_stack.py $(BENCH_STACK_ARGS)
 
 helm-check: install
 	$(BIN)/python scripts/helm_check.py
