@@ -44,10 +44,21 @@ def as_redis_error(reply: hiredis.ReplyError) -> ResponseError:
     return NoScriptError(message) if message.startswith("NOSCRIPT") else ResponseError(message)
 
 
+class _Call:
+    """One caller's commands in flight: its replies so far, and the future that gets all of them."""
+
+    __slots__ = ("future", "remaining", "replies")
+
+    def __init__(self, future: asyncio.Future[list[Any]], num_commands: int) -> None:
+        self.future = future
+        self.remaining = num_commands
+        self.replies: list[Any] = []
+
+
 class _Protocol(asyncio.Protocol):
     def __init__(self) -> None:
         self.reader = hiredis.Reader(replyError=hiredis.ReplyError)
-        self.waiting: deque[asyncio.Future[Any]] = deque()
+        self.waiting: deque[_Call] = deque()
         self.transport: asyncio.Transport | None = None
         self.lost: BaseException | None = None
 
@@ -60,9 +71,13 @@ class _Protocol(asyncio.Protocol):
             reply = self.reader.gets()
             if reply is False:
                 return
-            future = self.waiting.popleft()
-            if not future.done():
-                future.set_result(as_redis_error(reply) if isinstance(reply, hiredis.ReplyError) else reply)
+            call = self.waiting[0]
+            call.replies.append(as_redis_error(reply) if isinstance(reply, hiredis.ReplyError) else reply)
+            call.remaining -= 1
+            if not call.remaining:
+                self.waiting.popleft()
+                if not call.future.done():
+                    call.future.set_result(call.replies)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = RedisConnectionError(f"connection to Redis lost: {exc or 'closed by the server'}")
@@ -70,9 +85,9 @@ class _Protocol(asyncio.Protocol):
 
     def fail_all(self, exc: BaseException) -> None:
         while self.waiting:
-            future = self.waiting.popleft()
-            if not future.done():
-                future.set_exception(exc)
+            call = self.waiting.popleft()
+            if not call.future.done():
+                call.future.set_exception(exc)
 
 
 class RedisWire:
@@ -87,18 +102,24 @@ class RedisWire:
         self._connecting: asyncio.Lock | None = None
 
     async def execute(self, commands: list[Command]) -> list[Any]:
+        if not commands:
+            return []
         protocol = await self._connected()
         loop = asyncio.get_running_loop()
-        futures = [loop.create_future() for _ in commands]
-        protocol.waiting.extend(futures)
+        future: asyncio.Future[list[Any]] = loop.create_future()
+        protocol.waiting.append(_Call(future, len(commands)))
         assert protocol.transport is not None
         protocol.transport.write(pack_commands(commands))
+        # A plain timer rather than ``asyncio.timeout``: one call_later and one cancel, on every request.
+        timer = loop.call_later(self._timeout_s, self._time_out, protocol, future)
         try:
-            async with asyncio.timeout(self._timeout_s):
-                return [await future for future in futures]
-        except TimeoutError:
+            return await future
+        finally:
+            timer.cancel()
+
+    def _time_out(self, protocol: _Protocol, future: asyncio.Future[list[Any]]) -> None:
+        if not future.done():
             self._drop(protocol, RedisTimeoutError(f"Redis did not answer within {self._timeout_s} s"))
-            raise RedisTimeoutError(f"Redis did not answer within {self._timeout_s} s") from None
 
     async def close(self) -> None:
         if self._protocol is not None:
@@ -156,11 +177,10 @@ class RedisWire:
             setup.append(("SELECT", int(options["db"])))
         if not setup:
             return
-        futures = [asyncio.get_running_loop().create_future() for _ in setup]
-        protocol.waiting.extend(futures)
+        future: asyncio.Future[list[Any]] = asyncio.get_running_loop().create_future()
+        protocol.waiting.append(_Call(future, len(setup)))
         assert protocol.transport is not None
         protocol.transport.write(pack_commands(setup))
-        for future in futures:
-            reply = await future
+        for reply in await future:
             if isinstance(reply, Exception):
                 raise RedisConnectionError(f"Redis refused the connection set-up: {reply}")

@@ -59,7 +59,7 @@ class Gateway:
         self.store = TenantStore(self.redis)
         self.auth = Authenticator(self.store, settings.key_cache_ttl_s, settings.redis_fail_open, _is_store_error)
         self.catalog = ModelCatalog(self.redis)
-        self.admission = Admission(self.redis, settings.lease_ttl_s)
+        self.admission = Admission(self.redis, settings.lease_ttl_s, self.wire)
         self.router = Router(self.redis, settings.routing_policy, PrefixIndex(self.redis))
         self.engines = EngineClient()
         self.metrics = GatewayMetrics()

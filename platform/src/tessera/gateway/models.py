@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -13,29 +13,60 @@ import redis.asyncio as aioredis
 from tessera.refresher import UsageRefresher
 from tessera.registry import EngineRecord, ModelInfo, list_models
 
-# Re-read in the background this often while requests come (models change on deploys, not per request).
-CATALOG_REFRESH_S = 2.0
+# Re-read in the background this often while requests come (models change on deploys, not per request; a
+# model registered since the last read is read on its first request, see ``ModelCatalog.get``).
+CATALOG_REFRESH_S = 5.0
 # Older than this (the first request, a refresher that Redis stalls), a request re-reads it itself.
-CATALOG_MAX_AGE_S = 5.0
+CATALOG_MAX_AGE_S = 15.0
+
+
+# Prompts repeat (a client's fixed system prompt and question set, a benchmark's prompt, retries): the token
+# ids of this many recent prompts per model are kept, each shorter than MAX_CACHED_PROMPT_CHARS, so a
+# repeated one skips the chat template and the tokenizer. Oldest out first.
+MAX_CACHED_PROMPTS = 1024
+MAX_CACHED_PROMPT_CHARS = 16_384
 
 
 @dataclass(slots=True)
 class ServedModel:
     info: ModelInfo
     tokenizer: Any  # tokenizers.Tokenizer
-    chat_template: Any  # jinja2.Template | None
+    chat_template: Any  # jinja2.Template (compiled once, at load) | None
     bos_token: str
     eos_token: str
     chat_template_text: str | None = None
+    # prompt (a string, or the chat messages as ((role, content), ...)) -> its token ids; never mutated
+    _encoded: dict[object, list[int]] = field(default_factory=dict, repr=False)
 
     @property
     def vocab_size(self) -> int:
         return int(self.tokenizer.get_vocab_size())
 
     def encode(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
+        """The token ids of ``text`` (the caller must not change the list: it may be the cached one)."""
+        ids = self._encoded.get(text)
+        if ids is None:
+            ids = list(self.tokenizer.encode(text, add_special_tokens=False).ids)
+            self._remember(text, len(text), ids)
+        return ids
 
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        """The token ids of the rendered conversation (not to be changed, as ``encode``'s)."""
+        key = tuple((m["role"], m["content"]) for m in messages)
+        ids = self._encoded.get(key)
+        if ids is None:
+            ids = self._encode_chat(messages)
+            self._remember(key, sum(len(content) for _, content in key), ids)
+        return ids
+
+    def _remember(self, key: object, num_chars: int, ids: list[int]) -> None:
+        if num_chars > MAX_CACHED_PROMPT_CHARS:
+            return
+        if len(self._encoded) >= MAX_CACHED_PROMPTS:
+            del self._encoded[next(iter(self._encoded))]
+        self._encoded[key] = ids
+
+    def _encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
         if self.chat_template is None:
             # No template shipped: a plain role-prefixed transcript, documented in the README.
             text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
@@ -43,7 +74,7 @@ class ServedModel:
             text = self.chat_template.render(
                 messages=messages, add_generation_prompt=True, bos_token=self.bos_token, eos_token=self.eos_token
             )
-        return self.encode(text)
+        return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
 
 
 def replicas_extension(records: list[EngineRecord]) -> dict[str, Any]:

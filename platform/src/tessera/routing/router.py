@@ -27,11 +27,13 @@ from tessera.routing.snapshot import EngineView, RouteDecision, RouteRequest, Ro
 
 logger = logging.getLogger(__name__)
 
-# Engine load changes fast, but heartbeats are once a second: re-reading the registry more often than
-# this only costs Redis round trips.
-REGISTRY_CACHE_S = 0.25
-# Older than this, a request does not trust the refresher's copy and reads the registry itself.
-REGISTRY_MAX_AGE_S = 1.0
+# Engine load changes fast, but heartbeats come once a second (registry.py): a copy re-read more often holds
+# nothing newer and costs a Redis round trip and an idle gateway's CPU each time. Between heartbeats, the
+# policies see this process's own in-flight counts, which are current.
+REGISTRY_CACHE_S = 1.0
+# Older than this, a request does not trust the refresher's copy and reads the registry itself (twice the
+# refresh period: a refresher on time never leaves a request to read inline).
+REGISTRY_MAX_AGE_S = 2.0
 # How often one gateway process garbage-collects index entries of engines that left the registry.
 SWEEP_INTERVAL_S = 30.0
 # Policies that read the prefix index; the others skip the lookup round trip.

@@ -12,20 +12,31 @@ Invariants (tested exactly in tests/integration/tenancy/test_admission.py):
 
 from __future__ import annotations
 
+import itertools
 import math
-import uuid
+import secrets
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from importlib import resources
 
 import redis.asyncio as aioredis
+from redis.exceptions import NoScriptError
 
+from tessera.redis_wire import RedisWire
 from tessera.tenancy.periods import PERIODS, USAGE_RETENTION_S, check_period, period_window
 from tessera.tenancy.policy import TenantPolicy
 
 LEASE_TTL_S = 30.0
 # A finished lease's marker outlives every retry of its finish (see ``billing.FinishQueue``).
 FINISH_MARKER_TTL_S = 600
+
+
+# Lease ids: a random prefix per Admission and a counter, unique across gateway processes without an
+# os.urandom call (a syscall) per request.
+_ID_BYTES = 8
+# Period windows cached per (period, whole second): the budget TTL is whole seconds rounded up, so every
+# instant of one second has the same window. Bounded: cleared past this many entries.
+MAX_CACHED_WINDOWS = 64
 
 
 def _lua(name: str) -> str:
@@ -104,14 +115,34 @@ class AdmitCall:
 
 
 class Admission:
-    def __init__(self, redis: aioredis.Redis, lease_ttl_s: float = LEASE_TTL_S) -> None:
+    """``wire``: the request path's lean Redis connection (redis_wire.py), when the caller has one; every
+    request's ``finish`` then goes over it (one write, hiredis parsing) instead of through redis-py."""
+
+    def __init__(self, redis: aioredis.Redis, lease_ttl_s: float = LEASE_TTL_S, wire: RedisWire | None = None) -> None:
         if lease_ttl_s <= 0:
             raise ValueError(f"lease_ttl_s must be positive, got {lease_ttl_s}")
         self._redis = redis
+        self._wire = wire
         self.lease_ttl_s = lease_ttl_s
         self._admit = redis.register_script(_lua("admission.lua"))
         self._finish = redis.register_script(_lua("finish.lua"))
         self._renew = redis.register_script(_lua("renew.lua"))
+        self._id_prefix = secrets.token_hex(_ID_BYTES)
+        self._id_counter = itertools.count()
+        self._windows: dict[tuple[str, int], tuple[str, int]] = {}
+
+    def _window(self, period: str, when: datetime) -> tuple[str, int]:
+        """``period_window``, computed once per period and second."""
+        key = (period, int(when.timestamp()))
+        window = self._windows.get(key)
+        if window is None:
+            if len(self._windows) >= MAX_CACHED_WINDOWS:
+                self._windows.clear()
+            window = self._windows[key] = period_window(period, when)
+        return window
+
+    def _lease_id(self) -> str:
+        return f"{self._id_prefix}{next(self._id_counter):x}"
 
     async def admit(self, tenant: str, policy: TenantPolicy, reserve_tokens: int) -> Lease | Rejection:
         call = self.prepare(tenant, policy, reserve_tokens)
@@ -120,9 +151,9 @@ class Admission:
     def prepare(self, tenant: str, policy: TenantPolicy, reserve_tokens: int) -> AdmitCall:
         """The admission as a script call, for a caller that sends it in one round trip with other commands
         (``admission_trip.build_trip`` and ``parse_trip``, which falls back to ``admit`` on NOSCRIPT)."""
-        period_id, budget_ttl = period_window(policy.budget_period, datetime.now(UTC))
+        period_id, budget_ttl = self._window(policy.budget_period, datetime.now(UTC))
         keys = limiter_keys(tenant, period_id)
-        lease_id = uuid.uuid4().hex
+        lease_id = self._lease_id()
         args: list[str | int | float] = [
             policy.requests_per_minute or 0,
             policy.tokens_per_minute or 0,
@@ -141,8 +172,8 @@ class Admission:
 
     def detached_lease(self, tenant: str, policy: TenantPolicy) -> Lease:
         """The lease of a request admitted while Redis is unreachable (fail-open mode)."""
-        period_id, _ = period_window(policy.budget_period, datetime.now(UTC))
-        return Lease(uuid.uuid4().hex, tenant, 0, tuple(limiter_keys(tenant, period_id)), detached=True)
+        period_id, _ = self._window(policy.budget_period, datetime.now(UTC))
+        return Lease(self._lease_id(), tenant, 0, tuple(limiter_keys(tenant, period_id)), detached=True)
 
     async def renew(self, lease: Lease) -> bool:
         """Extends the lease by the TTL; False when it is already gone."""
@@ -152,13 +183,19 @@ class Admission:
                      now: datetime | None = None) -> bool:
         """Charges actual usage, frees the lease, adds to the usage of each period; False if already done."""
         when = now or datetime.now(UTC)
-        usage_keys = [usage_key(lease.tenant, period_window(p, when)[0]) for p in PERIODS]
-        done = await self._finish(
-            keys=[*lease.keys, *usage_keys, finish_marker_key(lease.tenant, lease.lease_id)],
-            args=[lease.lease_id, lease.reserved_tokens, prompt_tokens + completion_tokens, prompt_tokens,
-                  completion_tokens, *(USAGE_RETENTION_S[p] for p in PERIODS), FINISH_MARKER_TTL_S],
-        )
-        return bool(done)
+        usage_keys = [usage_key(lease.tenant, self._window(p, when)[0]) for p in PERIODS]
+        keys = [*lease.keys, *usage_keys, finish_marker_key(lease.tenant, lease.lease_id)]
+        args: list[str | int] = [lease.lease_id, lease.reserved_tokens, prompt_tokens + completion_tokens,
+                                 prompt_tokens, completion_tokens, *(USAGE_RETENTION_S[p] for p in PERIODS),
+                                 FINISH_MARKER_TTL_S]
+        if self._wire is not None:
+            (done,) = await self._wire.execute([("EVALSHA", self._finish.sha, len(keys), *keys, *args)])
+            if isinstance(done, NoScriptError):
+                done = await self._finish(keys=keys, args=args)  # a restarted Redis: this call loads the script
+            elif isinstance(done, Exception):
+                raise done
+            return bool(done)
+        return bool(await self._finish(keys=keys, args=args))
 
     async def usage(self, tenant: str, period: str, when: datetime | None = None) -> dict[str, int | str]:
         """Requests and tokens of the tenant in the period containing ``when`` (default: now)."""

@@ -5,8 +5,9 @@ as one body (respond_full.py). The first engine counts the request in flight whi
 from __future__ import annotations
 
 import functools
+import itertools
+import secrets
 import time
-import uuid
 from typing import TYPE_CHECKING
 
 from tessera.gateway.request.context import ResponseHead
@@ -20,6 +21,11 @@ if TYPE_CHECKING:
     from tessera.gateway.request.context import RequestContext
     from tessera.routing.router import Router
 
+# Response ids: a random prefix per process and a counter (unique across processes without an os.urandom
+# syscall per request).
+_ID_PREFIX = secrets.token_hex(8)
+_ids = itertools.count()
+
 
 async def call_engine(ctx: RequestContext, engines: EngineClient, router: Router) -> None:
     body, decision, records = ctx.body, ctx.decision, ctx.records
@@ -32,7 +38,7 @@ async def call_engine(ctx: RequestContext, engines: EngineClient, router: Router
     engine_headers = {"x-tessera-tenant": ctx.tenant.name, "x-request-id": ctx.request_id}
     ctx.notes.engine_headers(engine_headers)
     first = decision.ranked[0]
-    head = ResponseHead(ctx.endpoint.id_prefix + uuid.uuid4().hex, int(time.time()),
+    head = ResponseHead(f"{ctx.endpoint.id_prefix}{_ID_PREFIX}{next(_ids):x}", int(time.time()),
                         [(b"x-request-id", ctx.request_id.encode()), (b"x-tessera-engine", first.encode()),
                          (b"x-tessera-route-reason", decision.reason.encode())])
     ctx.notes.attributes.update({"tessera.engine": first, "tessera.route.reason": decision.reason,

@@ -1,0 +1,71 @@
+"""Repeated prompts skip the chat template and the tokenizer (models.ServedModel's bounded cache), and the
+admission's per-request ids and period windows need no syscall and no date formatting per request."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from tessera.gateway import models
+from tessera.gateway.models import ServedModel
+from tessera.registry import ModelInfo
+from tessera.tenancy.admission import Admission
+from tessera.tenancy.periods import period_window
+from tessera.tenancy.policy import TenantPolicy
+
+
+class _Encoding:
+    def __init__(self, ids: list[int]) -> None:
+        self.ids = ids
+
+
+class CountingTokenizer:
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> _Encoding:
+        self.calls += 1
+        return _Encoding([ord(c) for c in text])
+
+
+def _model() -> tuple[ServedModel, CountingTokenizer]:
+    tokenizer = CountingTokenizer()
+    return ServedModel(ModelInfo("m", "/nowhere", 256, 16), tokenizer, None, "", ""), tokenizer
+
+
+def test_a_repeated_prompt_is_tokenized_once_and_a_different_one_again() -> None:
+    model, tokenizer = _model()
+    chat = [{"role": "user", "content": "hi"}]
+    first = model.encode_chat(chat)
+    assert model.encode_chat([{"role": "user", "content": "hi"}]) == first and tokenizer.calls == 1
+    assert model.encode_chat([{"role": "system", "content": "hi"}]) != first and tokenizer.calls == 2
+    assert model.encode("hi") == [ord("h"), ord("i")] and model.encode("hi") == [104, 105]
+    assert tokenizer.calls == 3
+
+
+def test_the_cache_is_bounded_in_entries_and_prompt_length(monkeypatch: Any) -> None:
+    monkeypatch.setattr(models, "MAX_CACHED_PROMPTS", 2)
+    model, tokenizer = _model()
+    for text in ("a", "b", "c"):
+        model.encode(text)
+    model.encode("c")
+    assert tokenizer.calls == 3
+    model.encode("a")  # the oldest went out first
+    assert tokenizer.calls == 4
+    long = "x" * (models.MAX_CACHED_PROMPT_CHARS + 1)
+    model.encode(long)
+    model.encode(long)
+    assert tokenizer.calls == 6
+
+
+def test_lease_ids_are_unique_and_windows_match_period_window() -> None:
+    redis = aioredis.Redis()  # never connected: prepare() makes no call
+    first, second = Admission(redis), Admission(redis)
+    policy = TenantPolicy(token_budget=1000, budget_period="day")
+    ids = {a.prepare("t", policy, 10).lease.lease_id for a in (first, second) for _ in range(100)}
+    assert len(ids) == 200
+    call = first.prepare("t", policy, 10)
+    period_id, ttl = period_window("day", datetime.now(UTC))
+    assert call.keys[-1].endswith(period_id) and abs(int(call.args[-1]) - ttl) <= 1
