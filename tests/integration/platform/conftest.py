@@ -9,9 +9,6 @@ from tessera.engine.host import EngineHost
 from tessera.redis_conn import EmbeddedRedis
 from tests.support.engines import start_host
 
-# NOTE(#18): re-exported for test_engine_capabilities.py until it imports tests.support.engines itself.
-__all__ = ["start_host"]
-
 
 @pytest.fixture(scope="session")
 def fp8_engine(small_model_dir: Path, redis_server: EmbeddedRedis) -> Iterator[EngineHost]:

@@ -22,8 +22,7 @@ from tessera.engine.config import EngineConfig
 from tessera.engine.host import EngineHost, EngineStartError
 from tessera.redis_conn import EmbeddedRedis
 from tessera.registry import engine_key
-
-from .conftest import start_host
+from tests.support.engines import start_host
 
 pytestmark = pytest.mark.engine
 

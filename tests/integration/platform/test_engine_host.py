@@ -6,6 +6,7 @@ import time
 
 import httpx
 import orjson
+import psutil
 import pytest
 
 from tessera.engine.host import EngineHost
@@ -79,6 +80,19 @@ def test_disconnect_leaves_no_running_request(fp8_engine: EngineHost) -> None:
     assert httpx.get(f"{fp8_engine.url}/requests").json() == []
     time.sleep(0.3)  # one more stats step after the abort
     assert httpx.get(f"{fp8_engine.url}/stats").json()["num_running"] == 0
+
+
+def test_vllms_processes_sleep_between_requests(fp8_engine: EngineHost) -> None:
+    # shmBusyLoopS=0 (the default): right after a request, vLLM's engine core and worker wait on a socket
+    # instead of spinning on their shared-memory queues for a second each (engine/shm_wait.py).
+    generate(fp8_engine, max_tokens=4)
+    children = psutil.Process().children(recursive=True)
+    vllm = [p for p in children if p.name().startswith("VLLM::")]
+    assert vllm, [p.name() for p in children]
+    before = sum(sum(p.cpu_times()[:2]) for p in vllm)
+    time.sleep(0.5)
+    spent = sum(sum(p.cpu_times()[:2]) for p in vllm) - before
+    assert spent < 0.15, f"vLLM's processes used {spent:.2f} CPU-s in 0.5 s idle: they busy-wait"
 
 
 def test_health_and_unknown_route(fp8_engine: EngineHost) -> None:

@@ -12,10 +12,7 @@ from tessera.engine.host import EngineHost
 from tessera.redis_conn import EmbeddedRedis
 from tests.support.engines import start_host
 from tests.support.gateways import running_gateways
-from tests.support.routing_stack import ENGINE_OVERRIDES, MODEL, RoutingStack, issue_tenant_key
-
-# NOTE(#18): re-exported for test_precise_routing.py until it imports tests.support.routing_stack itself.
-__all__ = ["MODEL", "RoutingStack"]
+from tests.support.routing_stack import ENGINE_OVERRIDES, RoutingStack, issue_tenant_key
 
 
 @pytest.fixture(scope="module")

@@ -27,8 +27,7 @@ from tessera.registry import EngineRegistry
 from tessera.routing.hashing import block_hash_chain
 from tessera.routing.kv_events import DecodedBatch, KVEventSubscriber
 from tessera.routing.prefix_index import PrefixIndex
-
-from .conftest import MODEL, RoutingStack
+from tests.support.routing_stack import MODEL, RoutingStack
 
 pytestmark = pytest.mark.engine
 

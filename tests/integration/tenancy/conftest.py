@@ -18,22 +18,8 @@ from tests.support.gateways import GatewayProcess, start_gateways
 from tests.support.tenancy import (
     GATEWAY_ENV,
     MODEL,
-    SHORT_LEASE_ENV,
-    SHORT_LEASE_TTL_S,
-    TenantHandle,
-    completion_body,
-    create_tenant,
-    error_of,
-    post_all,
-    post_burst,
 )
 from tests.support.valkey import RestartableRedis
-
-# NOTE(#18): re-exported for the tests of this package that still import helpers from ``.conftest``
-# (test_admission, test_gateway_crash, test_gateway_probes, test_input_limits, test_isolation,
-# test_limits_under_load, test_redis_faults); drop once they import tests.support.tenancy / .valkey.
-__all__ = ["GATEWAY_ENV", "MODEL", "SHORT_LEASE_ENV", "SHORT_LEASE_TTL_S", "RestartableRedis", "TenantHandle",
-           "completion_body", "create_tenant", "error_of", "post_all", "post_burst"]
 
 
 @pytest.fixture(scope="package")

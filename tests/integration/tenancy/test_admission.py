@@ -14,8 +14,7 @@ import redis.asyncio as aioredis
 from tessera.redis_conn import connect
 from tessera.tenancy.admission import Admission, Lease, Rejection, leases_key
 from tessera.tenancy.policy import TenantPolicy
-
-from .conftest import RestartableRedis
+from tests.support.valkey import RestartableRedis
 
 
 def tenant_name() -> str:

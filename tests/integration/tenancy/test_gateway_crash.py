@@ -14,20 +14,19 @@ from typing import Any
 import httpx
 import pytest
 import redis.asyncio as aioredis
-from support.gateways import GatewayProcess, start_gateways
 
 from tessera.engine.host import EngineHost
 from tessera.tenancy.admission import Admission, leases_key
-
-from .conftest import (
+from tests.support.gateways import GatewayProcess, start_gateways
+from tests.support.tenancy import (
     SHORT_LEASE_ENV,
     SHORT_LEASE_TTL_S,
-    RestartableRedis,
     TenantHandle,
     completion_body,
     create_tenant,
     error_of,
 )
+from tests.support.valkey import RestartableRedis
 
 # A client that leaves frees its slot within this (the lease TTL, 10 s, would free it anyway).
 RELEASE_BOUND_S = 3.0

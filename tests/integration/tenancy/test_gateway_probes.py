@@ -7,12 +7,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import httpx
-from support.gateways import GatewayProcess, running_gateways
 
 from tessera.engine.host import EngineHost
 from tessera.redis_conn import EmbeddedRedis
-
-from .conftest import GATEWAY_ENV, RestartableRedis, completion_body, create_tenant
+from tests.support.gateways import GatewayProcess, running_gateways
+from tests.support.tenancy import GATEWAY_ENV, completion_body, create_tenant
+from tests.support.valkey import RestartableRedis
 
 
 def test_ready_with_redis_and_an_engine(gateways: list[GatewayProcess]) -> None:

@@ -10,13 +10,13 @@ from typing import Any
 
 import httpx
 import pytest
-from support.gateways import GatewayProcess
 
 from tessera.engine.host import EngineHost
-from tessera.registry import ModelInfo, register_model
 from tessera.redis_conn import connect
-
-from .conftest import MODEL, RestartableRedis, TenantHandle, completion_body, create_tenant, error_of
+from tessera.registry import ModelInfo, register_model
+from tests.support.gateways import GatewayProcess
+from tests.support.tenancy import MODEL, TenantHandle, completion_body, create_tenant, error_of
+from tests.support.valkey import RestartableRedis
 
 OTHER_MODEL = "tenancy-other"
 

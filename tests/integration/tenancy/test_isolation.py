@@ -12,14 +12,13 @@ from typing import Any
 import httpx
 import orjson
 import redis.asyncio as aioredis
-from support.gateways import GatewayProcess
 
 from tessera.engine.host import EngineHost
 from tessera.tenancy.admission import Admission
 from tessera.tenancy.demotion import set_demoted
 from tessera.tenancy.policy import DEMOTION_STEP, PRIORITY_VALUES
-
-from .conftest import TenantHandle, completion_body, create_tenant
+from tests.support.gateways import GatewayProcess
+from tests.support.tenancy import TenantHandle, completion_body, create_tenant
 
 BLOCK_SIZE = 32
 

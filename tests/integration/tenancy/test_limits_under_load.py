@@ -8,12 +8,11 @@ import time
 import httpx
 import pytest
 import redis.asyncio as aioredis
-from support.gateways import GatewayProcess
 
 from tessera.engine.host import EngineHost
 from tessera.tenancy.admission import Admission
-
-from .conftest import MODEL, completion_body, create_tenant, error_of, post_all, post_burst
+from tests.support.gateways import GatewayProcess
+from tests.support.tenancy import MODEL, completion_body, create_tenant, error_of, post_all, post_burst
 
 STORE_RETRIES = 5  # 503 store_unavailable answers a client retries (Retry-After) before giving up
 

@@ -16,12 +16,12 @@ from pathlib import Path
 import httpx
 import orjson
 import pytest
-from support.gateways import GatewayProcess, start_gateways
-from support.probe import run_probe
 
 from tessera.engine.host import EngineHost
-
-from .conftest import GATEWAY_ENV, RestartableRedis, TenantHandle, completion_body, create_tenant, post_all
+from tests.support.gateways import GatewayProcess, start_gateways
+from tests.support.probe import run_probe
+from tests.support.tenancy import GATEWAY_ENV, TenantHandle, completion_body, create_tenant, post_all
+from tests.support.valkey import RestartableRedis
 
 FAIL_CLOSED_LATENCY_S = 0.25
 # NOTE: the client-side bound is looser: the probe process shares an oversubscribed machine, so its own

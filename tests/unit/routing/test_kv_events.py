@@ -6,14 +6,15 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Sequence
 
+import msgspec
 import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, ZmqEventPublisher
 
-from tessera.engine.ports import free_port
 from tessera.routing.indexer import feed_index
-from tessera.routing.kv_events import DecodedBatch, KVEventSubscriber, decode_batch
+from tessera.routing.kv_events import DecodedBatch, KVEventSubscriber, decode_batch, decode_hashes, hashes_decoder
 from tessera.routing.prefix_index import Op, PrefixIndex
+from tests.support.machine import free_port
 
 
 def stored(hashes: list[int], parent: int | None = None, medium: str | None = "GPU",
@@ -46,6 +47,20 @@ def test_bytes_hashes_decode_to_the_low_64_bits() -> None:
     digest = bytes(range(32))
     batch = KVEventBatch(ts=0.0, events=[BlockRemoved(block_hashes=[digest], medium="GPU")])
     assert decode_batch(0, batch).ops == [("remove", int.from_bytes(digest[-8:], "big"))]
+
+
+def test_the_hashes_only_decoder_gives_the_same_ops_from_vllms_own_encoding() -> None:
+    digest = bytes(range(32))
+    batch = KVEventBatch(ts=2.5, events=[
+        stored([11, 12], salt="s"), stored([5], medium="CPU"), BlockRemoved(block_hashes=[11], medium="GPU"),
+        BlockRemoved(block_hashes=[digest], medium="GPU"), AllBlocksCleared(), stored([13], parent=12, medium=None),
+        BlockRemoved(block_hashes=[5], medium="STORAGE"),
+    ])
+    payload = msgspec.msgpack.Encoder().encode(batch)  # as vLLM's ZmqEventPublisher encodes it
+    full = decode_batch(3, msgspec.msgpack.Decoder(type=KVEventBatch).decode(payload))
+    light = decode_hashes(3, hashes_decoder().decode(payload))
+    assert (light.seq, light.ts, light.ops) == (full.seq, full.ts, full.ops)
+    assert light.stored_blocks == []
 
 
 async def test_subscriber_receives_vllms_own_publisher_in_order() -> None:

@@ -1,0 +1,32 @@
+"""`tessera up`'s machine settings: the quiet Ray environment (a value already set wins) and the CPU split."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tessera.local.platform import split_cpus
+from tessera.local.ray_settings import QUIET_RAY_ENV, quiet_ray_env, ray_init_kwargs
+
+
+def test_a_ray_setting_already_in_the_environment_wins() -> None:
+    env = quiet_ray_env({"RAY_event_stats": "1", "PATH": "/bin"})
+    assert "RAY_event_stats" not in env
+    assert env == {k: v for k, v in QUIET_RAY_ENV.items() if k != "RAY_event_stats"}
+    assert all(name.startswith("RAY_") for name in QUIET_RAY_ENV)
+
+
+def test_ray_starts_without_dashboard_and_without_copying_worker_logs() -> None:
+    kwargs = ray_init_kwargs(2, {"TESSERA_X": "1"})
+    assert kwargs["include_dashboard"] is False and kwargs["log_to_driver"] is False
+    assert kwargs["runtime_env"] == {"env_vars": {"TESSERA_X": "1"}} and kwargs["num_cpus"] == 2
+
+
+def test_the_split_gives_the_platform_the_last_core_and_the_engines_the_rest(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    assert split_cpus() == ({0, 1, 2}, {3})
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {4, 7})
+    assert split_cpus() == ({4}, {7})
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
+    assert split_cpus() == (None, None)
