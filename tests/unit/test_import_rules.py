@@ -173,3 +173,53 @@ def test_layer_rules(importer: str, forbidden: tuple[str, ...]) -> None:
                     for target in targets if any(_within(target, f) for f in forbidden))
     assert importer in MODULES or any(_within(m, importer) for m in MODULES), f"no module {importer}"
     assert not broken, "\n".join(broken)
+
+
+# What each package may import from the others (docs/architecture.md draws the same table). The base
+# modules import nothing of Tessera's; a new arrow is a design decision: add it here and to the doc.
+BASE = ("tessera.asgi", "tessera.redis_conn", "tessera.redis_wire", "tessera.refresher", "tessera.registry",
+        "tessera.settings", "tessera.engine.protocol")
+MAY_IMPORT: dict[str, tuple[str, ...]] = {
+    **{base: () for base in BASE},
+    "tessera.telemetry": (),
+    "tessera.tenancy": ("tessera.redis_wire",),
+    "tessera.routing": ("tessera.registry", "tessera.redis_wire", "tessera.refresher"),
+    # Proposals are EngineConfigs; the engine reads the planner's pure formulas (speculation break-even).
+    "tessera.planner": ("tessera.engine.config",),
+    "tessera.engine": ("tessera.asgi", "tessera.planner", "tessera.redis_conn", "tessera.registry",
+                       "tessera.routing", "tessera.settings", "tessera.telemetry"),
+    "tessera.gateway": ("tessera.asgi", "tessera.engine.protocol", "tessera.redis_conn", "tessera.redis_wire",
+                        "tessera.refresher", "tessera.registry", "tessera.routing", "tessera.settings",
+                        "tessera.telemetry", "tessera.tenancy"),
+    "tessera.local": ("tessera.engine", "tessera.gateway", "tessera.redis_conn", "tessera.registry",
+                      "tessera.tenancy", "tessera.settings"),
+    "tessera_operators.kvcontrol": ("tessera.redis_conn", "tessera.registry", "tessera.routing",
+                                    "tessera.settings", "tessera.telemetry", "tessera.tenancy"),
+    "tessera_operators.operator": ("tessera.engine.config", "tessera.redis_conn", "tessera.registry",
+                                   "tessera.settings", "tessera.tenancy"),
+    # The command line and `tessera doctor` sit on top and may use anything.
+}
+
+
+def _package_of(module: str) -> str | None:
+    owners = [p for p in MAY_IMPORT if _within(module, p)]
+    return max(owners, key=len) if owners else None
+
+
+def test_each_package_imports_only_what_lies_beneath_it() -> None:
+    broken = []
+    for module, targets in GRAPH.items():
+        package = _package_of(module)
+        if package is None:
+            continue
+        for target in targets:
+            if _within(target, package) or any(_within(target, allowed) for allowed in MAY_IMPORT[package]):
+                continue
+            broken.append(f"{module} imports {target} ({package} may import: {', '.join(MAY_IMPORT[package])})")
+    assert not broken, "\n".join(sorted(broken))
+
+
+def test_the_allowlist_names_real_packages() -> None:
+    for package, allowed in MAY_IMPORT.items():
+        for name in (package, *allowed):
+            assert any(_within(m, name) for m in MODULES), f"no module {name} (MAY_IMPORT is stale)"
