@@ -17,7 +17,7 @@ from tessera.routing.prefix_index import Op, PrefixIndex
 from tests.support.machine import free_port
 
 
-def stored(hashes: list[int], parent: int | None = None, medium: str | None = "GPU",
+def stored(hashes: list[bytes | int], parent: int | None = None, medium: str | None = "GPU",
            salt: str | None = None) -> BlockStored:
     return BlockStored(block_hashes=hashes, parent_block_hash=parent, token_ids=list(range(4 * len(hashes))),
                        block_size=4, lora_id=None, medium=medium, lora_name=None,

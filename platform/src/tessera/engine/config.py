@@ -134,6 +134,14 @@ class EngineConfig(BaseModel):
         default=8 * 1024 * 1024, ge=1024,
         description="Largest request body the replica's endpoint accepts, bytes; a larger one is refused with 413.",
     )
+    shm_busy_loop_s: float | None = Field(
+        default=None, ge=0.0, le=1.0,
+        description="How long vLLM's engine-core and worker processes busy-wait (sched_yield) on their shared-"
+        "memory queues after each message before they sleep on a socket, seconds. vLLM's own value, 1.0, keeps "
+        "each process on a core while a request runs and for a second after; 0 frees those cores for about a "
+        "third of the CPU per request and costs some latency (docs/performance.md). Default (null): 0 on the "
+        "CPU build, where the model's own threads need those cores; 1.0 with GPUs.",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> EngineConfig:

@@ -10,6 +10,7 @@ This module is the replica's lifecycle; the rest is one concern per module:
   in_flight.py     the requests running here, as the KV-eviction controller sees them
   heartbeat.py     the registry heartbeat and deregistration
   index_feed.py    the prefix-index feed from this engine's own KV events
+  shm_wait.py      how long vLLM's processes busy-wait on their shared-memory queues
 """
 
 from __future__ import annotations

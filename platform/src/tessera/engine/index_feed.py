@@ -18,8 +18,9 @@ async def index_feed_loop(redis_url: str, engine_id: str, kv_events_endpoint: st
                           stats: FeedStats) -> None:
     """Subscribes to the engine's KV events, clears what the index held for ``engine_id`` and sweeps dead
     engines' leftovers, then applies every batch until cancelled (``stats`` counts them)."""
-    # Subscribe before clearing: events published from here on queue in the socket, none is lost.
-    events = KVEventSubscriber(kv_events_endpoint, topic)
+    # Subscribe before clearing: events published from here on queue in the socket, none is lost. The feed
+    # needs the block hashes only, not their token ids (those are for the KV-eviction controller's ledger).
+    events = KVEventSubscriber(kv_events_endpoint, topic, with_blocks=False)
     redis = connect(redis_url, timeout_s=5.0)
     index = PrefixIndex(redis)
     try:

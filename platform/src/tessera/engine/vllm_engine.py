@@ -12,8 +12,10 @@ from typing import Any
 from vllm import AsyncEngineArgs, SamplingParams
 from vllm.v1.engine.async_llm import AsyncLLM
 
+from tessera.engine import shm_wait
 from tessera.engine.capabilities import Resolution, kv_fallback_note
 from tessera.engine.config import EngineConfig
+from tessera.engine.placement import installed_vllm_build, resolve_accelerator
 from tessera.engine.stats import LoadTracker, make_stat_logger_factory
 
 logger = logging.getLogger(__name__)
@@ -27,9 +29,18 @@ WARMUP_PROMPT_TOKENS = 16
 WARMUP_SALT = "tessera-engine-warmup"
 
 
+def shm_busy_loop_s(config: EngineConfig) -> float:
+    """``config.shm_busy_loop_s``, or its platform default (see its description)."""
+    if config.shm_busy_loop_s is not None:
+        return config.shm_busy_loop_s
+    return 0.0 if resolve_accelerator(config.accelerator, installed_vllm_build()) == "cpu" else 1.0
+
+
 def prepare_environment(config: EngineConfig) -> None:
     """What vLLM reads from the environment, set before it starts (its processes inherit it)."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(config.cpu_kv_cache_space_gib))
+    os.environ[shm_wait.ENV] = str(shm_busy_loop_s(config))
+    shm_wait.install()  # this process's own queues (vLLM's spawned processes: its plugin, see shm_wait.py)
 
 
 def build_engine(resolution: Resolution, kv_events_bind: str | None, tracker: LoadTracker) -> AsyncLLM:

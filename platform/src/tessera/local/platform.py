@@ -21,11 +21,12 @@ from typing import Any
 import httpx
 
 from tessera.engine.config import EngineConfig, default_small_model_dir
-from tessera.registry import EngineRecord, EngineRegistry
 from tessera.engine.small_model import is_small_model_dir, make_small_model
 from tessera.gateway.launch import GatewayLaunch
 from tessera.local.engine_failure import engine_failure_cause
+from tessera.local.ray_settings import quiet_ray_env, ray_init_kwargs
 from tessera.redis_conn import EmbeddedRedis, connect
+from tessera.registry import EngineRecord, EngineRegistry
 from tessera.tenancy.policy import TenantPolicy
 from tessera.tenancy.store import TenantStore
 
@@ -54,6 +55,10 @@ class LocalPlatformOptions:
     # camelCase; None: its defaults, as the chart's), its spans go to the run's trace directory.
     kvcontrol: bool = True
     kvcontrol_policy: dict[str, Any] | None = None
+    # Pin Ray and the engine replicas to all cores but the last, and Redis, the gateway and the controller to
+    # the last one (needs 2 cores or more; docs/performance.md has what it measured). Off here, so a caller
+    # that embeds the platform (the end-to-end tests) keeps its own placement; `tessera up` turns it on.
+    cpu_split: bool = False
 
 
 class LocalPlatform:
@@ -99,6 +104,9 @@ class LocalPlatform:
              **opts.engine_overrides})
         self.engine_config.validate_for_cpu() if not _has_gpu() else None
 
+        engine_cpus, platform_cpus = split_cpus() if opts.cpu_split else (None, None)
+        own_cpus = os.sched_getaffinity(0)
+        _pin(platform_cpus)  # what this process starts from here on inherits its CPUs
         if not self.redis_url:
             self.redis = EmbeddedRedis().start()
             self.redis_url = self.redis.url
@@ -108,11 +116,14 @@ class LocalPlatform:
         os.environ.update(env)
 
         print(f"[tessera] starting Ray Serve with {opts.num_engines} engine replica(s)", flush=True)
+        _pin(engine_cpus)
         self._start_ray(env)
+        _pin(platform_cpus)
         self._start_gateway(env)
         self._wait_ready(deadline)
         if opts.kvcontrol:
             self._start_kvcontrol(env, deadline)
+        os.sched_setaffinity(0, own_cpus)  # this process itself was only the parent
         return self
 
     def _env(self) -> dict[str, str]:
@@ -138,8 +149,9 @@ class LocalPlatform:
         from tessera.engine.deployment import build_app
 
         assert self.engine_config is not None
-        ray.init(num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False, log_to_driver=False,
-                 runtime_env={"env_vars": env}, configure_logging=False)
+        # Read by Ray's own processes as they start (see ray_settings.py).
+        os.environ.update(quiet_ray_env())
+        ray.init(**ray_init_kwargs(max(2, os.cpu_count() or 2), env))
         self._ray_started = True
         serve.start(proxy_location="Disabled")
         app = build_app({"engine": self.engine_config.model_dump(by_alias=True), "replicas": self.options.num_engines})
@@ -256,6 +268,20 @@ class LocalPlatform:
             self.redis = None
         with contextlib.suppress(FileNotFoundError):
             (self.run_dir / "redis_url").unlink()
+
+
+def split_cpus() -> tuple[set[int] | None, set[int] | None]:
+    """(engine CPUs, platform CPUs): all this process may use but the last, and the last; (None, None) with
+    fewer than 2."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        return None, None
+    return set(cpus[:-1]), {cpus[-1]}
+
+
+def _pin(cpus: set[int] | None) -> None:
+    if cpus is not None:
+        os.sched_setaffinity(0, cpus)
 
 
 def _has_gpu() -> bool:
