@@ -12,7 +12,7 @@ MODEL ?=
 PYTEST_ARGS ?=
 
 .PHONY: install run test lint unit integration e2e bench bench-gateway bench-gateway-hops bench-admission bench-routing \
-        bench-kvcontrol bench-loadgen bench-cli bench-stack bench-wires helm-check clean
+        bench-kvcontrol bench-loadgen bench-cli bench-stack bench-wires bench-gateway-cpu helm-check clean
 
 install: $(STAMP)
 
@@ -74,6 +74,10 @@ bench-loadgen: install
 # The hand-written wires (http_wire, redis_wire, late_spans) against the libraries they replace.
 bench-wires: install
 	$(BIN)/python bench/bench_wires.py
+
+# The gateway's CPU per 16-token streamed request and idle, against a fake engine (issue #19's goals).
+bench-gateway-cpu: install
+	$(BIN)/python bench/bench_gateway_cpu.py
 
 # Start-up of every console script (--help, a plan): the goal is 1.5 s each on a 2-core machine.
 bench-cli: install

@@ -12,8 +12,13 @@ whose last heartbeat is older than the TTL (``live_engines`` prunes them).
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
+from typing import TYPE_CHECKING, Any
 
 import redis.asyncio as aioredis
+from redis.exceptions import NoScriptError
+
+if TYPE_CHECKING:
+    from tessera.redis_wire import RedisWire
 
 ENGINES_ZSET = "tessera:engines"
 ENGINE_TTL_FACTOR = 5
@@ -102,8 +107,13 @@ return now
 
 
 class EngineRegistry:
-    def __init__(self, redis: aioredis.Redis, heartbeat_interval_s: float = 1.0) -> None:
+    """``wire``: a lean Redis connection (redis_wire.py), when the caller has one; ``live_engines`` then
+    reads over it (the gateway's registry refresher, once a second on every worker) instead of redis-py."""
+
+    def __init__(self, redis: aioredis.Redis, heartbeat_interval_s: float = 1.0,
+                 wire: RedisWire | None = None) -> None:
         self._redis = redis
+        self._wire = wire
         self._ttl_s = max(2, int(ENGINE_TTL_FACTOR * heartbeat_interval_s))
         self._live = redis.register_script(_LIVE_ENGINES_LUA)
         self._heartbeat = redis.register_script(_HEARTBEAT_LUA)
@@ -123,7 +133,15 @@ class EngineRegistry:
         await self._redis.delete(engine_key(engine_id))
 
     async def live_engines(self) -> list[EngineRecord]:
-        rows = await self._live(keys=[ENGINES_ZSET], args=[self._ttl_s])
+        rows: Any = None
+        if self._wire is not None:
+            (rows,) = await self._wire.execute([("EVALSHA", self._live.sha, 1, ENGINES_ZSET, self._ttl_s)])
+            if isinstance(rows, NoScriptError):
+                rows = None  # a restarted Redis: redis-py's call below loads the script
+            elif isinstance(rows, Exception):
+                raise rows
+        if rows is None:
+            rows = await self._live(keys=[ENGINES_ZSET], args=[self._ttl_s])
         records = []
         for row in rows:
             raw = {row[i]: row[i + 1] for i in range(0, len(row), 2)}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -33,8 +33,29 @@ class TesseraSettings(BaseSettings):
         "before the 503; a stopped one is refused at once).",
     )
     key_cache_ttl_s: float = Field(
-        default=1.0,
-        description="How long a gateway caches an API-key lookup; bounds how late a revocation takes effect.",
+        default=1.0, ge=0.0,
+        description="How long a gateway caches an API-key lookup, seconds; bounds how late a revocation takes "
+        "effect (0: no cache).",
+    )
+    registry_refresh_s: float = Field(
+        default=1.0, gt=0.0,
+        description="How often a gateway re-reads the engine registry while requests come, seconds (engines "
+        "heartbeat once a second: reading more often finds nothing newer).",
+    )
+    registry_max_age_s: float = Field(
+        default=2.0, gt=0.0,
+        description="A request reads the engine registry itself when the gateway's copy is older than this, "
+        "seconds (the first request, or a refresh that Redis stalls); at least registry_refresh_s.",
+    )
+    catalog_refresh_s: float = Field(
+        default=5.0, gt=0.0,
+        description="How often a gateway re-reads the model catalog while requests come, seconds (a model "
+        "registered since is read on its first request anyway).",
+    )
+    catalog_max_age_s: float = Field(
+        default=15.0, gt=0.0,
+        description="A request reads the model catalog itself when the gateway's copy is older than this, "
+        "seconds; at least catalog_refresh_s.",
     )
     lease_ttl_s: float = Field(
         default=30.0, gt=0.0,
@@ -54,6 +75,16 @@ class TesseraSettings(BaseSettings):
     advertise_host: str = Field(
         default="127.0.0.1", description="Address an engine replica registers for the gateway to call it at."
     )
+
+    @model_validator(mode="after")
+    def _max_ages_cover_their_refresh(self) -> TesseraSettings:
+        # A copy the refresher keeps on time must never look too old to a request (it would read inline).
+        for refresh, max_age in (("registry_refresh_s", "registry_max_age_s"),
+                                 ("catalog_refresh_s", "catalog_max_age_s")):
+            if getattr(self, max_age) < getattr(self, refresh):
+                raise ValueError(f"TESSERA_{max_age.upper()} ({getattr(self, max_age)}) must be at least "
+                                 f"TESSERA_{refresh.upper()} ({getattr(self, refresh)})")
+        return self
 
 
 def load_settings() -> TesseraSettings:

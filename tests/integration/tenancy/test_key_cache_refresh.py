@@ -14,9 +14,10 @@ import redis.asyncio as aioredis
 
 from tessera.gateway.auth import Authenticator
 from tessera.redis_conn import EmbeddedRedis, connect
+from tessera.redis_wire import RedisWire
 from tessera.tenancy.store import TenantStore
 
-TTL_S = 0.4  # refreshed every 0.2 s
+TTL_S = 0.4  # refreshed every 0.4 s
 
 
 @pytest.fixture
@@ -67,13 +68,13 @@ async def test_a_deleted_tenant_drops_out_of_the_refresh(store: TenantStore) -> 
 
 async def test_unknown_keys_get_no_background_refresh(store: TenantStore, monkeypatch: pytest.MonkeyPatch) -> None:
     batches: list[list[str]] = []
-    real = store.authenticate_many
+    real = store.read_keys
 
-    async def recorded(keys: list[str]) -> dict[str, str | None]:
+    async def recorded(keys: list[str], tenant_names: list[str]) -> Any:
         batches.append(keys)
-        return await real(keys)
+        return await real(keys, tenant_names)
 
-    monkeypatch.setattr(store, "authenticate_many", recorded)
+    monkeypatch.setattr(store, "read_keys", recorded)
     auth = Authenticator(store, ttl_s=TTL_S)
     for i in range(5):
         assert await auth.tenant_for(f"Bearer tsk-{i:012x}-unknownsecret") is None
@@ -82,12 +83,49 @@ async def test_unknown_keys_get_no_background_refresh(store: TenantStore, monkey
     await auth.close()
 
 
-async def test_batch_reads_match_the_single_ones(store: TenantStore) -> None:
+@pytest.mark.parametrize("over_wire", [False, True], ids=["redis-py", "wire"])
+async def test_batch_reads_match_the_single_ones(redis_server: EmbeddedRedis, store: TenantStore,
+                                                 over_wire: bool) -> None:
     tenant = await store.create_tenant(f"kc-{uuid.uuid4().hex[:8]}")
     good, revoked = await store.issue_key(tenant.name), await store.issue_key(tenant.name)
     await store.revoke_key(revoked.key_id)
     keys = [good.plaintext, revoked.plaintext, "tsk-000000000000-nosuchkey", "not a key"]
-    owners = await store.authenticate_many(keys)
+    wire = RedisWire(redis_server.url, 5.0) if over_wire else None
+    reader = TenantStore(store._redis, wire)
+    owners, tenants = await reader.read_keys(keys, [tenant.name, "kc-missing"])
     assert owners == {k: await store.authenticate(k) for k in keys}
     assert owners[good.plaintext] == tenant.name and owners[revoked.plaintext] is None
-    assert await store.get_tenants([tenant.name, "kc-missing"]) == {tenant.name: tenant, "kc-missing": None}
+    assert tenants == {tenant.name: tenant, "kc-missing": None}
+    # A tenant not named is read in a second round trip.
+    assert await reader.read_keys([good.plaintext], []) == ({good.plaintext: tenant.name}, {tenant.name: tenant})
+    if wire is not None:
+        await wire.close()
+
+
+async def test_a_request_at_the_expiry_waits_for_the_refresh_instead_of_reading(
+        store: TenantStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The refresh falls on the instant its entries expire: a request in between waits for its answer."""
+    tenant = await store.create_tenant(f"kc-{uuid.uuid4().hex[:8]}")
+    issued = await store.issue_key(tenant.name)
+    auth = Authenticator(store, ttl_s=60.0)  # the refresher never runs by itself here
+    header = f"Bearer {issued.plaintext}"
+    assert await auth.tenant_for(header) == tenant
+    release = asyncio.Event()
+    real = store.read_keys
+
+    async def slow(keys: list[str], tenant_names: list[str]) -> Any:
+        await release.wait()
+        return await real(keys, tenant_names)
+
+    monkeypatch.setattr(store, "read_keys", slow)
+    auth._cache[issued.plaintext].expires_at = 0.0  # expired
+    refresh = asyncio.ensure_future(auth.refresh_active())
+    await asyncio.sleep(0)
+    _no_inline_reads(store, monkeypatch)
+    request = asyncio.ensure_future(auth.tenant_for(header))
+    await asyncio.sleep(0.05)
+    assert not request.done()  # waiting for the refresh, not reading Redis
+    release.set()
+    assert await request == tenant
+    await refresh
+    await auth.close()

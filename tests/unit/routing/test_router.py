@@ -187,3 +187,30 @@ async def test_a_stale_copy_is_read_on_the_request_path(redis: aioredis.Redis, m
     decision, _ = await router.route(request(chain(1)))  # no waiting: read on the spot
     assert sorted(decision.ranked) == ["a", "b"]
     await router.close()
+
+
+async def test_the_registry_is_read_over_the_wire_and_reloads_a_lost_script(
+        own_redis: EmbeddedRedis, redis: aioredis.Redis) -> None:
+    from tessera.redis_wire import RedisWire
+
+    await register(redis, "a", "b")
+    wire = RedisWire(own_redis.url, 5.0)
+    router = Router(redis, "round_robin", PrefixIndex(redis), wire=wire)
+    try:
+        assert sorted(r.engine_id for r in await router.engines(MODEL)) == ["a", "b"]
+        await redis.script_flush()  # a restarted Redis: NOSCRIPT on the wire, redis-py loads it again
+        assert await router.num_live_engines() == 2
+    finally:
+        await router.close()
+        await wire.close()
+
+
+async def test_periods_given_to_the_router_override_the_defaults(
+        redis: aioredis.Redis, monkeypatch: pytest.MonkeyPatch) -> None:
+    await register(redis, "a")
+    router = Router(redis, "round_robin", PrefixIndex(redis), refresh_s=60.0, max_age_s=0.0)
+    await router.route(request(chain(1)))
+    await register(redis, "b")
+    decision, _ = await router.route(request(chain(1)))  # max age 0: read on the spot
+    assert sorted(decision.ranked) == ["a", "b"]
+    await router.close()

@@ -53,14 +53,18 @@ class Gateway:
         configure_tracing("tessera-gateway", settings.trace_exporter, settings.trace_dir,
                           settings.otlp_endpoint, settings.trace_sample_ratio)
         self.redis = connect(settings.redis_url, settings.redis_timeout_s)
-        # The request path's one round trip before the engine call (admission) goes over this lean
-        # connection; everything else uses the redis-py client above (see redis_wire.py for why).
+        # The request path's one round trip before the engine call (admission), its finish and the caches'
+        # background refreshes (keys, registry, catalog) go over this lean connection; everything else uses
+        # the redis-py client above (see redis_wire.py for why).
         self.wire = RedisWire(settings.redis_url, settings.redis_timeout_s)
-        self.store = TenantStore(self.redis)
+        self.store = TenantStore(self.redis, self.wire)
         self.auth = Authenticator(self.store, settings.key_cache_ttl_s, settings.redis_fail_open, _is_store_error)
-        self.catalog = ModelCatalog(self.redis)
+        self.catalog = ModelCatalog(self.redis, refresh_s=settings.catalog_refresh_s,
+                                    max_age_s=settings.catalog_max_age_s, wire=self.wire)
         self.admission = Admission(self.redis, settings.lease_ttl_s, self.wire)
-        self.router = Router(self.redis, settings.routing_policy, PrefixIndex(self.redis))
+        self.router = Router(self.redis, settings.routing_policy, PrefixIndex(self.redis),
+                             refresh_s=settings.registry_refresh_s, max_age_s=settings.registry_max_age_s,
+                             wire=self.wire)
         self.engines = EngineClient()
         self.metrics = GatewayMetrics()
         self.tracer = trace.get_tracer("tessera.gateway")

@@ -10,13 +10,16 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
+from tessera.redis_wire import RedisWire
 from tessera.refresher import UsageRefresher
-from tessera.registry import EngineRecord, ModelInfo, list_models
+from tessera.registry import MODELS_HASH, EngineRecord, ModelInfo, list_models
 
-# Re-read in the background this often while requests come (models change on deploys, not per request; a
-# model registered since the last read is read on its first request, see ``ModelCatalog.get``).
+# The defaults of ``ModelCatalog``'s ``refresh_s``/``max_age_s`` (the gateway passes its settings,
+# ``TESSERA_CATALOG_REFRESH_S``/``TESSERA_CATALOG_MAX_AGE_S``, whose defaults these equal). Re-read in the
+# background this often while requests come (models change on deploys, not per request; a model registered
+# since the last read is read on its first request, see ``ModelCatalog.get``); older than the max age (the
+# first request, a refresher that Redis stalls), a request re-reads it itself.
 CATALOG_REFRESH_S = 5.0
-# Older than this (the first request, a refresher that Redis stalls), a request re-reads it itself.
 CATALOG_MAX_AGE_S = 15.0
 
 
@@ -123,17 +126,21 @@ def load_served_model(info: ModelInfo) -> ServedModel:
 
 
 class ModelCatalog:
-    """Models registered by engines, re-read from Redis every ``CATALOG_REFRESH_S`` off the request path."""
+    """Models registered by engines, re-read from Redis every ``refresh_s`` off the request path (over the
+    lean connection ``wire`` when given)."""
 
-    def __init__(self, redis: aioredis.Redis) -> None:
+    def __init__(self, redis: aioredis.Redis, *, refresh_s: float = CATALOG_REFRESH_S,
+                 max_age_s: float = CATALOG_MAX_AGE_S, wire: RedisWire | None = None) -> None:
         self._redis = redis
+        self._wire = wire
         self._models: dict[str, ServedModel] = {}
-        self._refreshed_at = -CATALOG_MAX_AGE_S
-        self.refresher = UsageRefresher("model catalog", self.refresh, CATALOG_REFRESH_S)
+        self._max_age_s = max_age_s
+        self._refreshed_at = -max_age_s
+        self.refresher = UsageRefresher("model catalog", self.refresh, refresh_s)
 
     async def refresh(self) -> None:
         started = time.monotonic()
-        infos = await list_models(self._redis)
+        infos = await self._read()
         for info in infos:
             current = self._models.get(info.name)
             if current is None or current.info != info:
@@ -144,8 +151,16 @@ class ModelCatalog:
 
     async def _current(self) -> None:
         self.refresher.used()
-        if time.monotonic() - self._refreshed_at > CATALOG_MAX_AGE_S:
+        if time.monotonic() - self._refreshed_at > self._max_age_s:
             await self.refresh()
+
+    async def _read(self) -> list[ModelInfo]:
+        if self._wire is None:
+            return await list_models(self._redis)
+        (flat,) = await self._wire.execute([("HGETALL", MODELS_HASH)])
+        if isinstance(flat, Exception):
+            raise flat
+        return [ModelInfo(**json.loads(value)) for value in flat[1::2]]  # [field, value, field, value, ...]
 
     async def get(self, name: str) -> ServedModel | None:
         await self._current()

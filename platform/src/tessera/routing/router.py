@@ -3,9 +3,10 @@ keeps this process's in-flight counts, and asks the configured policy for a rank
 
 Redis cost per request: one Lua call for the prefix lookup (only for policies that use it), which the
 gateway sends in the same round trip as the admission (see ``plan``/``decide``). The registry
-is re-read off the request path every ``REGISTRY_CACHE_S`` by a refresher that runs while requests come
-(it stops after ``REFRESHER_IDLE_S`` without one); a request reads it itself only when the copy is older
-than ``REGISTRY_MAX_AGE_S`` (the first request, or a refresher that Redis stalls).
+is re-read off the request path every ``refresh_s`` (``TESSERA_REGISTRY_REFRESH_S``) by a refresher that runs
+while requests come (it stops after ``REFRESHER_IDLE_S`` without one), over the gateway's lean Redis
+connection when it has one; a request reads it itself only when the copy is older than ``max_age_s``
+(``TESSERA_REGISTRY_MAX_AGE_S``: the first request, or a refresher that Redis stalls).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from tessera.redis_wire import Command
+from tessera.redis_wire import Command, RedisWire
 from tessera.refresher import REFRESHER_IDLE_S, UsageRefresher
 from tessera.registry import EngineRecord, EngineRegistry
 from tessera.routing.policies import make_policy
@@ -27,12 +28,13 @@ from tessera.routing.snapshot import EngineView, RouteDecision, RouteRequest, Ro
 
 logger = logging.getLogger(__name__)
 
-# Engine load changes fast, but heartbeats come once a second (registry.py): a copy re-read more often holds
-# nothing newer and costs a Redis round trip and an idle gateway's CPU each time. Between heartbeats, the
-# policies see this process's own in-flight counts, which are current.
+# The defaults of ``refresh_s``/``max_age_s`` for a Router built without them (tests, benches); the gateway
+# passes its settings, whose defaults these equal. Engine load changes fast, but heartbeats come once a
+# second (registry.py): a copy re-read more often holds nothing newer and costs a Redis round trip and an
+# idle gateway's CPU each time. Between heartbeats, the policies see this process's own in-flight counts,
+# which are current. The max age is twice the refresh period: a refresher on time never leaves a request
+# to read inline.
 REGISTRY_CACHE_S = 1.0
-# Older than this, a request does not trust the refresher's copy and reads the registry itself (twice the
-# refresh period: a refresher on time never leaves a request to read inline).
 REGISTRY_MAX_AGE_S = 2.0
 # How often one gateway process garbage-collects index entries of engines that left the registry.
 SWEEP_INTERVAL_S = 30.0
@@ -84,8 +86,14 @@ class InFlight:
 
 
 class Router:
-    def __init__(self, redis: aioredis.Redis, policy_name: str, prefix_index: PrefixIndex | None = None) -> None:
-        self._registry = EngineRegistry(redis)
+    def __init__(self, redis: aioredis.Redis, policy_name: str, prefix_index: PrefixIndex | None = None, *,
+                 refresh_s: float | None = None, max_age_s: float | None = None,
+                 wire: RedisWire | None = None) -> None:
+        """``refresh_s``/``max_age_s``: the registry copy's refresh period and the age past which a request
+        reads it itself (default ``REGISTRY_CACHE_S``/``REGISTRY_MAX_AGE_S``); ``wire``: the lean Redis
+        connection the registry is read over (default: redis-py)."""
+        self._registry = EngineRegistry(redis, wire=wire)
+        self._max_age_s = REGISTRY_MAX_AGE_S if max_age_s is None else max_age_s
         self.policy_name = policy_name
         self._policy = make_policy(policy_name)
         self._prefix_index = prefix_index if policy_name in INDEX_POLICIES else None
@@ -94,12 +102,13 @@ class Router:
         self._read_at = 0.0
         self._swept_at = time.monotonic()
         self._sweep_task: asyncio.Task[None] | None = None
-        self._refresher = UsageRefresher("registry", self._read_registry, REGISTRY_CACHE_S, REFRESHER_IDLE_S)
+        self._refresher = UsageRefresher("registry", self._read_registry,
+                                         REGISTRY_CACHE_S if refresh_s is None else refresh_s, REFRESHER_IDLE_S)
         self._in_flight: dict[str, int] = {}
 
     async def engines(self, model: str) -> list[EngineRecord]:
         self._refresher.used()
-        if time.monotonic() - self._read_at > REGISTRY_MAX_AGE_S:
+        if time.monotonic() - self._read_at > self._max_age_s:
             await self._read_registry()
         return [e for e in self._engines if e.model == model]
 

@@ -3,7 +3,7 @@
 ``tessera:demoted:<tenant>`` exists (with a TTL the controller refreshes) while the tenant holds more KV
 than its quota on some engine; the gateway then adds ``DEMOTION_STEP`` to its new requests' priority.
 The TTL means a dead controller cannot leave a tenant demoted forever. The gateway reads the flag in
-admission's round trip (``GenerationFlow._admit``), so a demotion applies from the next request on.
+admission's round trip (``gateway/request/admit.py``, ``Admitter``), so a demotion applies from the next request on.
 """
 
 from __future__ import annotations

@@ -15,9 +15,12 @@ import secrets
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import redis.asyncio as aioredis
+
+if TYPE_CHECKING:
+    from tessera.redis_wire import Command, RedisWire
 
 from tessera.tenancy.keys import IssuedKey, key_matches, new_key, parse_key_id
 from tessera.tenancy.policy import TenantPolicy, validate_tenant_name
@@ -70,10 +73,14 @@ class KeyInfo:
 
 
 class TenantStore:
-    """Async CRUD over tenants and keys. Thin: validation lives in the pydantic policy."""
+    """Async CRUD over tenants and keys. Thin: validation lives in the pydantic policy.
 
-    def __init__(self, redis: aioredis.Redis) -> None:
+    ``wire``: a lean Redis connection (redis_wire.py), when the caller has one; the gateway's key-cache
+    refresh (``read_keys``) then goes over it instead of through redis-py."""
+
+    def __init__(self, redis: aioredis.Redis, wire: RedisWire | None = None) -> None:
         self._redis = redis
+        self._wire = wire
 
     async def create_tenant(self, name: str, policy: TenantPolicy | None = None) -> Tenant:
         validate_tenant_name(name)
@@ -92,13 +99,6 @@ class TenantStore:
 
     async def get_tenant(self, name: str) -> Tenant | None:
         return _tenant_from(name, await self._redis.hgetall(tenant_key(name)))
-
-    async def get_tenants(self, names: list[str]) -> dict[str, Tenant | None]:
-        """Several tenants in one round trip (the gateway's key-cache refresher)."""
-        pipe = self._redis.pipeline(transaction=False)
-        for name in names:
-            pipe.hgetall(tenant_key(name))
-        return {name: _tenant_from(name, raw) for name, raw in zip(names, await pipe.execute(), strict=True)}
 
     async def require_tenant(self, name: str) -> Tenant:
         tenant = await self.get_tenant(name)
@@ -171,17 +171,48 @@ class TenantStore:
             return None
         return _key_owner(plaintext, await self._redis.hgetall(apikey_key(key_id)))
 
-    async def authenticate_many(self, plaintexts: list[str]) -> dict[str, str | None]:
-        """``authenticate`` for several keys in one round trip (the gateway's key-cache refresher)."""
+    async def read_keys(self, plaintexts: list[str], tenant_names: list[str]
+                        ) -> tuple[dict[str, str | None], dict[str, Tenant | None]]:
+        """Each key's tenant (as ``authenticate`` answers) and each named tenant (as ``get_tenant``), in one
+        round trip: the gateway's key-cache refresher names the tenants its keys last authenticated as. A
+        key whose tenant was not named costs a second round trip for that tenant (a key's tenant never
+        changes, so only a caller that did not know it pays it)."""
         key_ids = {k: parse_key_id(k) for k in plaintexts}
         wellformed = [k for k, key_id in key_ids.items() if key_id is not None]
-        pipe = self._redis.pipeline(transaction=False)
-        for plaintext in wellformed:
-            pipe.hgetall(apikey_key(key_ids[plaintext] or ""))
+        commands: list[Command] = [("HGETALL", apikey_key(key_ids[k] or "")) for k in wellformed]
+        commands += [("HGETALL", tenant_key(name)) for name in tenant_names]
+        replies = await self._execute(commands)
         owners: dict[str, str | None] = dict.fromkeys(plaintexts)
-        for plaintext, raw in zip(wellformed, await pipe.execute() if wellformed else [], strict=True):
-            owners[plaintext] = _key_owner(plaintext, raw)
-        return owners
+        for plaintext, raw in zip(wellformed, replies[:len(wellformed)], strict=True):
+            owners[plaintext] = _key_owner(plaintext, _as_map(raw))
+        tenants = {name: _tenant_from(name, _as_map(raw))
+                   for name, raw in zip(tenant_names, replies[len(wellformed):], strict=True)}
+        missing = sorted({name for name in owners.values() if name is not None and name not in tenants})
+        if missing:
+            replies = await self._execute([("HGETALL", tenant_key(name)) for name in missing])
+            tenants.update({name: _tenant_from(name, _as_map(raw)) for name, raw in zip(missing, replies, strict=True)})
+        return owners, tenants
+
+    async def _execute(self, commands: list[Command]) -> list[Any]:
+        """The commands in one round trip, over the wire when there is one; an error reply raises."""
+        if not commands:
+            return []
+        if self._wire is not None:
+            replies = await self._wire.execute(commands)
+        else:
+            pipe = self._redis.pipeline(transaction=False)
+            for command in commands:
+                pipe.execute_command(*command)
+            replies = await pipe.execute()
+        for reply in replies:
+            if isinstance(reply, Exception):
+                raise reply
+        return replies
+
+
+def _as_map(reply: Any) -> Mapping[Any, Any]:
+    """A hash as either client returns it: redis-py a dict, the wire a flat [field, value, ...] list."""
+    return reply if isinstance(reply, Mapping) else dict(zip(reply[::2], reply[1::2], strict=True))
 
 
 def _tenant_from(name: str, raw: Mapping[Any, Any]) -> Tenant | None:

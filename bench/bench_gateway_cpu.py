@@ -1,0 +1,168 @@
+"""The gateway's own CPU: per streamed request and idle, the figures of issue #19's gateway goals
+(≤ 3 ms per 16-token streamed chat, tokenization and the Redis round trips included; idle < 2 ms/s).
+Run: ``make bench-gateway-cpu`` (about 40 s a run); writes bench/results/gateway_cpu.json.
+
+One gateway worker started as the chart starts it (``tessera gateway``, via ``_support.start_gateway``), an
+embedded Redis, and a fake engine in this process that answers ``/generate`` with ``TOKENS`` delta lines and
+its closing line, 2 ms apart, one write each, as a decoding engine sends them (no vLLM: only the gateway's
+CPU is under test). The client, the fake engine and Redis run outside the gateway process; the gateway's CPU
+is read from its threads' scheduler counters (``_support.cpu_seconds``, nanoseconds).
+
+Per run:
+- ``per_request_ms``: gateway CPU over ``--requests`` sequential streamed chats, divided by their number
+  (the background refreshers' share during those requests included);
+- ``idle_after_ms_per_s``: CPU per second in the 8 s right after the traffic, while the caches' refreshers
+  still run (they stop ``REFRESHER_IDLE_S`` after the last request);
+- ``idle_late_ms_per_s``: CPU per second 13 s after the traffic, the refreshers stopped.
+
+``SPY=path`` records a py-spy profile (raw format) of the gateway during the requests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+from _support import BIN, bench_model, cpu_seconds, print_table, start_gateway, stop, write_results
+
+TOKENS = 16
+LINE_GAP_S = 0.002
+NUM_WARMUP = 30
+IDLE_AFTER_S = 8.0
+IDLE_LATE_START_S = 13.0
+IDLE_LATE_S = 5.0
+GOAL_PER_REQUEST_MS = 3.0
+GOAL_IDLE_MS_PER_S = 2.0
+
+
+async def fake_engine(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """``POST /generate``: ``max_tokens`` delta lines and the closing line, chunked, ``LINE_GAP_S`` apart."""
+    try:
+        while True:
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = 0
+            for line in head.split(b"\r\n"):
+                if line.lower().startswith(b"content-length:"):
+                    length = int(line.split(b":")[1])
+            body = orjson.loads(await reader.readexactly(length))
+            lines = [orjson.dumps({"i": 0, "t": f" w{i}", "d": [100 + i]}) + b"\n" for i in range(body["max_tokens"])]
+            lines.append(orjson.dumps({"done": True, "finish": {"0": "length"},
+                                       "stats": {"num_cached_tokens": 0}}) + b"\n")
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/x-ndjson\r\n"
+                         b"transfer-encoding: chunked\r\n\r\n")
+            for chunk in lines:
+                writer.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+                await asyncio.sleep(LINE_GAP_S)
+            writer.write(b"0\r\n\r\n")
+            await writer.drain()
+    except (asyncio.IncompleteReadError, ConnectionError):
+        writer.close()
+    except asyncio.CancelledError:
+        writer.close()  # the run is over: asyncio.run cancels the handler of the idle keep-alive connection
+
+
+async def one_run(num_requests: int, work: Path) -> dict[str, Any]:
+    from tessera.redis_conn import EmbeddedRedis, connect
+    from tessera.registry import EngineRecord, EngineRegistry, ModelInfo, register_model
+    from tessera.tenancy.store import TenantStore
+
+    model_dir = bench_model("tessera-small")
+    redis_server = EmbeddedRedis().start()
+    engine = await asyncio.start_server(fake_engine, "127.0.0.1", 0)
+    engine_port = engine.sockets[0].getsockname()[1]
+    redis = connect(redis_server.url)
+    await register_model(redis, ModelInfo("tessera-small", str(model_dir), 2048, 32))
+    registry = EngineRegistry(redis)
+    record = EngineRecord("fake-0", f"http://127.0.0.1:{engine_port}", "tessera-small", 32, 1000, 2048)
+
+    async def heartbeat() -> None:
+        while True:
+            await registry.heartbeat(record)
+            await asyncio.sleep(1.0)
+
+    beating = asyncio.create_task(heartbeat())
+    store = TenantStore(redis)
+    await store.create_tenant("bench")
+    key = (await store.issue_key("bench")).plaintext
+    env = {"TESSERA_REDIS_URL": redis_server.url, "TESSERA_TRACE_DIR": str(work / "traces"),
+           "TESSERA_ROUTING_POLICY": "prefix_affinity", "TESSERA_REDIS_TIMEOUT_S": "2"}
+    gateway, url = await asyncio.to_thread(start_gateway, env, work / "gateway.log")
+    try:
+        async with httpx.AsyncClient(timeout=10) as client:
+            body = {"model": "tessera-small", "stream": True, "max_tokens": TOKENS, "ignore_eos": True,
+                    "messages": [{"role": "user", "content": "Tell me about the KV cache and speculative decoding."}]}
+            headers = {"authorization": f"Bearer {key}"}
+
+            async def one() -> int:
+                chunks = 0
+                async with client.stream("POST", f"{url}/v1/chat/completions", json=body, headers=headers) as r:
+                    assert r.status_code == 200, await r.aread()
+                    async for line in r.aiter_lines():
+                        chunks += line.startswith("data: {")
+                return chunks
+
+            for _ in range(NUM_WARMUP):
+                await one()
+            spy = None
+            if os.environ.get("SPY"):
+                spy = subprocess.Popen([str(BIN / "py-spy"), "record", "-p", str(gateway.pid), "-r", "500", "-f", "raw",
+                                        "-o", os.environ["SPY"], "--nonblocking"],
+                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                await asyncio.sleep(1.0)
+            c0 = cpu_seconds(gateway.pid)
+            for _ in range(num_requests):
+                num_chunks = await one()
+            per_request_s = (cpu_seconds(gateway.pid) - c0) / num_requests
+            if spy is not None:
+                spy.send_signal(2)
+                spy.wait(20)
+            c0, w0 = cpu_seconds(gateway.pid), time.perf_counter()
+            await asyncio.sleep(IDLE_AFTER_S)
+            idle_after = (cpu_seconds(gateway.pid) - c0) / (time.perf_counter() - w0)
+            await asyncio.sleep(IDLE_LATE_START_S - IDLE_AFTER_S)
+            c0, w0 = cpu_seconds(gateway.pid), time.perf_counter()
+            await asyncio.sleep(IDLE_LATE_S)
+            idle_late = (cpu_seconds(gateway.pid) - c0) / (time.perf_counter() - w0)
+    finally:
+        stop(gateway)
+        beating.cancel()
+        engine.close()
+        await redis.aclose()
+        redis_server.stop()
+    return {"chunks_per_request": num_chunks, "per_request_ms": per_request_s * 1e3,
+            "idle_after_ms_per_s": idle_after * 1e3, "idle_late_ms_per_s": idle_late * 1e3}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--requests", type=int, default=150, help="Measured requests per run.")
+    parser.add_argument("--runs", type=int, default=3, help="Runs (each with a fresh gateway and Redis).")
+    args = parser.parse_args()
+    import tempfile
+
+    runs = []
+    for i in range(args.runs):
+        work = Path(tempfile.mkdtemp(prefix="bench-gateway-cpu-"))
+        runs.append(asyncio.run(one_run(args.requests, work)))
+        print(f"run {i + 1}/{args.runs}: {runs[-1]}", flush=True)
+    keys = ("per_request_ms", "idle_after_ms_per_s", "idle_late_ms_per_s")
+    medians = {k: statistics.median(r[k] for r in runs) for k in keys}
+    goals = {"per_request_ms": GOAL_PER_REQUEST_MS, "idle_after_ms_per_s": GOAL_IDLE_MS_PER_S,
+             "idle_late_ms_per_s": GOAL_IDLE_MS_PER_S}
+    path = write_results("gateway_cpu", {"tokens": TOKENS, "line_gap_s": LINE_GAP_S, "requests": args.requests,
+                                         "runs": runs, "median": medians, "goals": goals})
+    print_table(["measure", *(f"run {i + 1}" for i in range(len(runs))), "median", "goal"],
+                [[k, *(r[k] for r in runs), medians[k], goals[k]] for k in keys])
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,44 @@
+"""The gateway workers' uvicorn Server: one housekeeping tick a second, the date header still refreshed on
+each, a shutdown noticed within a tick."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import uvicorn
+
+from tessera.gateway import lean_server
+from tessera.gateway.lean_server import LeanServer
+
+
+async def test_it_ticks_once_a_second_refreshing_the_date_and_exits_within_a_tick(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(lean_server, "SERVER_TICK_S", 0.1)  # the same loop, ten times faster
+    server = LeanServer(uvicorn.Config(app=lambda *_: None))
+    server.server_state.default_headers = []
+    counters: list[int] = []
+    real_tick = server.on_tick
+
+    async def on_tick(counter: int) -> bool:
+        counters.append(counter)
+        return await real_tick(counter)
+
+    server.on_tick = on_tick  # type: ignore[method-assign]
+    loop = asyncio.ensure_future(server.main_loop())
+    await asyncio.sleep(0.45)
+    assert 4 <= len(counters) <= 6  # one per tick (uvicorn's loop would have ticked ~45 times at 0.01 s)
+    assert all(c % 10 == 0 for c in counters)  # uvicorn refreshes the date header on multiples of 10
+    assert [name for name, _ in server.server_state.default_headers] == [b"date"]
+    server.should_exit = True
+    stopped = time.monotonic()
+    await asyncio.wait_for(loop, 1.0)
+    assert time.monotonic() - stopped <= 0.1 + 0.05
+
+
+def test_the_ticks_fall_on_the_refreshers_grid() -> None:
+    """The refreshers wake at multiples of their period; the server's 1 s tick is one of them."""
+    from tessera.routing.router import REGISTRY_CACHE_S
+
+    assert REGISTRY_CACHE_S % lean_server.SERVER_TICK_S == 0
