@@ -208,8 +208,8 @@ def main() -> None:
     gateway, gateway_url = start_gateway(env, work / "gateway.log", cpus=platform_cpus)
     try:
         key = issue_keys(redis.url, {"bench": None})["bench"]
-        from tessera.registry import ModelInfo
         from tessera.gateway.models import load_served_model
+        from tessera.registry import ModelInfo
 
         served = load_served_model(ModelInfo("tessera-small", str(model_dir.resolve()), 2048, 32))
         ids = served.encode_chat([{"role": "user", "content": PROMPT}])

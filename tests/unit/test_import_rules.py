@@ -181,6 +181,7 @@ BASE = ("tessera.asgi", "tessera.redis_conn", "tessera.redis_wire", "tessera.ref
         "tessera.settings", "tessera.engine.protocol")
 MAY_IMPORT: dict[str, tuple[str, ...]] = {
     **{base: () for base in BASE},
+    "tessera.registry": ("tessera.redis_wire",),  # gateways read the registry over the lean connection
     "tessera.telemetry": (),
     "tessera.tenancy": ("tessera.redis_wire",),
     "tessera.routing": ("tessera.registry", "tessera.redis_wire", "tessera.refresher"),

@@ -61,6 +61,11 @@ def test_speculative_decoding_drafts_and_accepts(fp8_engine: EngineHost) -> None
     accepted = after["spec_accepted_tokens"] - before["spec_accepted_tokens"]
     assert drafted > 0, "the engine drafted no tokens: speculative decoding is off"
     assert accepted > 0, "no draft token was accepted on a repetitive prompt"
+    # The adaptive controller runs in the host (speculative.adaptive is on by default) and shows its state.
+    control = after["speculation"]
+    assert control["method"] == "ngram" and control["runtime_toggle"] is True, control
+    metrics = httpx.get(f"{fp8_engine.url}/metrics").text
+    assert "tessera_engine_speculation_on" in metrics
 
 
 def test_disconnect_leaves_no_running_request(fp8_engine: EngineHost) -> None:

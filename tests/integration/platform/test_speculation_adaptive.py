@@ -54,7 +54,9 @@ async def engine(small_model_dir: Path) -> AsyncIterator[Any]:
     config = EngineConfig.model_validate({"model": str(small_model_dir), "kv_events": {"enabled": False},
                                           "speculative": {"num_speculative_tokens": MAX_K}})
     kwargs = resolve(config, ask_vllm(config)).config.to_vllm_kwargs()
-    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs, worker_extension_cls=WORKER_EXTENSION))
+    # The default config asks for the extension itself (speculative.adaptive.enabled).
+    assert kwargs["worker_extension_cls"] == WORKER_EXTENSION
+    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
     # The host's warm-up pass (see host.WARMUP_PROMPT_TOKENS): a first pass of fewer than 5 tokens kills the
     # CPU worker on some machines.
     async for _ in engine.generate({"prompt_token_ids": list(range(1, 17))}, SamplingParams(max_tokens=1),

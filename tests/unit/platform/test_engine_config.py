@@ -78,7 +78,7 @@ def test_dynamic_kv_scales_map_to_per_token_head_fp8() -> None:
 
 
 def test_free_port_honours_a_range() -> None:
-    from tests.support.machine import free_port
+    from tessera.engine.ports import free_port
 
     assert 41000 <= free_port(port_range="41000-41010") <= 41010
     with pytest.raises(ValueError, match="port range"):

@@ -47,6 +47,7 @@ class FakeReplica:
     engine_id: str = "fake-engine"
     served_model_name: str = "fake-model"
     healthy: bool = True
+    speculation: Any = None
 
     def is_healthy(self) -> bool:
         return self.healthy
@@ -200,3 +201,38 @@ async def test_a_caller_that_leaves_aborts_its_request() -> None:
     left.set()
     await stream
     assert engine.aborted == ["r1"] and len(in_flight) == 0
+
+
+class RecordingSpeculation:
+    """``SpeculationControl`` as the routes use it: finished requests observed, metrics appended."""
+
+    def __init__(self) -> None:
+        self.observed: list[tuple[str, int]] = []
+
+    def observe(self, stats: Any, tenant: str) -> None:
+        self.observed.append((tenant, stats.num_output_tokens))
+
+    def prometheus_text(self, engine_id: str, model: str) -> bytes:
+        return f'tessera_engine_speculation_on{{engine_id="{engine_id}"}} 1.0\n'.encode()
+
+
+async def test_finished_requests_feed_speculation_control_and_aborted_ones_do_not() -> None:
+    endpoints, _, replica = make()
+    replica.speculation = RecordingSpeculation()
+    await call(endpoints, "POST", "/generate", generate_body(), headers=[(b"x-tessera-tenant", b"ann")])
+    assert replica.speculation.observed == [("ann", 3)]
+    metrics = await call(endpoints, "GET", "/metrics")
+    assert b'tessera_engine_speculation_on{engine_id="fake-engine"} 1.0' in metrics.body
+
+    gate = asyncio.Event()
+    engine = FakeEngine([7, 8, 9], gate)
+    endpoints, _, replica = make(engine)
+    replica.speculation = RecordingSpeculation()
+    stream = asyncio.create_task(call(endpoints, "POST", "/generate", generate_body()))
+    while not (await call(endpoints, "GET", "/requests")).json():
+        await asyncio.sleep(0.01)
+    await call(endpoints, "POST", "/abort", orjson.dumps({"request_id": "r1", "reason": "kv pressure"}))
+    engine.tokens = engine.tokens[:1]
+    gate.set()
+    await stream
+    assert replica.speculation.observed == []

@@ -17,6 +17,32 @@ SpeculativeMethod = Literal["ngram", "eagle", "eagle3", "draft_model", "mtp"]
 DRAFT_MODEL_METHODS: frozenset[str] = frozenset({"eagle", "eagle3", "draft_model"})
 
 
+class AdaptiveSpeculation(BaseModel):
+    """Speculation that pays for itself: engine/speculation_policy.py states the rule and its break-even."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, alias_generator=to_camel, populate_by_name=True)
+
+    enabled: bool = Field(
+        default=True,
+        description="Turn n-gram drafting down or off at run time where measured acceptance does not pay for "
+        "the drafts, and back on when it does (other methods: advice in /stats only).",
+    )
+    interval_s: float = Field(default=2.0, gt=0.0, description="How often the controller decides, seconds.")
+    window_requests: int = Field(default=256, ge=1, description="Finished requests per window (engine, tenant).")
+    max_tenants: int = Field(default=64, ge=1, description="Tenants with a window of their own (least recent go).")
+    min_decode_steps: int = Field(default=256, ge=1, description="Decode steps a window needs before a decision.")
+    off_margin: float = Field(default=0.03, ge=0.0, lt=1.0, description="Off below a gain of 1 - offMargin.")
+    on_margin: float = Field(default=0.03, ge=0.0, description="A probe turns it on at a gain of 1 + onMargin.")
+    switch_margin: float = Field(default=0.05, ge=0.0, description="k changes only for a gain this much better.")
+    probe_interval_s: float = Field(default=60.0, ge=0.0, description="While off, probe at full k after this long, s.")
+    verify_cost_per_token: float = Field(
+        default=0.1, ge=0.0, description="Cost of verifying one drafted token, relative to a decode step."
+    )
+    proposer_cost_per_step: float = Field(
+        default=0.05, ge=0.0, description="The drafter's own cost per step, relative to a decode step."
+    )
+
+
 class SpeculativeConfig(BaseModel):
     """Speculative decoding settings (vLLM ``speculative_config``)."""
 
@@ -33,6 +59,9 @@ class SpeculativeConfig(BaseModel):
         default=False,
         description="Refuse to start where vLLM cannot run this method here (missing draft model, unsupported "
         "method or hardware). Default: run without speculation and report why.",
+    )
+    adaptive: AdaptiveSpeculation = Field(
+        default_factory=AdaptiveSpeculation, description="Run-time speculation control (per engine)."
     )
 
     @model_validator(mode="after")
@@ -202,6 +231,9 @@ class EngineConfig(BaseModel):
             kwargs["num_gpu_blocks_override"] = self.num_gpu_blocks_override
         if self.speculative is not None:
             kwargs["speculative_config"] = self.speculative.to_vllm()
+            if self.speculative.adaptive.enabled and self.speculative.method == "ngram":
+                # The run-time switch reaches the drafter in vLLM's worker through this extension.
+                kwargs["worker_extension_cls"] = "tessera.engine.speculation_control.SpeculationWorkerExtension"
             # Per-request drafted/accepted counts on the final output (the engine span's spec attributes).
             kwargs["per_request_spec_decode_metrics"] = "summary"
         if self.kv_events.enabled:

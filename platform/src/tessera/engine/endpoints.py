@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import asdict
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -35,6 +35,9 @@ from tessera.engine.in_flight import InFlightRequests
 from tessera.engine.metrics import render_engine_metrics
 from tessera.engine.protocol import GenerateRequest
 from tessera.engine.stats import EngineLoad
+
+if TYPE_CHECKING:
+    from tessera.engine.speculation_control import SpeculationControl
 
 NDJSON_HEADERS = [(b"content-type", b"application/x-ndjson"), (b"cache-control", b"no-store")]
 
@@ -56,6 +59,9 @@ class ServedEngine(Protocol):
     def load(self) -> EngineLoad: ...
 
     def facts(self, load: EngineLoad | None = None) -> dict[str, Any]: ...
+
+    @property
+    def speculation(self) -> SpeculationControl | None: ...  # adaptive speculation, when it runs
 
 
 class AbortRequest(BaseModel):
@@ -105,6 +111,9 @@ class EngineEndpoints:
             load = self.replica.load()
             body, content_type = render_engine_metrics(self.replica.engine_id, self.replica.served_model_name, load,
                                                        self.replica.facts(load))
+            speculation = self.replica.speculation
+            if speculation is not None:
+                body += speculation.prometheus_text(self.replica.engine_id, self.replica.served_model_name)
             await send({"type": "http.response.start", "status": 200,
                         "headers": [(b"content-type", content_type.encode())]})
             await send({"type": "http.response.body", "body": body})
@@ -161,7 +170,11 @@ class EngineEndpoints:
                 await asyncio.gather(stream, return_exceptions=True)
                 await engine.abort(request.request_id)
             else:
-                stream.result()
+                stats = stream.result()
+                speculation = self.replica.speculation
+                if speculation is not None and entry.abort_reason is None:
+                    # Aborted requests carry no draft counts: they would pull the measured acceptance down.
+                    speculation.observe(stats, entry.tenant)
         finally:
             disconnect.cancel()
             self.in_flight.finish(request.request_id)

@@ -35,6 +35,7 @@ from tessera.engine.in_flight import InFlightRequests
 from tessera.engine.index_feed import index_feed_loop
 from tessera.engine.ports import below_ephemeral_range, free_port, reserve_port
 from tessera.engine.root_cause import EngineErrorLog, start_failure_line
+from tessera.engine.speculation_control import SpeculationControl, speculation_control_for, speculation_loop
 from tessera.engine.stats import EngineLoad, LoadTracker
 from tessera.engine.vllm_engine import build_engine, log_fallbacks, prepare_environment, shutdown_engine, warm_up
 from tessera.registry import EngineRecord, ModelInfo
@@ -76,6 +77,7 @@ class EngineHost:
         self.index_stats = FeedStats()  # the prefix-index feed's counters (tests, debugging)
         self.endpoints = EngineEndpoints(self, self.in_flight, config.max_body_bytes)
         self.engine: Any = None  # vLLM's AsyncLLM once started
+        self.speculation: SpeculationControl | None = None  # adaptive speculation, once the engine runs
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
         self._startup_error: BaseException | None = None
@@ -114,6 +116,7 @@ class EngineHost:
             "kv_capacity_tokens": load.num_gpu_blocks * load.block_size,
             "speculative_method": self.resolution.speculative_method,
             "fallbacks": [f.describe() for f in self.resolution.fallbacks],
+            "speculation": self.speculation.facts() if self.speculation is not None else None,
         }
 
     def record(self) -> EngineRecord:
@@ -195,6 +198,7 @@ class EngineHost:
         self._error_log = EngineErrorLog()  # where vLLM's engine process logs why it failed, if it does
         kv_bind = f"tcp://*:{self.kv_events_port}" if self.kv_events_port else None
         self.engine = build_engine(self.resolution, kv_bind, self.tracker)
+        self.speculation = speculation_control_for(self.resolution.config.speculative)
         log_fallbacks(self.engine, self.engine_id, self.config, self.resolution, self.tracker)
         await warm_up(self.engine, self.engine_id)
 
@@ -215,10 +219,16 @@ class EngineHost:
                 await deregister(self.redis_url, self.engine_id)
 
     def _background(self) -> list[Coroutine[Any, Any, None]]:
-        """The loops that run beside the server: the registry heartbeat and the prefix-index feed."""
+        """The loops that run beside the server: speculation control, the registry heartbeat and the
+        prefix-index feed."""
+        loops: list[Coroutine[Any, Any, None]] = []
+        spec = self.resolution.config.speculative
+        if self.speculation is not None and spec is not None:
+            loops.append(speculation_loop(self.speculation, self.engine, spec.adaptive.interval_s,
+                                          lambda: self.tracker.snapshot().num_running))
         if not self.redis_url:
-            return []
-        loops = [heartbeat_loop(self.redis_url, self.config.heartbeat_interval_s, self.model_info(), self.is_healthy,
+            return loops
+        loops += [heartbeat_loop(self.redis_url, self.config.heartbeat_interval_s, self.model_info(), self.is_healthy,
                                 self.record)]
         if self.kv_events_port:
             loops.append(index_feed_loop(self.redis_url, self.engine_id, f"tcp://127.0.0.1:{self.kv_events_port}",

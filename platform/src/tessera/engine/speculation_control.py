@@ -24,12 +24,13 @@ timer with the engine and its running-request count. :meth:`facts` and :meth:`pr
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
@@ -43,6 +44,9 @@ from tessera.engine.speculation_policy import (
     decide,
     estimate,
 )
+
+if TYPE_CHECKING:
+    from tessera.engine.config import SpeculativeConfig
 
 logger = logging.getLogger(__name__)
 
@@ -293,3 +297,28 @@ def _capped_ngram_proposer() -> type:
             return super().propose(cap, sampled_token_ids, *args, **kwargs)
 
     return CappedNgramProposer
+
+
+def speculation_control_for(spec: SpeculativeConfig | None) -> SpeculationControl | None:
+    """The controller an engine runs with ``spec`` (what runs, after capabilities), or None without
+    speculation or with ``adaptive.enabled: false``."""
+    if spec is None or not spec.adaptive.enabled:
+        return None
+    adaptive = spec.adaptive
+    return SpeculationControl(
+        spec.method, spec.num_speculative_tokens,
+        settings=PolicySettings(adaptive.min_decode_steps, adaptive.off_margin, adaptive.on_margin,
+                                adaptive.switch_margin, adaptive.probe_interval_s),
+        cost=StepCost(((1 << 30, adaptive.verify_cost_per_token),), adaptive.proposer_cost_per_step),
+        window_requests=adaptive.window_requests, max_tenants=adaptive.max_tenants)
+
+
+async def speculation_loop(control: SpeculationControl, engine: Any, interval_s: float,
+                           num_running: Callable[[], int]) -> None:
+    """Runs beside the engine's server: decides every ``interval_s`` and applies a change to the workers."""
+    while True:
+        await asyncio.sleep(interval_s)
+        try:
+            await control.maybe_apply(engine, num_running())
+        except Exception:  # a failed switch must not stop the engine; the next tick tries again
+            logger.exception("speculation control: could not apply the decision")

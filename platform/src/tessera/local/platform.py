@@ -113,6 +113,12 @@ class LocalPlatform:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "redis_url").write_text(self.redis_url)
         env = self._env()
+        # NOTE: Ray sets OMP_NUM_THREADS to an actor's whole CPUs (1 for the engine replica) unless it is set;
+        # vLLM's CPU build then computes on one thread where `vllm serve` uses every core it may run on.
+        # Several replicas share the cores between them.
+        if "OMP_NUM_THREADS" not in os.environ:
+            engine_cores = len(engine_cpus) if engine_cpus else len(own_cpus)
+            env.setdefault("OMP_NUM_THREADS", str(max(1, engine_cores // max(1, opts.num_engines))))
         os.environ.update(env)
 
         print(f"[tessera] starting Ray Serve with {opts.num_engines} engine replica(s)", flush=True)

@@ -31,6 +31,10 @@ QUIET_RAY_ENV: dict[str, str] = {
     "RAY_USAGE_STATS_ENABLED": "0",
     # Serve's controller reconciles every 0.1 s; a replica that dies is still replaced within a second.
     "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "1.0",
+    # NOTE: Ray starts its workers at nice 15, and the engine replica is one: vLLM's processes then lose
+    # every contended core to anything else on the machine (seen: 5 s to a first token beside other work),
+    # where `vllm serve` runs at 0. The engine is the platform's main work: run it at the default priority.
+    "RAY_worker_niceness": "0",
 }
 
 
