@@ -32,6 +32,9 @@ from tests.support.machine import free_port, pinned
 BIN = Path(sys.executable).parent
 ADMIN_TOKEN = "kvcontrol-admin"
 
+# The gateways' registry max age in this stack (TESSERA_REGISTRY_MAX_AGE_S), seconds.
+REGISTRY_MAX_AGE_S = 0.5
+
 
 def _stop(proc: subprocess.Popen[bytes] | None, timeout_s: float = 20) -> None:
     if proc is None or proc.poll() is not None:
@@ -86,7 +89,10 @@ class KVStack:
                 # NOTE: two engines under load oversubscribe this 2-core machine, and a process can stall past
                 # the default 250 ms Redis timeout (the gateway then fails closed with 503); the fault tests of
                 # that timeout live with the tenancy tests.
-                "TESSERA_REDIS_TIMEOUT_S": "2.0", **o.env, **extra}
+                "TESSERA_REDIS_TIMEOUT_S": "2.0",
+                # A gateway's registry view is never older than this: tests wait this long for a flag to count.
+                "TESSERA_REGISTRY_REFRESH_S": str(REGISTRY_MAX_AGE_S / 2),
+                "TESSERA_REGISTRY_MAX_AGE_S": str(REGISTRY_MAX_AGE_S), **o.env, **extra}
 
     # ---- processes -------------------------------------------------------------------------------
 

@@ -18,6 +18,9 @@ ENGINE_OVERRIDES = {
     "enable_prefix_caching": True, "speculative": None, "max_num_seqs": 8,
 }
 
+# The gateways' registry max age in the routing stack (TESSERA_REGISTRY_MAX_AGE_S), seconds.
+REGISTRY_MAX_AGE_S = 0.5
+
 
 @dataclass
 class RoutingStack:

@@ -22,7 +22,7 @@ from tessera.telemetry.spanfile import SpanRecord, load_spans
 from tessera.tenancy.demotion import demoted_key
 from tessera.tenancy.policy import DEMOTION_STEP, PRIORITY_VALUES, TenantPolicy
 from tessera.tenancy.store import TenantStore
-from tests.support.kvstack import ADMIN_TOKEN, KVStack, complete, new_client
+from tests.support.kvstack import ADMIN_TOKEN, REGISTRY_MAX_AGE_S, KVStack, complete, new_client
 from tests.support.poll import async_wait_until
 
 pytestmark = pytest.mark.engine
@@ -205,7 +205,7 @@ async def test_pressure_flag_steers_routing_and_sheds_batch_admission(act_stack:
             # Load on the prefix's engine: the controller flags it, and routing sends the prefix elsewhere.
             loaders.append(Loader(stack.engine_urls[home], "act-load"))
             await wait_for(lambda: redis_exists(stack, pressure_key(home)), 30, f"the pressure flag of {home}", stack)
-            await asyncio.sleep(0.5)  # the gateway re-reads the registry every 250 ms
+            await asyncio.sleep(REGISTRY_MAX_AGE_S)  # the gateway's registry view now holds the flag
             assert await redis_exists(stack, pressure_key(home))  # held while the load holds the blocks
             steered = await complete(client, stack.gateway_url, key, stack.model, [*shared, 6, 7], 2)
             assert steered.status == 200 and steered.engine == other
@@ -213,7 +213,7 @@ async def test_pressure_flag_steers_routing_and_sheds_batch_admission(act_stack:
             loaders.append(Loader(stack.engine_urls[other], "act-load"))
             await wait_for(lambda: redis_exists(stack, pressure_key(other)), 30, f"the pressure flag of {other}",
                            stack)
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(REGISTRY_MAX_AGE_S)
             assert all([await redis_exists(stack, pressure_key(e)) for e in stack.engine_urls])
             shed = await complete(client, stack.gateway_url, batch_key, stack.model, prompt(32, 12), 2)
             assert shed.status == 503 and shed.retry_after == "1"

@@ -12,7 +12,7 @@ from tessera.engine.host import EngineHost
 from tessera.redis_conn import EmbeddedRedis
 from tests.support.engines import start_host
 from tests.support.gateways import running_gateways
-from tests.support.routing_stack import ENGINE_OVERRIDES, RoutingStack, issue_tenant_key
+from tests.support.routing_stack import ENGINE_OVERRIDES, REGISTRY_MAX_AGE_S, RoutingStack, issue_tenant_key
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +25,9 @@ def routing_stack(small_model_dir: Path, redis_server: EmbeddedRedis,
         key, salt = issue_tenant_key(redis_server.url, f"routing-{time.monotonic_ns()}")
         # NOTE: a 2 s Redis timeout: on this 2-core machine a gateway beside two engines can stall past the
         # default 250 ms and fail closed (the timeout's own behaviour is tested with the tenancy tests).
-        env = {"TESSERA_ROUTING_POLICY": "prefix_affinity", "TESSERA_REDIS_TIMEOUT_S": "2.0"}
+        env = {"TESSERA_ROUTING_POLICY": "prefix_affinity", "TESSERA_REDIS_TIMEOUT_S": "2.0",
+               "TESSERA_REGISTRY_REFRESH_S": str(REGISTRY_MAX_AGE_S / 2),
+               "TESSERA_REGISTRY_MAX_AGE_S": str(REGISTRY_MAX_AGE_S)}
         with running_gateways(2, redis_server.url, tmp_path_factory.mktemp("routing-gw"), env) as gateways:
             yield RoutingStack(redis_server.url, engines, gateways, key, salt)
     finally:

@@ -27,7 +27,7 @@ from tessera.registry import EngineRegistry
 from tessera.routing.hashing import block_hash_chain
 from tessera.routing.kv_events import DecodedBatch, KVEventSubscriber
 from tessera.routing.prefix_index import PrefixIndex
-from tests.support.routing_stack import MODEL, RoutingStack
+from tests.support.routing_stack import MODEL, REGISTRY_MAX_AGE_S, RoutingStack
 
 pytestmark = pytest.mark.engine
 
@@ -174,7 +174,7 @@ async def test_a_stopped_engine_leaves_the_registry_and_the_index(routing_stack:
     assert await index.blocks_of(leaving.engine_id) == {}
     assert leaving.engine_id not in await index.indexed_engines()
 
-    await asyncio.sleep(0.5)  # past the gateways' registry cache
+    await asyncio.sleep(REGISTRY_MAX_AGE_S)  # the gateways' registry views no longer hold the engine
     for gateway in (0, 1, 0, 1):
         routed = await complete(stack, gateway, system + tokens(40 + gateway, 5))
         assert routed.engine == staying.engine_id and routed.credited_tokens in (0, 6 * BLOCK)

@@ -17,8 +17,10 @@ from tessera.engine.vllm_engine import shm_busy_loop_s
 
 @pytest.fixture
 def spin_condition(monkeypatch: pytest.MonkeyPatch) -> Iterator[shm_broadcast.SpinCondition]:
-    """A real reader-side SpinCondition (vLLM's default busy loop: 1 s); the class is restored afterwards."""
-    monkeypatch.setattr(shm_broadcast.SpinCondition, "wait", shm_broadcast.SpinCondition.wait)
+    """A real reader-side SpinCondition (vLLM's default busy loop: 1 s) with vLLM's own ``wait``; the class is
+    restored afterwards. (An engine started earlier in this process may have installed the cap already.)"""
+    vllm_wait = shm_broadcast.SpinCondition.wait
+    monkeypatch.setattr(shm_broadcast.SpinCondition, "wait", getattr(vllm_wait, "__tessera_original__", vllm_wait))
     context = zmq.Context()
     address = get_open_zmq_ipc_path()
     writer = shm_broadcast.SpinCondition(is_reader=False, context=context, notify_address=address)
