@@ -212,9 +212,9 @@ def start_tessera(model_dir: Path, work: Path, ray_worker_niceness: int | None =
     """``tessera up`` as a user starts it, then a tenant through ``tessera tenants create``.
 
     NOTE: Ray's raylet starts its workers, the engine replica and its vLLM processes among them, at niceness
-    15 unless ``RAY_worker_niceness`` says otherwise; beside other work at niceness 0 on a shared machine
-    the engine then gets a few percent of a core. ``ray_worker_niceness`` sets it (None: Ray's default, as
-    a user runs it); the report states the niceness each engine process ran at."""
+    15 unless ``RAY_worker_niceness`` says otherwise; `tessera up` sets 0 (local/ray_settings.py).
+    ``ray_worker_niceness`` overrides it (None: what `tessera up` sets, as a user runs it); the report states
+    the niceness each engine process ran at."""
     port = free_port()
     state = work / "tessera-state"
     log = work / "tessera-up.log"
@@ -268,7 +268,7 @@ def start_tessera(model_dir: Path, work: Path, ray_worker_niceness: int | None =
                    {"command": " ".join(["tessera", *cmd[1:]]), "engines": engines, "log": str(log),
                     "defaults": "2 gateway workers, KV-eviction controller on, prefix_affinity routing, "
                                 "KV events, tracing to the state dir",
-                    "RAY_worker_niceness": "Ray's default (15)" if ray_worker_niceness is None
+                    "RAY_worker_niceness": "tessera up's (0)" if ray_worker_niceness is None
                     else str(ray_worker_niceness)}, stop)
 
 
