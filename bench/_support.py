@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -27,6 +28,17 @@ from tests.support.machine import free_port, pin_this_process, pinned, split_cor
 
 RESULTS = REPO / "bench" / "results"
 BIN = Path(sys.executable).parent
+
+
+async def read_request_body(reader: asyncio.StreamReader) -> bytes:
+    """The next HTTP/1.1 request on a keep-alive connection to one of the benches' fake servers: its body,
+    by Content-Length (``asyncio.IncompleteReadError`` once the client closes)."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = 0
+    for header in head.split(b"\r\n"):
+        if header.lower().startswith(b"content-length:"):
+            length = int(header.split(b":", 1)[1])
+    return await reader.readexactly(length)
 
 
 def percentiles(values: Sequence[float], qs: Sequence[float] = (50, 99)) -> list[float]:

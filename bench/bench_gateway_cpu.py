@@ -31,7 +31,9 @@ from typing import Any
 
 import httpx
 import orjson
-from _support import BIN, bench_model, cpu_seconds, print_table, start_gateway, stop, write_results
+from _support import BIN, bench_model, cpu_seconds, print_table, read_request_body, start_gateway, stop, write_results
+
+from tessera.engine.protocol import RequestStats, delta_line, done_line
 
 TOKENS = 16
 LINE_GAP_S = 0.002
@@ -47,15 +49,9 @@ async def fake_engine(reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     """``POST /generate``: ``max_tokens`` delta lines and the closing line, chunked, ``LINE_GAP_S`` apart."""
     try:
         while True:
-            head = await reader.readuntil(b"\r\n\r\n")
-            length = 0
-            for line in head.split(b"\r\n"):
-                if line.lower().startswith(b"content-length:"):
-                    length = int(line.split(b":")[1])
-            body = orjson.loads(await reader.readexactly(length))
-            lines = [orjson.dumps({"i": 0, "t": f" w{i}", "d": [100 + i]}) + b"\n" for i in range(body["max_tokens"])]
-            lines.append(orjson.dumps({"done": True, "finish": {"0": "length"},
-                                       "stats": {"num_cached_tokens": 0}}) + b"\n")
+            body = orjson.loads(await read_request_body(reader))
+            lines = [delta_line(0, f" w{i}", [100 + i]) + b"\n" for i in range(body["max_tokens"])]
+            lines.append(done_line({"0": "length"}, RequestStats()) + b"\n")
             writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/x-ndjson\r\n"
                          b"transfer-encoding: chunked\r\n\r\n")
             for chunk in lines:

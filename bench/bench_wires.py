@@ -23,7 +23,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from _support import free_port, print_table, write_results
+from _support import free_port, print_table, read_request_body, write_results
 
 NUM_LINES = 8
 IDLE_S = 0.1
@@ -70,12 +70,7 @@ def serve_ndjson(port: int) -> None:
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             while True:
-                head = await reader.readuntil(b"\r\n\r\n")
-                length = 0
-                for header in head.split(b"\r\n"):
-                    if header.lower().startswith(b"content-length:"):
-                        length = int(header.split(b":", 1)[1])
-                await reader.readexactly(length)
+                await read_request_body(reader)
                 writer.write(answer)
         except (asyncio.IncompleteReadError, ConnectionError):
             writer.close()
