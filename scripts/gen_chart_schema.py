@@ -279,6 +279,36 @@ def engine_pod() -> dict[str, JSON]:
     }
 
 
+# RayService spec.upgradeStrategy.type: the CRD leaves it a free string; these are the values KubeRay 1.6
+# acts on (rayv1.RayServiceUpgradeType).
+UPGRADE_TYPES = ["NewCluster", "None", "NewClusterWithIncrementalUpgrade"]
+
+
+def upgrade_strategy() -> JSON:
+    return obj(
+        {
+            "type": {"type": "string", "enum": UPGRADE_TYPES},
+            "clusterUpgradeOptions": obj(
+                {
+                    "gatewayClassName": STRING,
+                    "stepSizePercent": integer(1, 100),
+                    "intervalSeconds": integer(1),
+                    "maxSurgePercent": integer(1, 100),
+                }
+            ),
+        },
+        required=("type",),
+        allOf=[
+            {
+                "if": {"properties": {"type": {"const": "NewClusterWithIncrementalUpgrade"}}},
+                "then": {
+                    "properties": {"clusterUpgradeOptions": {"properties": {"gatewayClassName": {"minLength": 1}}}}
+                },
+            }
+        ],
+    )
+
+
 def model_storage() -> JSON:
     return obj(
         {
@@ -418,8 +448,21 @@ def chart_properties() -> dict[str, JSON]:
         "rayService": obj(
             {
                 "rayVersion": {"type": "string", "pattern": r"^\d+\.\d+\.\d+$"},
-                "serviceUnhealthySecondThreshold": integer(1),
-                "deploymentUnhealthySecondThreshold": integer(1),
+                "upgradeStrategy": upgrade_strategy(),
+                "gcsFaultTolerance": obj(
+                    {
+                        "enabled": BOOLEAN,
+                        "redisAddress": {"type": "string", "pattern": r"^((rediss?://)?[^/@\s]+:\d+)?$"},
+                        "passwordSecret": obj({"name": OPTIONAL_DNS_SUBDOMAIN, "key": SECRET_KEY}),
+                        "externalStorageNamespace": STRING,
+                    }
+                ),
+                "auth": obj(
+                    {
+                        "mode": {"type": "string", "enum": ["disabled", "token"]},
+                        "existingSecret": OPTIONAL_DNS_SUBDOMAIN,
+                    }
+                ),
                 "head": head,
                 "engineWorkers": engine_workers,
                 "enableInTreeAutoscaling": BOOLEAN,
@@ -472,7 +515,13 @@ def chart_properties() -> dict[str, JSON]:
             }
         ),
         "networkPolicy": obj(
-            {"enabled": BOOLEAN, "gatewayFrom": PEERS, "metricsFrom": PEERS, "kubeRayOperatorFrom": PEERS}
+            {
+                "enabled": BOOLEAN,
+                "gatewayFrom": PEERS,
+                "metricsFrom": PEERS,
+                "kubeRayOperatorNamespace": DNS_LABEL,
+                "rayClientFrom": PEERS,
+            }
         ),
         "podSecurityContext": obj(
             {"runAsUser": integer(1), "runAsGroup": integer(1), "fsGroup": integer(1)},

@@ -167,6 +167,41 @@ defined just before it, so the password never appears in a manifest. A password 
 {{- end }}
 {{- end }}
 
+{{/*
+The Redis the Ray head's GCS writes to when rayService.gcsFaultTolerance is on, as RAY_REDIS_ADDRESS takes
+it: host:port, or rediss://host:port for TLS. Default: the release's Redis (the database index of
+redis.external.url is dropped: the GCS always uses database 0, its keys under the cluster's namespace).
+*/}}
+{{- define "tessera.gcsRedisAddress" -}}
+{{- $ft := .Values.rayService.gcsFaultTolerance }}
+{{- if $ft.redisAddress }}
+{{- $ft.redisAddress }}
+{{- else if eq .Values.redis.mode "bundled" }}
+{{- printf "%s.%s.svc:6379" (include "tessera.componentName" (list . "redis")) .Release.Namespace }}
+{{- else }}
+{{- $url := urlParse (required "redis.external.url is required when redis.mode is external" .Values.redis.external.url) }}
+{{- $host := ternary $url.host (printf "%s:6379" $url.host) (contains ":" $url.host) }}
+{{- ternary (printf "rediss://%s" $host) $host (eq $url.scheme "rediss") }}
+{{- end }}
+{{- end }}
+
+{{/* The Secret (name, key) of the GCS Redis password as a secretKeyRef body, or "" when it needs none. */}}
+{{- define "tessera.gcsRedisPasswordRef" -}}
+{{- $secret := .Values.rayService.gcsFaultTolerance.passwordSecret }}
+{{- if $secret.name }}
+name: {{ $secret.name }}
+key: {{ required "rayService.gcsFaultTolerance.passwordSecret.key is required when its name is set" $secret.key }}
+{{- else if include "tessera.redis.secretName" . }}
+name: {{ include "tessera.redis.secretName" . }}
+key: {{ include "tessera.redis.passwordKey" . }}
+{{- end }}
+{{- end }}
+
+{{/* Name of the Secret holding the Ray auth token (key auth_token). */}}
+{{- define "tessera.rayAuthSecretName" -}}
+{{- default (include "tessera.componentName" (list . "ray-auth")) .Values.rayService.auth.existingSecret }}
+{{- end }}
+
 {{/* Environment: Redis (password from its Secret only), tracing and the pod's own identity. */}}
 {{- define "tessera.env" -}}
 {{- if include "tessera.redis.secretName" . }}
@@ -455,8 +490,11 @@ exec:
     - -c
     - |
       import json, os, sys, urllib.request
+      # With Ray token auth (rayService.auth) KubeRay puts the token in this container's RAY_AUTH_TOKEN.
+      token = os.environ.get("RAY_AUTH_TOKEN")
+      headers = {"Authorization": f"Bearer {token}"} if token else {}
       def get(url):
-          with urllib.request.urlopen(url, timeout=4) as response:
+          with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=4) as response:
               return response.read()
       agent, dashboard_port = sys.argv[1], sys.argv[2]
       try:
@@ -493,4 +531,11 @@ Peers for a NetworkPolicy "from" list: the given peers, or every source when the
 from:
   {{- toYaml . | nindent 2 }}
 {{- end }}
+{{- end }}
+
+{{/* The NetworkPolicy peer of the KubeRay operator: every pod of its namespace. */}}
+{{- define "tessera.kubeRayOperatorPeer" -}}
+- namespaceSelector:
+    matchLabels:
+      kubernetes.io/metadata.name: {{ required "networkPolicy.kubeRayOperatorNamespace is required when networkPolicy.enabled" .Values.networkPolicy.kubeRayOperatorNamespace }}
 {{- end }}

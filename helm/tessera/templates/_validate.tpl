@@ -52,6 +52,9 @@ env and volumes).
 {{- if and .Values.gateway.autoscaling.enabled (gt (int .Values.gateway.autoscaling.minReplicas) (int .Values.gateway.autoscaling.maxReplicas)) }}
 {{- fail "gateway.autoscaling.minReplicas must be <= gateway.autoscaling.maxReplicas" }}
 {{- end }}
+{{- if and (eq .Values.rayService.upgradeStrategy.type "NewClusterWithIncrementalUpgrade") (not .Values.rayService.enableInTreeAutoscaling) }}
+{{- fail "rayService.upgradeStrategy.type=NewClusterWithIncrementalUpgrade needs rayService.enableInTreeAutoscaling: true (KubeRay refuses it otherwise)" }}
+{{- end }}
 {{- include "tessera.validateGpus" . }}
 {{- include "tessera.validateModelSources" . }}
 {{- include "tessera.validateShm" . }}

@@ -53,6 +53,7 @@ def test_ci_has_the_required_values_files() -> None:
         "gpu-nodes",
         "pvc-model",
         "model-fetch",
+        "incremental-upgrade",
     } <= names
 
 
