@@ -38,7 +38,7 @@ lint: install
 	$(BIN)/mypy --config-file pyproject.toml
 
 test: install lint
-	$(BIN)/python -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=15 $(PYTEST_ARGS)
 
 unit: install
 	$(BIN)/python -m pytest -q tests/unit
