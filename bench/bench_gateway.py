@@ -172,11 +172,21 @@ async def chunk_cost(gateway_url: str, key: str, proc: psutil.Process, model: st
             "cpu_short_s": cpu_short, "cpu_long_s": cpu_long}
 
 
+def engine_overrides() -> dict[str, Any]:
+    """``--engine-config JSON``: EngineConfig keys for both engines (e.g. '{"shmBusyLoopS": 1.0}' to compare a
+    gateway change at the engine's old pace: the chunk cost grows with the time between chunks)."""
+    if "--engine-config" not in sys.argv:
+        return {}
+    overrides = orjson.loads(sys.argv[sys.argv.index("--engine-config") + 1])
+    assert isinstance(overrides, dict), "--engine-config takes a JSON object"
+    return overrides
+
+
 def paced_chunk_cost(env: dict[str, str], work: Path, engine_cpus: str | None, gateway_url: str, key: str,
                      gateway_pid: int) -> dict[str, float]:
     """The chunk cost again, against an engine serving the paced model (made on first use)."""
     paced_dir = bench_model("tessera-paced", PACED_MODEL)
-    engine, _ = start_engine({"model": str(paced_dir), "servedModelName": "tessera-paced"}, env,
+    engine, _ = start_engine({"model": str(paced_dir), "servedModelName": "tessera-paced", **engine_overrides()}, env,
                              work / "engine-paced.log", cpus=engine_cpus)
     try:
         time.sleep(3)  # the engine's registration and the gateway's catalog refresh
@@ -203,7 +213,8 @@ def main() -> None:
     env = {"TESSERA_REDIS_URL": redis.url, "TESSERA_TRACE_DIR": str(work / "traces"),
            # The default policy: its prefix lookup rides in admission's round trip.
            "TESSERA_ROUTING_POLICY": "prefix_affinity", "VLLM_CPU_KVCACHE_SPACE": "1"}
-    engine, engine_url = start_engine({"model": str(model_dir.resolve()), "servedModelName": "tessera-small"},
+    engine, engine_url = start_engine({"model": str(model_dir.resolve()), "servedModelName": "tessera-small",
+                                       **engine_overrides()},
                                       env, work / "engine.log", cpus=engine_cpus)
     gateway, gateway_url = start_gateway(env, work / "gateway.log", cpus=platform_cpus)
     try:
