@@ -239,11 +239,8 @@ async def run_policy(name: str, requests: list[Request], redis_url: str) -> list
         decision, records = await router.route(RouteRequest(req.tenant, MODEL, len(req.prompt), chain,
                                                             req.prefix_text, req.session_id))
         engine_id = decision.ranked[0]
-        router.started(engine_id)
-        try:
+        with router.in_flight(engine_id):
             first, stats = await generate(session, records[engine_id].url, req.prompt, req.salt, MAX_TOKENS)
-        finally:
-            router.finished(engine_id)
         scheduled = start + req.arrival_s
         return Outcome(engine_id, decision.reason, (first or time.perf_counter()) - scheduled,
                        time.perf_counter() - start, int(stats.get("num_cached_tokens", 0)), len(req.prompt),

@@ -161,13 +161,6 @@ class Router:
     def in_flight(self, engine_id: str) -> InFlight:
         return InFlight(self._in_flight, engine_id)
 
-    # ``in_flight`` by hand, for a caller that cannot hold a ``with`` block (bench/bench_routing.py).
-    def started(self, engine_id: str) -> None:
-        InFlight(self._in_flight, engine_id).__enter__()
-
-    def finished(self, engine_id: str) -> None:
-        InFlight(self._in_flight, engine_id).__exit__()
-
     @property
     def num_in_flight(self) -> dict[str, int]:
         """engine_id -> requests this process has running there (a copy)."""
