@@ -184,3 +184,16 @@ class RedisWire:
         for reply in await future:
             if isinstance(reply, Exception):
                 raise RedisConnectionError(f"Redis refused the connection set-up: {reply}")
+
+
+async def run_script(wire: RedisWire | None, script: Any, keys: list[Any], args: list[Any]) -> Any:
+    """A redis-py registered script (``redis.register_script``) run over ``wire`` when the caller has one, or
+    with redis-py. NOSCRIPT (a restarted Redis lost its scripts) falls back to redis-py's call, which loads
+    the script; any other error reply is raised."""
+    if wire is not None:
+        (reply,) = await wire.execute([("EVALSHA", script.sha, len(keys), *keys, *args)])
+        if not isinstance(reply, NoScriptError):
+            if isinstance(reply, Exception):
+                raise reply
+            return reply
+    return await script(keys=keys, args=args)

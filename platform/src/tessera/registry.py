@@ -12,13 +12,10 @@ whose last heartbeat is older than the TTL (``live_engines`` prunes them).
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
-from typing import TYPE_CHECKING, Any
 
 import redis.asyncio as aioredis
-from redis.exceptions import NoScriptError
 
-if TYPE_CHECKING:
-    from tessera.redis_wire import RedisWire
+from tessera.redis_wire import RedisWire, run_script
 
 ENGINES_ZSET = "tessera:engines"
 ENGINE_TTL_FACTOR = 5
@@ -133,15 +130,7 @@ class EngineRegistry:
         await self._redis.delete(engine_key(engine_id))
 
     async def live_engines(self) -> list[EngineRecord]:
-        rows: Any = None
-        if self._wire is not None:
-            (rows,) = await self._wire.execute([("EVALSHA", self._live.sha, 1, ENGINES_ZSET, self._ttl_s)])
-            if isinstance(rows, NoScriptError):
-                rows = None  # a restarted Redis: redis-py's call below loads the script
-            elif isinstance(rows, Exception):
-                raise rows
-        if rows is None:
-            rows = await self._live(keys=[ENGINES_ZSET], args=[self._ttl_s])
+        rows = await run_script(self._wire, self._live, [ENGINES_ZSET], [self._ttl_s])
         records = []
         for row in rows:
             raw = {row[i]: row[i + 1] for i in range(0, len(row), 2)}

@@ -20,9 +20,8 @@ from datetime import UTC, datetime
 from importlib import resources
 
 import redis.asyncio as aioredis
-from redis.exceptions import NoScriptError
 
-from tessera.redis_wire import RedisWire
+from tessera.redis_wire import RedisWire, run_script
 from tessera.tenancy.periods import PERIODS, USAGE_RETENTION_S, check_period, period_window
 from tessera.tenancy.policy import TenantPolicy
 
@@ -188,14 +187,7 @@ class Admission:
         args: list[str | int] = [lease.lease_id, lease.reserved_tokens, prompt_tokens + completion_tokens,
                                  prompt_tokens, completion_tokens, *(USAGE_RETENTION_S[p] for p in PERIODS),
                                  FINISH_MARKER_TTL_S]
-        if self._wire is not None:
-            (done,) = await self._wire.execute([("EVALSHA", self._finish.sha, len(keys), *keys, *args)])
-            if isinstance(done, NoScriptError):
-                done = await self._finish(keys=keys, args=args)  # a restarted Redis: this call loads the script
-            elif isinstance(done, Exception):
-                raise done
-            return bool(done)
-        return bool(await self._finish(keys=keys, args=args))
+        return bool(await run_script(self._wire, self._finish, keys, args))
 
     async def usage(self, tenant: str, period: str, when: datetime | None = None) -> dict[str, int | str]:
         """Requests and tokens of the tenant in the period containing ``when`` (default: now)."""
