@@ -139,11 +139,24 @@ def test_parse_model_validates_with_engine_config() -> None:
         ("m", {"engine": {"model": "/m", "speculative": {"method": "eagle"}}}),
         ("m", {"engine": {"model": "/m", "kvCacheDtyp": "fp8"}}),
         ("m", {"engine": {"model": "/m", "numGpuBlocksOverride": 4}}),
+        ("m", {"replicas": True, "engine": {"model": "/m"}}),
+        ("m", {"engine": {"model": "/m", "autoscaling": {"minReplicas": 3, "maxReplicas": 2}}}),
     ],
 )
 def test_parse_model_rejects_invalid_specs(name: str, spec: dict[str, Any]) -> None:
     with pytest.raises((ValueError, ValidationError)):
         parse_model(name, spec)
+
+
+def test_autoscaled_model_has_no_fixed_count_and_is_ready_at_its_floor() -> None:
+    engine = {"model": "/m", "autoscaling": {"minReplicas": 2, "maxReplicas": 5}}
+    model = parse_model("m", {"engine": engine})
+    assert model.replicas is None and model.wanted_replicas == 2
+    assert build_serve_application("m", model.engine_values, model.replicas)["args"] == {"engine": engine}
+    fixed = parse_model("m", {"engine": {"model": "/m"}})
+    assert fixed.replicas == 1 and fixed.wanted_replicas == 1
+    with pytest.raises(ValueError, match=r"spec\.replicas=2 and spec\.engine\.autoscaling are mutually exclusive"):
+        parse_model("m", {"replicas": 2, "engine": engine})
 
 
 def _ray_service(applications: list[dict[str, Any]], owned: list[str] | None = None) -> dict[str, Any]:

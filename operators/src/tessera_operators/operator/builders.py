@@ -57,7 +57,15 @@ class ModelSpec:
     name: str
     engine: EngineConfig
     engine_values: JSON
-    replicas: int
+    replicas: int | None  # None: what engine.autoscaling decides
+
+    @property
+    def wanted_replicas(self) -> int:
+        """Replicas the Model is Ready with: the fixed count, or the autoscaling floor."""
+        if self.replicas is not None:
+            return self.replicas
+        assert self.engine.autoscaling is not None, "parse_model gives a count to a model without autoscaling"
+        return self.engine.autoscaling.min_replicas
 
 
 def default_secret_name(tenant: str) -> str:
@@ -165,21 +173,25 @@ def parse_model(name: str, spec: Mapping[str, Any]) -> ModelSpec:
     engine_values = spec.get("engine")
     if not isinstance(engine_values, Mapping):
         raise ValueError("spec.engine is required: the engine settings (EngineConfig, camelCase keys)")
-    replicas = spec.get("replicas", 1)
-    if not isinstance(replicas, int) or replicas < 1:
+    replicas = spec.get("replicas")
+    if replicas is not None and (not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 1):
         raise ValueError(f"spec.replicas must be a positive integer, got {replicas!r}")
     engine = EngineConfig.model_validate(engine_values, strict=True)
+    if engine.autoscaling is not None and replicas is not None:
+        raise ValueError(f"spec.replicas={replicas} and spec.engine.autoscaling are mutually exclusive: with "
+                         "autoscaling, Serve owns the count (use autoscaling.minReplicas/maxReplicas/initialReplicas)")
+    if engine.autoscaling is None and replicas is None:
+        replicas = 1
     return ModelSpec(name=name, engine=engine, engine_values=_plain(engine_values), replicas=replicas)
 
 
-def build_serve_application(name: str, engine_values: JSON, replicas: int) -> JSON:
-    """One Serve application of the RayService: the same shape the chart renders for ``models[]``."""
-    return {
-        "name": name,
-        "route_prefix": f"/{name}",
-        "import_path": BUILD_APP_IMPORT_PATH,
-        "args": {"engine": engine_values, "replicas": replicas},
-    }
+def build_serve_application(name: str, engine_values: JSON, replicas: int | None) -> JSON:
+    """One Serve application of the RayService: the same shape the chart renders for ``models[]``.
+    ``replicas`` None (an autoscaled model): no fixed count in the args."""
+    args: JSON = {"engine": engine_values}
+    if replicas is not None:
+        args["replicas"] = replicas
+    return {"name": name, "route_prefix": f"/{name}", "import_path": BUILD_APP_IMPORT_PATH, "args": args}
 
 
 class ApplicationOwnedElsewhereError(ValueError):

@@ -202,7 +202,8 @@ def build_model_crd() -> JSON:
         "type": "object",
         "required": ["engine"],
         "properties": {
-            "replicas": {"type": "integer", "minimum": 1, "description": "Engine replicas; default 1."},
+            "replicas": {"type": "integer", "minimum": 1,
+                         "description": "Engine replicas; default 1. Exclusive with engine.autoscaling."},
             "engine": engine,
         },
     }

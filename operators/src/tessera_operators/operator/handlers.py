@@ -352,7 +352,7 @@ async def _apply_model(
             pending = build_model_status("Pending", generation=generation, message=message)
             pending["conditions"] = build_model_conditions(
                 applied=False, applied_message=message, app=application_state(None, model.name), live_engines=0,
-                wanted_replicas=model.replicas, served_model_name=model.engine.served_model_name,
+                wanted_replicas=model.wanted_replicas, served_model_name=model.engine.served_model_name,
                 generation=generation, previous=(body.get("status") or {}).get("conditions"), now=_now())
             patch.status.update(pending)
             raise kopf.TemporaryError(message, delay=RAY_SERVICE_MISSING_DELAY_S)
@@ -372,7 +372,7 @@ async def _apply_model(
         applied_message=f"application {model.name!r} is in RayService {context.ray_service!r}",
         app=application_state(ray_service, model.name),
         live_engines=await _live_engines(context, served),
-        wanted_replicas=model.replicas,
+        wanted_replicas=model.wanted_replicas,
         served_model_name=served,
         generation=generation,
         previous=current.get("conditions"),

@@ -9,6 +9,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 
+from tessera.engine.autoscaling import AutoscalingConfig
 from tessera.engine.placement import Accelerator, vllm_executor_backend
 
 KVCacheDtype = Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"]
@@ -162,6 +163,17 @@ class EngineConfig(BaseModel):
     max_body_bytes: int = Field(
         default=8 * 1024 * 1024, ge=1024,
         description="Largest request body the replica's endpoint accepts, bytes; a larger one is refused with 413.",
+    )
+    autoscaling: AutoscalingConfig | None = Field(
+        default=None,
+        description="Serve autoscaling of this model's replicas on a load signal the replicas report (null: a "
+        "fixed replica count). Exclusive with the application's fixed `replicas` (docs/kubernetes.md).",
+    )
+    drain_timeout_s: float = Field(
+        default=60.0, ge=0.0,
+        description="How long a replica being removed (scale-down, redeploy) keeps serving its open streams "
+        "after it left the registry, seconds; a stream still open then is cut. Serve kills the replica 15 s "
+        "after this (graceful_shutdown_timeout_s).",
     )
     shm_busy_loop_s: float | None = Field(
         default=None, ge=0.0, le=1.0,

@@ -8,7 +8,9 @@ Serve config (what the Helm chart renders into ``serveConfigV2``)::
     args: {engine: {<EngineConfig, camelCase>}, replicas: 1}
 
 What a replica asks Ray for (its GPUs, or a placement group for tensor parallelism) is decided by
-engine/placement.py from the config alone.
+engine/placement.py from the config alone. How many replicas run is ``replicas`` (fixed) or, exclusively,
+``engine.autoscaling`` (engine/autoscaling.py: each replica reports its load, a Tessera policy in Serve's
+controller sizes the deployment, and a removed replica drains before it stops, engine/drain.py).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any
 
 from ray import serve
 
+from tessera.engine.autoscaling import ReplicaLoad, replica_count_options, replica_signals, serve_shutdown_options
 from tessera.engine.config import EngineConfig
 from tessera.engine.devices import ReplicaDevices, current_devices
 from tessera.engine.host import EngineHost
@@ -32,7 +35,6 @@ logger = logging.getLogger(__name__)
     name="tessera-engine",
     health_check_period_s=5,
     health_check_timeout_s=10,
-    graceful_shutdown_timeout_s=20,
     max_ongoing_requests=10_000,
 )
 class EngineReplica:
@@ -60,23 +62,43 @@ class EngineReplica:
         # node and devices it runs.
         return {"engine_id": self.host.engine_id, "url": self.host.url, "devices": self.devices.to_dict()}
 
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve's autoscaler reads the replica's load here (every metrics interval while the deployment
+        autoscales): the streams go past Serve, so Serve cannot count them itself."""
+        load = self.host.load()
+        return replica_signals(ReplicaLoad(ongoing_requests=len(self.host.in_flight), queue_depth=load.num_waiting,
+                                           kv_cache_usage=load.kv_cache_usage))
+
     def __del__(self) -> None:
+        # Serve calls this when it removes the replica (scale-down, redeploy), then kills the actor after
+        # graceful_shutdown_timeout_s: leave the registry and finish the open streams first (drain.py).
         # A replica whose host never started (its constructor raised) has no host to stop.
         host: EngineHost | None = getattr(self, "host", None)
         if host is not None:
-            host.stop()
+            host.drain()
 
 
 def build_app(args: dict[str, Any]) -> Any:
     """Serve application builder (``import_path`` target)."""
+    engine = resolved_engine(args)
+    replicas = args.get("replicas")
+    options = engine_deployment_options(engine, None if replicas is None else int(replicas))
+    return EngineReplica.options(**options).bind(engine.model_dump(by_alias=True))  # type: ignore[attr-defined]
+
+
+def resolved_engine(args: dict[str, Any]) -> EngineConfig:
+    """The application's engine config with its accelerator resolved."""
     unknown = set(args) - {"engine", "replicas"}
     if unknown:
         raise ValueError(f"unknown args {sorted(unknown)}; valid: engine, replicas")
     engine = EngineConfig.model_validate(args["engine"])
     # NOTE: 'auto' is resolved here, where the application is built (the same image as the replicas), and
     # the replicas get the resolved config: what they ask Ray for and what vLLM is told agree.
-    engine = engine.model_copy(update={"accelerator": resolve_accelerator(engine.accelerator, installed_vllm_build())})
-    replicas = int(args.get("replicas", 1))
-    return EngineReplica.options(  # type: ignore[attr-defined]
-        num_replicas=replicas, name=f"engine-{engine.served_model_name}", **deployment_options(engine),
-    ).bind(engine.model_dump(by_alias=True))
+    return engine.model_copy(update={"accelerator": resolve_accelerator(engine.accelerator, installed_vllm_build())})
+
+
+def engine_deployment_options(engine: EngineConfig, replicas: int | None) -> dict[str, Any]:
+    """``EngineReplica.options(...)`` of a resolved engine: name, replica count or autoscaling, drain deadline
+    and placement. ``replicas`` None (absent or null in the args): one replica, or what autoscaling decides."""
+    return {"name": f"engine-{engine.served_model_name}", **replica_count_options(engine.autoscaling, replicas),
+            **serve_shutdown_options(engine.drain_timeout_s), **deployment_options(engine)}

@@ -9,6 +9,7 @@ This module is the replica's lifecycle; the rest is one concern per module:
   generation.py    one request: vLLM's stream -> protocol lines, ``RequestStats`` and its span
   in_flight.py     the requests running here, as the KV-eviction controller sees them
   heartbeat.py     the registry heartbeat and deregistration
+  drain.py         leaving without failing a request (scale-down, redeploy)
   index_feed.py    the prefix-index feed from this engine's own KV events
   shm_wait.py      how long vLLM's processes busy-wait on their shared-memory queues
 """
@@ -29,6 +30,7 @@ import uvloop
 from tessera.asgi import Receive, Scope, Send
 from tessera.engine.capabilities import PlatformAnswers, Resolution, ask_vllm, resolve
 from tessera.engine.config import EngineConfig
+from tessera.engine.drain import DrainOutcome, drain
 from tessera.engine.endpoints import EngineEndpoints
 from tessera.engine.heartbeat import deregister, heartbeat_loop
 from tessera.engine.in_flight import InFlightRequests
@@ -83,6 +85,8 @@ class EngineHost:
         self._startup_error: BaseException | None = None
         self._error_log: EngineErrorLog | None = None
         self._server: uvicorn.Server | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # the host thread's loop, once it runs
+        self._background_tasks: list[asyncio.Task[None]] = []  # heartbeat, index feed, speculation
 
     # ---- what the replica is ---------------------------------------------------------------------
 
@@ -167,15 +171,47 @@ class EngineHost:
                                    f"{start_failure_line(cause, child_cause)}") from cause
         return self
 
-    def stop(self) -> None:
+    def stop(self, force: bool = False) -> None:
+        """Stops the server: it closes its socket and finishes the responses under way (``force``: cuts them)."""
         if self._server is not None:
             self._server.should_exit = True
+            self._server.force_exit = force
         if self._thread is not None:
             self._thread.join(timeout=30)
+
+    def drain(self, timeout_s: float | None = None) -> DrainOutcome | None:
+        """Leaves the registry, finishes the open requests (at most ``timeout_s``, default the config's
+        drainTimeoutS) and stops (drain.py). Blocks the caller; None where the host was not running."""
+        timeout_s = self.config.drain_timeout_s if timeout_s is None else timeout_s
+        loop, thread = self._loop, self._thread
+        if loop is None or thread is None or not thread.is_alive() or self._server is None:
+            self.stop()
+            return None
+        max_age_s = load_settings().registry_max_age_s
+        running = asyncio.run_coroutine_threadsafe(
+            drain(lambda: len(self.in_flight), self._leave_registry, max_age_s, timeout_s), loop)
+        outcome = running.result(timeout=timeout_s + 30)
+        if outcome.drained:
+            logger.info("engine %s drained in %.1f s", self.engine_id, outcome.waited_s)
+        else:
+            logger.warning("engine %s: drain timed out after %.1f s (drainTimeoutS) with %d requests open; "
+                           "they are cut", self.engine_id, outcome.waited_s, outcome.num_cut)
+        self.stop(force=not outcome.drained)
+        return outcome
+
+    async def _leave_registry(self) -> None:
+        """The background loops end (no heartbeat, index feed or speculation control after this; a beat after
+        the deregistration would register the replica again), then it leaves the registry and prefix index."""
+        for task in self._background_tasks:
+            task.cancel()
+        await asyncio.gather(*self._background_tasks, return_exceptions=True)
+        if self.redis_url:
+            await deregister(self.redis_url, self.engine_id)
 
     def _thread_main(self) -> None:
         loop = uvloop.new_event_loop()
         asyncio.set_event_loop(loop)
+        self._loop = loop
         try:
             loop.run_until_complete(self._serve())
         except BaseException as exc:
@@ -209,7 +245,8 @@ class EngineHost:
         )
         # NOTE: uvicorn installs no signal handlers off the main thread: the host's owner handles signals.
         self._server = uvicorn.Server(config)
-        tasks = [asyncio.create_task(coro) for coro in (self._ready_when_listening(), *self._background())]
+        self._background_tasks = [asyncio.create_task(coro) for coro in self._background()]
+        tasks = [asyncio.create_task(self._ready_when_listening()), *self._background_tasks]
         try:
             await self._server.serve(sockets=[self._http_socket])
         finally:
