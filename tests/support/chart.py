@@ -53,8 +53,21 @@ def find(docs: list[JSON], kind: str, name_suffix: str = "") -> JSON:
 
 
 def serve_config(docs: list[JSON]) -> JSON:
-    config: JSON = yaml.safe_load(find(docs, "RayService")["spec"]["serveConfigV2"])
-    return config
+    """The Serve config these objects make, whoever owns it: the RayService's serveConfigV2 when the chart
+    renders it (operator disabled), else what the operator writes for the rendered Model objects."""
+    from tessera_operators.operator.builders import build_serve_application
+
+    spec = find(docs, "RayService")["spec"]
+    if "serveConfigV2" in spec:
+        config: JSON = yaml.safe_load(spec["serveConfigV2"])
+        return config
+    models = [d for d in docs if d["kind"] == "Model"]
+    return {
+        "applications": [
+            build_serve_application(m["metadata"]["name"], m["spec"]["engine"], m["spec"]["replicas"])
+            for m in models
+        ]
+    }
 
 
 PVC_MOUNT_ROOT = "/mnt/pvc"  # values.yaml modelStorage.pvcMountRoot

@@ -50,6 +50,11 @@ class FakeKube:
             }
         )
 
+    def put_ray_service(self, ray_service: JSON) -> None:
+        """Stores a whole RayService (e.g. as the chart renders it, or after a `helm upgrade`)."""
+        metadata = ray_service["metadata"]
+        self.ray_services[(metadata["namespace"], metadata["name"])] = self._stamp(copy.deepcopy(ray_service))
+
     async def read_secret(self, namespace: str, name: str) -> JSON | None:
         found = self.secrets.get((namespace, name))
         return copy.deepcopy(found) if found is not None else None

@@ -12,6 +12,8 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
+
+from tessera_operators.operator.crds import build_model_crd, validation_schema
 from tests.support.chart import (
     CHART_DIR,
     CI_VALUES,
@@ -28,10 +30,8 @@ from tests.support.chart import (
     serve_config,
 )
 
-from tessera_operators.operator.crds import validation_schema
-
 # Kinds from CRDs that kubernetes-validate has no schema for, each checked by its own test below.
-CRD_KINDS = {"RayService", "ServiceMonitor", "PodMonitor"}
+CRD_KINDS = {"RayService", "ServiceMonitor", "PodMonitor", "Model"}
 VALUES_IDS = [p.name.removesuffix("-values.yaml") for p in CI_VALUES]
 
 
@@ -99,6 +99,11 @@ def test_every_object_is_valid_kubernetes(
     ray_service = find(docs, "RayService")
     errors = [f"{list(e.path)}: {e.message}" for e in ray_service_validator.iter_errors(ray_service)]
     assert errors == [], errors
+    # The models[] the chart renders as Model objects (the operator owns serveConfigV2): our own CRD.
+    model_validator = jsonschema.Draft202012Validator(validation_schema(build_model_crd()))
+    for model in (d for d in docs if d["kind"] == "Model"):
+        errors = [f"{list(e.path)}: {e.message}" for e in model_validator.iter_errors(model)]
+        assert errors == [], (model["metadata"]["name"], errors)
 
 
 def test_ray_service_validator_catches_mistakes(ray_service_validator: jsonschema.Validator) -> None:

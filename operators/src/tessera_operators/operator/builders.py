@@ -217,8 +217,9 @@ def build_serve_config_patch(
         app_name = upsert["name"]
         if app_name in names and app_name not in owned:
             raise ApplicationOwnedElsewhereError(
-                f"the RayService already serves an application {app_name!r} from the Helm values; "
-                "remove it from models[] or give the Model another name"
+                f"the RayService already serves an application {app_name!r} from the Helm values (the chart "
+                "renders serveConfigV2 only with operator.enabled false); remove it from models[] or give "
+                "the Model another name"
             )
         if app_name in names and applications[names.index(app_name)] == upsert and app_name in owned:
             return None

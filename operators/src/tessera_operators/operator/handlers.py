@@ -50,7 +50,10 @@ _log = logging.getLogger(__name__)
 REDIS_RETRY_DELAY_S = 10.0
 KUBE_RETRY_DELAY_S = 5.0
 RAY_SERVICE_MISSING_DELAY_S = 30.0
-# Re-apply every Model this often: a `helm upgrade` that rewrites serveConfigV2 drops operator applications.
+# Re-apply every Model and refresh its conditions this often. NOTE: not what keeps Models through a
+# `helm upgrade`: with the operator enabled the chart renders no serveConfigV2 (templates/_serve.tpl), so an
+# upgrade's three-way merge never touches it. This repairs what does rewrite it: a hand edit, `helm upgrade
+# --force` (replaces the object), and the one upgrade from a release whose chart still rendered the field.
 MODEL_RECONCILE_INTERVAL_S = 60.0
 
 
@@ -309,8 +312,8 @@ async def model_resume(
 async def model_reconcile(
     name: str, namespace: str | None, spec: kopf.Spec, body: kopf.Body, patch: kopf.Patch, memo: Any, **_: Any
 ) -> None:
-    """Periodic and idempotent (no write when nothing differs): restores an application that a
-    `helm upgrade` dropped by rewriting serveConfigV2 from the values."""
+    """Periodic and idempotent (no write when nothing differs): refreshes the conditions and restores an
+    application that someone else removed from serveConfigV2 (see MODEL_RECONCILE_INTERVAL_S)."""
     await _apply_model(name, namespace, spec, body, patch, _context(memo))
 
 
