@@ -309,6 +309,19 @@ def upgrade_strategy() -> JSON:
     )
 
 
+def ray_autoscaler() -> JSON:
+    """rayService.autoscaler: KubeRay's in-tree autoscaler container (autoscalerOptions)."""
+    return obj(
+        {
+            "version": {"type": "string", "enum": ["v1", "v2"]},
+            "upscalingMode": {"type": "string", "enum": ["Default", "Conservative", "Aggressive"]},
+            "idleTimeoutSeconds": integer(0),
+            "resources": RESOURCES,
+        },
+        required=("version", "upscalingMode", "idleTimeoutSeconds"),
+    )
+
+
 def model_storage() -> JSON:
     return obj(
         {
@@ -466,6 +479,7 @@ def chart_properties() -> dict[str, JSON]:
                 "head": head,
                 "engineWorkers": engine_workers,
                 "enableInTreeAutoscaling": BOOLEAN,
+                "autoscaler": ray_autoscaler(),
             }
         ),
         "gateway": gateway,

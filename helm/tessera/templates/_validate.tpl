@@ -55,6 +55,7 @@ env and volumes).
 {{- if and (eq .Values.rayService.upgradeStrategy.type "NewClusterWithIncrementalUpgrade") (not .Values.rayService.enableInTreeAutoscaling) }}
 {{- fail "rayService.upgradeStrategy.type=NewClusterWithIncrementalUpgrade needs rayService.enableInTreeAutoscaling: true (KubeRay refuses it otherwise)" }}
 {{- end }}
+{{- include "tessera.validateAutoscaling" . }}
 {{- include "tessera.validateGpus" . }}
 {{- include "tessera.validateModelSources" . }}
 {{- include "tessera.validateShm" . }}
@@ -68,7 +69,8 @@ env and volumes).
 {{- end }}
 
 {{/*
-GPUs: the models' replicas x tensorParallelSize must fit in the GPUs the worker group can ever have:
+GPUs: the models' replicas (an autoscaled model's maxReplicas) x tensorParallelSize must fit in the GPUs the
+worker group can ever have:
 maxReplicas x gpusPerPod with the in-tree autoscaler, replicas x gpusPerPod without it (KubeRay then keeps
 exactly `replicas` pods). A replica's GPUs are on one pod, so a model also cannot have more replicas than
 pods x floor(gpusPerPod / tensorParallelSize). Replicas that do not fit would stay pending forever.
@@ -86,12 +88,13 @@ Model objects managed by the operator add to this; the chart cannot see them.
 {{- /* engine.accelerator "cpu" asks Ray for no GPU; "auto" is "gpu" with the serving image's CUDA vLLM. */}}
 {{- if ne (toString (default "auto" $m.engine.accelerator)) "cpu" }}
 {{- $tp := int (default 1 $m.engine.tensorParallelSize) }}
-{{- $replicas := int (default 1 $m.replicas) }}
+{{- $replicas := int (include "tessera.modelMaxReplicas" $m) }}
+{{- $replicasField := ternary "engine.autoscaling.maxReplicas" "replicas" (kindIs "map" $m.engine.autoscaling) }}
 {{- $needed = add $needed (mul $replicas $tp) }}
-{{- $parts = append $parts (printf "%s: %d x %d" $m.name $replicas $tp) }}
+{{- $parts = append $parts (printf "%s: %d%s x %d" $m.name $replicas (ternary " (engine.autoscaling.maxReplicas)" "" (kindIs "map" $m.engine.autoscaling)) $tp) }}
 {{- $perPod := div $gpusPerPod $tp }}
 {{- if and (gt $perPod 0) (gt $replicas (mul $pods $perPod)) }}
-{{- fail (printf "models[%d] (%s): replicas=%d do not fit: a pod of gpusPerPod=%d GPUs holds %d replica(s) of tensorParallelSize=%d, and rayService.engineWorkers can have %s" $i $m.name $replicas $gpusPerPod $perPod $tp $podsWhy) }}
+{{- fail (printf "models[%d] (%s): %s=%d do not fit: a pod of gpusPerPod=%d GPUs holds %d replica(s) of tensorParallelSize=%d, and rayService.engineWorkers can have %s" $i $m.name $replicasField $replicas $gpusPerPod $perPod $tp $podsWhy) }}
 {{- end }}
 {{- end }}
 {{- end }}

@@ -29,9 +29,9 @@ def test_serve_config_engine_settings_equal_the_values(values_file: Path) -> Non
         assert rendered == expected, "the chart must pass engine settings through unchanged"
         assert EngineConfig.model_validate(rendered, strict=True) == EngineConfig.model_validate(expected)
         # The operator's builder makes the same application from the same settings (Model objects).
-        assert applications[model["name"]] == build_serve_application(
-            model["name"], expected, model.get("replicas", 1)
-        )
+        # An autoscaled model has no fixed count (the two are exclusive).
+        replicas = None if "autoscaling" in model["engine"] else model.get("replicas", 1)
+        assert applications[model["name"]] == build_serve_application(model["name"], expected, replicas)
 
 
 def _first_engine(values: dict[str, Any]) -> EngineConfig:
@@ -99,6 +99,25 @@ CASES: list[tuple[dict[str, Any], str]] = [
     ({"kvScaleMode": "dynamic", "kvCacheDtype": "fp8_e5m2"}, "dynamic scales need e4m3"),
     ({"kvScaleMode": "dynamic", "kvCacheDtype": "auto"}, "dynamic scales need fp8"),
     ({"calculateKvScales": True}, "older scale flag"),
+    ({"autoscaling": {"maxReplicas": 3}}, "autoscaling defaults"),
+    ({"autoscaling": None}, "autoscaling off"),
+    ({"autoscaling": {}}, "autoscaling without maxReplicas"),
+    ({"autoscaling": {"minReplicas": 2, "maxReplicas": 2}}, "autoscaling min = max"),
+    ({"autoscaling": {"minReplicas": 3, "maxReplicas": 2}}, "autoscaling min above max"),
+    ({"autoscaling": {"minReplicas": 2, "maxReplicas": 1}}, "autoscaling default-less min above max"),
+    ({"autoscaling": {"minReplicas": 0, "maxReplicas": 2}}, "autoscaling to zero"),
+    ({"autoscaling": {"maxReplicas": 4, "initialReplicas": 5}}, "autoscaling initial above max"),
+    ({"autoscaling": {"minReplicas": 2, "maxReplicas": 4, "initialReplicas": 1}}, "autoscaling initial below min"),
+    ({"autoscaling": {"maxReplicas": 4, "initialReplicas": 4}}, "autoscaling initial at max"),
+    ({"autoscaling": {"maxReplicas": 2, "metricsIntervalS": 30}}, "metrics interval = default window"),
+    ({"autoscaling": {"maxReplicas": 2, "lookBackPeriodS": 5}}, "window below the default interval"),
+    ({"autoscaling": {"maxReplicas": 2, "lookBackPeriodS": 2, "metricsIntervalS": 0.5}}, "short window"),
+    ({"autoscaling": {"maxReplicas": 2, "metric": "kvCacheUsage", "targetKvCacheUsage": 0.8}}, "KV usage signal"),
+    ({"autoscaling": {"maxReplicas": 2, "metric": "gpuUtil"}}, "unknown signal"),
+    ({"autoscaling": {"maxReplicas": 2, "targetKvCacheUsage": 1.2}}, "KV target above 1"),
+    ({"autoscaling": {"maxReplicas": 2, "maxReplica": 3}}, "typo in autoscaling"),
+    ({"drainTimeoutS": 0}, "no drain"),
+    ({"drainTimeoutS": -1}, "negative drain"),
 ]
 
 
@@ -112,7 +131,10 @@ def _engine_config_accepts(engine: dict[str, Any]) -> bool:
 
 def _chart_accepts(engine: dict[str, Any]) -> bool:
     try:
-        render({"models": [{"name": "m", "engine": engine}]})
+        # Workers with GPUs for the largest autoscaling.maxReplicas above: the chart's own GPU check is not
+        # what this compares (test_helm_autoscaling.py tests it).
+        render({"models": [{"name": "m", "engine": engine}],
+                "rayService": {"engineWorkers": {"replicas": 4, "maxReplicas": 4}}})
     except (helm_python.HelmValuesError, helm_python.HelmRenderError):
         return False
     return True
