@@ -64,7 +64,7 @@ def serve_config(docs: list[JSON]) -> JSON:
     models = [d for d in docs if d["kind"] == "Model"]
     return {
         "applications": [
-            build_serve_application(m["metadata"]["name"], m["spec"]["engine"], m["spec"]["replicas"])
+            build_serve_application(m["metadata"]["name"], m["spec"]["engine"], m["spec"].get("replicas"))
             for m in models
         ]
     }
