@@ -15,6 +15,7 @@ from tessera.engine.endpoints import EngineEndpoints
 from tessera.engine.in_flight import InFlightRequests
 from tessera.engine.protocol import Delta, Done, Failed, parse_line
 from tessera.engine.stats import EngineLoad
+from tessera.engine.vllm_metrics import VllmMetrics
 
 LIMIT = 2048
 
@@ -48,6 +49,7 @@ class FakeReplica:
     served_model_name: str = "fake-model"
     healthy: bool = True
     speculation: Any = None
+    vllm_metrics: VllmMetrics = field(default_factory=VllmMetrics)
 
     def is_healthy(self) -> bool:
         return self.healthy
@@ -165,6 +167,14 @@ async def test_stats_and_metrics_carry_load_and_facts() -> None:
     assert stats["engine_id"] == "fake-engine" and stats["num_running"] == 1 and stats["kv_cache_dtype"] == "fp8"
     metrics = await call(endpoints, "GET", "/metrics")
     assert metrics.status == 200 and b"tessera_engine_" in metrics.body
+
+
+async def test_metrics_end_with_the_replicas_own_vllm_series() -> None:
+    endpoints, _, replica = make()
+    counter = replica.vllm_metrics.stat_logger._counter_cls("vllm:num_preemptions", "Preemptions", ["engine"])
+    counter.labels("0").inc(3)
+    body = (await call(endpoints, "GET", "/metrics")).body
+    assert body.index(b"tessera_engine_") < body.index(b'vllm:num_preemptions_total{engine="0"} 3.0')
 
 
 async def test_abort_ends_a_running_request_with_a_retryable_error_line() -> None:

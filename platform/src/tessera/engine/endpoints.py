@@ -5,7 +5,7 @@
   GET  /requests   in-flight requests with tenant and priority (the controller picks victims)
   GET  /health     200 while the engine is alive, 503 once it is dead
   GET  /stats      engine load, KV geometry, speculative-decoding counters, and what runs
-  GET  /metrics    the same in Prometheus text (tessera_engine_*)
+  GET  /metrics    the same in Prometheus text (tessera_engine_*), then vLLM's own vllm:* series
 
 A body that is not a valid request is a 400 whose ``error`` names each wrong field; a body over
 ``EngineConfig.max_body_bytes`` is a 413.
@@ -38,6 +38,7 @@ from tessera.engine.stats import EngineLoad
 
 if TYPE_CHECKING:
     from tessera.engine.speculation_control import SpeculationControl
+    from tessera.engine.vllm_metrics import VllmMetrics
 
 NDJSON_HEADERS = [(b"content-type", b"application/x-ndjson"), (b"cache-control", b"no-store")]
 
@@ -62,6 +63,9 @@ class ServedEngine(Protocol):
 
     @property
     def speculation(self) -> SpeculationControl | None: ...  # adaptive speculation, when it runs
+
+    @property
+    def vllm_metrics(self) -> VllmMetrics: ...  # vLLM's own Prometheus metrics of this replica
 
 
 class AbortRequest(BaseModel):
@@ -114,6 +118,7 @@ class EngineEndpoints:
             speculation = self.replica.speculation
             if speculation is not None:
                 body += speculation.prometheus_text(self.replica.engine_id, self.replica.served_model_name)
+            body += self.replica.vllm_metrics.render()
             await send({"type": "http.response.start", "status": 200,
                         "headers": [(b"content-type", content_type.encode())]})
             await send({"type": "http.response.body", "body": body})

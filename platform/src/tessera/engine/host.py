@@ -40,6 +40,7 @@ from tessera.engine.root_cause import EngineErrorLog, start_failure_line
 from tessera.engine.speculation_control import SpeculationControl, speculation_control_for, speculation_loop
 from tessera.engine.stats import EngineLoad, LoadTracker
 from tessera.engine.vllm_engine import build_engine, log_fallbacks, prepare_environment, shutdown_engine, warm_up
+from tessera.engine.vllm_metrics import VllmMetrics
 from tessera.registry import EngineRecord, ModelInfo
 from tessera.routing.indexer import FeedStats
 from tessera.settings import load_settings
@@ -75,6 +76,7 @@ class EngineHost:
                                          or below_ephemeral_range())
                                if config.kv_events.enabled else 0)
         self.tracker = LoadTracker()
+        self.vllm_metrics = VllmMetrics()  # vLLM's own vllm:* series of this replica, on /metrics
         self.in_flight = InFlightRequests()
         self.index_stats = FeedStats()  # the prefix-index feed's counters (tests, debugging)
         self.endpoints = EngineEndpoints(self, self.in_flight, config.max_body_bytes)
@@ -233,7 +235,7 @@ class EngineHost:
         self.resolution = resolve(self.config, self._ask_platform(self.config))
         self._error_log = EngineErrorLog()  # where vLLM's engine process logs why it failed, if it does
         kv_bind = f"tcp://*:{self.kv_events_port}" if self.kv_events_port else None
-        self.engine = build_engine(self.resolution, kv_bind, self.tracker)
+        self.engine = build_engine(self.resolution, kv_bind, self.tracker, self.vllm_metrics)
         self.speculation = speculation_control_for(self.resolution.config.speculative)
         log_fallbacks(self.engine, self.engine_id, self.config, self.resolution, self.tracker)
         await warm_up(self.engine, self.engine_id)

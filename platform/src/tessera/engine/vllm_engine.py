@@ -17,6 +17,7 @@ from tessera.engine.capabilities import Resolution, kv_fallback_note
 from tessera.engine.config import EngineConfig
 from tessera.engine.placement import installed_vllm_build, resolve_accelerator
 from tessera.engine.stats import LoadTracker, make_stat_logger_factory
+from tessera.engine.vllm_metrics import VllmMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -43,10 +44,13 @@ def prepare_environment(config: EngineConfig) -> None:
     shm_wait.install()  # this process's own queues (vLLM's spawned processes: its plugin, see shm_wait.py)
 
 
-def build_engine(resolution: Resolution, kv_events_bind: str | None, tracker: LoadTracker) -> AsyncLLM:
-    """The engine for what this platform runs of the config; its load and KV geometry go to ``tracker``."""
+def build_engine(resolution: Resolution, kv_events_bind: str | None, tracker: LoadTracker,
+                 vllm_metrics: VllmMetrics) -> AsyncLLM:
+    """The engine for what this platform runs of the config; its load and KV geometry go to ``tracker``,
+    vLLM's own Prometheus metrics to ``vllm_metrics`` (see vllm_metrics.py)."""
     args = AsyncEngineArgs(**resolution.config.to_vllm_kwargs(kv_events_endpoint=kv_events_bind))
-    engine = AsyncLLM.from_engine_args(args, stat_loggers=[make_stat_logger_factory(tracker)])
+    engine = AsyncLLM.from_engine_args(args, stat_loggers=[make_stat_logger_factory(tracker),
+                                                           vllm_metrics.stat_logger])
     cache = engine.vllm_config.cache_config
     tracker.load.num_gpu_blocks = int(cache.num_gpu_blocks or 0)
     tracker.load.block_size = int(cache.block_size)

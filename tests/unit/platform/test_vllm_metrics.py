@@ -1,0 +1,28 @@
+"""vLLM's metrics of a replica live in the replica's own registry (vllm_metrics.py): vLLM's logger classes
+are swapped for ones bound to it, never the process-wide REGISTRY that a second engine would clear."""
+
+from __future__ import annotations
+
+from prometheus_client import REGISTRY
+
+from tessera.engine.vllm_metrics import VllmMetrics
+
+
+def _names(registry: object) -> set[str]:
+    return {sample.name for family in registry.collect() for sample in family.samples}  # type: ignore[attr-defined]
+
+
+def test_each_replicas_metric_classes_register_in_its_own_registry() -> None:
+    first, second = VllmMetrics(), VllmMetrics()
+    logger = first.stat_logger
+    logger._gauge_cls("vllm:num_requests_running", "Running", labelnames=["model_name", "engine"],
+                      multiprocess_mode="mostrecent").labels("m", "0").set(2)
+    logger._histogram_cls("vllm:time_to_first_token_seconds", "TTFT", labelnames=["engine"],
+                          buckets=[0.1, 1.0]).labels("0").observe(0.5)
+    spec_counter = logger._spec_decoding_cls._counter_cls("vllm:spec_decode_num_drafts", "Drafts")
+    spec_counter.inc()
+    assert {"vllm:num_requests_running", "vllm:time_to_first_token_seconds_count",
+            "vllm:spec_decode_num_drafts_total"} <= _names(first.registry)
+    assert _names(second.registry) == set()
+    assert not any(name.startswith("vllm:") for name in _names(REGISTRY))
+    assert b'vllm:num_requests_running{engine="0",model_name="m"} 2.0' in first.render()
