@@ -137,6 +137,12 @@ def test_build_app_deploys_the_autoscaling_config_and_the_drain_deadline() -> No
     assert config.autoscaling_config.max_replicas == 2
     assert config.autoscaling_config.policy.policy_function == POLICY_IMPORT_PATH
     assert config.graceful_shutdown_timeout_s == 12 + SHUTDOWN_SLACK_S
+    # What reaches Serve's controller (a protobuf): the policy and its kwargs survive the trip.
+    from ray.serve._private.config import DeploymentConfig
+
+    arrived = DeploymentConfig.from_proto_bytes(config.to_proto_bytes()).autoscaling_config.policy
+    policy = arrived.get_policy()(**arrived.policy_kwargs)
+    assert (policy.metric, policy.target) == ("tessera_ongoing_requests", 16.0)
     fixed = build_app({"engine": {"model": "/m", "accelerator": "cpu"}, "replicas": 3}).__dict__["_bound_deployment"]
     assert fixed._deployment_config.num_replicas == 3 and fixed._deployment_config.autoscaling_config is None
     with pytest.raises(ValueError, match="mutually exclusive"):
