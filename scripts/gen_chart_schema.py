@@ -489,6 +489,7 @@ def chart_properties() -> dict[str, JSON]:
                 "enabled": BOOLEAN,
                 "resources": RESOURCES,
                 "healthPort": PORT,
+                "discoveryPort": PORT,
                 "serviceAccount": obj({"create": BOOLEAN, "name": STRING, "annotations": STRING_MAP}),
                 **placement(),
             }
@@ -523,6 +524,9 @@ def chart_properties() -> dict[str, JSON]:
             {
                 "serviceMonitor": obj({"enabled": BOOLEAN, "interval": INTERVAL, "labels": STRING_MAP}),
                 "podMonitor": obj({"enabled": BOOLEAN, "interval": INTERVAL, "labels": STRING_MAP}),
+                "engineScrapeConfig": obj(
+                    {"enabled": BOOLEAN, "interval": INTERVAL, "refreshInterval": INTERVAL, "labels": STRING_MAP}
+                ),
                 "grafanaDashboard": obj(
                     {"enabled": BOOLEAN, "labels": STRING_MAP, "annotations": STRING_MAP}
                 ),

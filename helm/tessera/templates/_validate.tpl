@@ -59,6 +59,7 @@ env and volumes).
 {{- include "tessera.validateGpus" . }}
 {{- include "tessera.validateModelSources" . }}
 {{- include "tessera.validateShm" . }}
+{{- include "tessera.validateEngineScrape" . }}
 {{- include "tessera.validatePodExtras" (dict "where" "rayService.head" "pod" .Values.rayService.head "env" (include "tessera.env" .) "volumes" (include "tessera.rayHeadVolumes" .) "mounts" (include "tessera.rayHeadMounts" .)) }}
 {{- include "tessera.validatePodExtras" (dict "where" "rayService.engineWorkers" "pod" .Values.rayService.engineWorkers "env" (include "tessera.engineWorkerEnv" .) "volumes" (include "tessera.engineWorkerVolumes" .) "mounts" (include "tessera.engineWorkerMounts" .)) }}
 {{- range $i, $env := .Values.modelStorage.fetch.env }}
@@ -212,5 +213,20 @@ A Ray group's extra env, volumes and mounts against what the chart renders for t
 {{- fail (printf "%s.extraVolumeMounts[%d]: %s is already the mount path of %s" $where $i $mount.mountPath (get $paths $mount.mountPath)) }}
 {{- end }}
 {{- $_ := set $paths $mount.mountPath (printf "%s.extraVolumeMounts[%d]" $where $i) }}
+{{- end }}
+{{- end }}
+
+{{/*
+metrics.engineScrapeConfig: Prometheus finds the replicas through the operator, and reaches them on the
+replica ports, which also serve /generate without authentication: those open to named scrapers only.
+*/}}
+{{- define "tessera.validateEngineScrape" -}}
+{{- if .Values.metrics.engineScrapeConfig.enabled }}
+{{- if not .Values.operator.enabled }}
+{{- fail "metrics.engineScrapeConfig needs operator.enabled: the operator serves Prometheus the engine replicas' addresses (GET /engine-targets)" }}
+{{- end }}
+{{- if and .Values.networkPolicy.enabled (not .Values.networkPolicy.metricsFrom) }}
+{{- fail "metrics.engineScrapeConfig with networkPolicy.enabled needs networkPolicy.metricsFrom (e.g. your Prometheus' namespace): the NetworkPolicy opens the engine replica ports, which also serve /generate without authentication, to those peers only, never to every pod" }}
+{{- end }}
 {{- end }}
 {{- end }}

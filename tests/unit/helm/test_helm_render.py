@@ -31,7 +31,7 @@ from tests.support.chart import (
 )
 
 # Kinds from CRDs that kubernetes-validate has no schema for, each checked by its own test below.
-CRD_KINDS = {"RayService", "ServiceMonitor", "PodMonitor", "Model"}
+CRD_KINDS = {"RayService", "ServiceMonitor", "PodMonitor", "ScrapeConfig", "Model"}
 VALUES_IDS = [p.name.removesuffix("-values.yaml") for p in CI_VALUES]
 
 

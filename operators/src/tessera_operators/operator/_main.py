@@ -12,6 +12,7 @@ from tessera.redis_conn import connect
 from tessera.registry import EngineRegistry
 from tessera.tenancy.store import TenantStore
 
+from .discovery import start_discovery
 from .handlers import OperatorContext
 from .kube import KubernetesApi
 from .settings import OperatorSettings
@@ -32,16 +33,22 @@ async def operator_startup(settings: kopf.OperatorSettings, memo: Any, **_: Any)
     # Longer timeouts than the request path's: the operator is not latency-bound.
     redis = connect(operator_settings.redis_url, timeout_s=5.0)
     memo.redis = redis
+    registry = EngineRegistry(redis)
     memo.tessera = OperatorContext(
         store=TenantStore(redis),
         kube=KubernetesApi(),
         ray_service=operator_settings.operator_ray_service,
-        registry=EngineRegistry(redis),
+        registry=registry,
     )
+    if operator_settings.operator_discovery_port:
+        memo.discovery = await start_discovery(registry, operator_settings.operator_discovery_port)
 
 
 @kopf.on.cleanup()
 async def operator_cleanup(memo: Any, **_: Any) -> None:
+    discovery = getattr(memo, "discovery", None)
+    if discovery is not None:
+        await discovery.cleanup()
     redis = getattr(memo, "redis", None)
     if redis is not None:
         await redis.aclose()

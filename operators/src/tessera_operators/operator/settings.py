@@ -17,3 +17,7 @@ class OperatorSettings(TesseraSettings):
         default="tessera-engine", description="The RayService whose serveConfigV2 Model objects edit."
     )
     operator_health_port: int = Field(default=8080, ge=1, le=65535, description="Port of kopf's /healthz.")
+    operator_discovery_port: int = Field(
+        default=0, ge=0, le=65535,
+        description="Port of the engine replicas' Prometheus service discovery (GET /engine-targets); 0: off.",
+    )
