@@ -401,6 +401,7 @@ def chart_properties() -> dict[str, JSON]:
             "maxBodyBytes": integer(1024),
             "adminToken": obj({"existingSecret": STRING, "key": {"type": "string", "minLength": 1}}),
             "resources": RESOURCES,
+            "tokenizerFetch": obj({"resources": RESOURCES}),
             "service": obj(
                 {
                     "type": {"type": "string", "enum": ["ClusterIP", "NodePort", "LoadBalancer"]},

@@ -39,6 +39,7 @@ from tessera.engine.ports import below_ephemeral_range, free_port, reserve_port
 from tessera.engine.root_cause import EngineErrorLog, start_failure_line
 from tessera.engine.speculation_control import SpeculationControl, speculation_control_for, speculation_loop
 from tessera.engine.stats import EngineLoad, LoadTracker
+from tessera.engine.tokenizer_source import published_tokenizer_dir
 from tessera.engine.vllm_engine import build_engine, log_fallbacks, prepare_environment, shutdown_engine, warm_up
 from tessera.engine.vllm_metrics import VllmMetrics
 from tessera.registry import EngineRecord, ModelInfo
@@ -147,8 +148,13 @@ class EngineHost:
         )
 
     def model_info(self) -> ModelInfo:
-        """The served model's registry entry."""
-        return ModelInfo(name=self.config.served_model_name, tokenizer=self.config.tokenizer_path,
+        """The served model's registry entry; its tokenizer is a directory the gateways read (a hub id's
+        snapshot in the Hugging Face cache, once vLLM has loaded it: see tokenizer_source.py)."""
+        tokenizer = published_tokenizer_dir(self.config.tokenizer_path)
+        if tokenizer is None:
+            logger.warning("engine %s: no tokenizer.json for %r on this pod; gateways cannot tokenize for %s",
+                           self.engine_id, self.config.tokenizer_path, self.config.served_model_name)
+        return ModelInfo(name=self.config.served_model_name, tokenizer=tokenizer or self.config.tokenizer_path,
                          max_model_len=self.config.max_model_len, block_size=self.tracker.snapshot().block_size)
 
     async def asgi(self, scope: Scope, receive: Receive, send: Send) -> None:
