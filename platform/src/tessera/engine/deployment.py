@@ -2,7 +2,7 @@
 and rolls them on upgrade; tokens do not travel through Ray (each replica serves HTTP on its own port and
 the gateway streams from it directly — see design §1 for the measurements behind this).
 
-Serve config (what the Helm chart renders into ``serveConfigV2``)::
+Serve config (what the operator writes into ``serveConfigV2`` for a Model, or the Helm chart without the operator)::
 
     import_path: tessera.engine.deployment:build_app
     args: {engine: {<EngineConfig, camelCase>}, replicas: 1}
