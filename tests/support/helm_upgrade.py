@@ -1,7 +1,9 @@
-"""What `helm upgrade` does to an object that already exists: Helm 3 patches it with a three-way JSON merge
-patch (jsonpatch.CreateThreeWayJSONMergePatch over the last release's manifest, the new manifest and the live
-object; pkg/kube/client.go createPatch, for kinds without a Go struct such as RayService). A field that
-neither manifest has is left as it is live; a field the old manifest had and the new one lacks is deleted."""
+"""What `helm upgrade` does to an object that already exists. For kinds without a Go struct, such as RayService,
+Helm patches with a JSON merge patch (pkg/kube/client.go createPatch): three-way
+(jsonpatch.CreateThreeWayJSONMergePatch over the last release's manifest, the new manifest and the live
+object) when threeWayMergeForUnstructured is set, else two-way from the old manifest to the new one. Either
+way a field that neither manifest has is left as it is live, and a field the old manifest had and the new
+one lacks is deleted. This models the three-way form, the one that also rewrites live drift."""
 
 from __future__ import annotations
 

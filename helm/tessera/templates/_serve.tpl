@@ -3,8 +3,8 @@ Who owns the RayService's serveConfigV2 (issue #14: `helm upgrade` must never dr
 
 operator.enabled (the default): the operator is the only writer. The chart renders each models[] entry as a
 Model object (templates/models.yaml) and leaves serveConfigV2 out of the RayService. Helm's upgrade is a
-three-way merge (old manifest, new manifest, live object): a field that neither manifest has is never
-touched, so the applications the operator wrote (for values models and kubectl-applied Models alike)
+JSON merge patch from the old manifest to the new one (three-way with the live object, or two-way): a field
+that neither manifest has is never in it, so the applications the operator wrote (for values models and kubectl-applied Models alike)
 survive every upgrade, also under `helm template | kubectl apply` and GitOps tools, where a `lookup` of the
 live object would render empty and drop them.
 
