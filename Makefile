@@ -12,7 +12,7 @@ MODEL ?=
 PYTEST_ARGS ?=
 
 .PHONY: install run test lint unit integration e2e bench bench-gateway bench-gateway-hops bench-admission bench-routing \
-        bench-kvcontrol bench-loadgen bench-cli bench-stack bench-wires bench-gateway-cpu helm-check clean
+        bench-kvcontrol bench-loadgen bench-cli bench-stack bench-wires bench-gateway-cpu bench-gateway-ab helm-check clean
 
 install: $(STAMP)
 
@@ -78,6 +78,12 @@ bench-wires: install
 # The gateway's CPU per 16-token streamed request and idle, against a fake engine (issue #19's goals).
 bench-gateway-cpu: install
 	$(BIN)/python bench/bench_gateway_cpu.py
+
+# The gateways of several git revisions side by side behind one engine: a change's cost per chunk and request.
+# REVS="7111dda HEAD work" (work = the working tree; a revision named twice gives the noise floor).
+REVS ?= HEAD work
+bench-gateway-ab: install
+	$(BIN)/python bench/bench_gateway_ab.py --revs $(shell echo $(REVS) | tr ' ' ',')
 
 # Start-up of every console script (--help, a plan): the goal is 1.5 s each on a 2-core machine.
 bench-cli: install
