@@ -430,6 +430,8 @@ def chart_properties() -> dict[str, JSON]:
                     "image": image(),
                     "auth": obj({"existingSecret": STRING, "passwordKey": NON_EMPTY}),
                     "persistence": obj({"enabled": BOOLEAN, "size": QUANTITY, "storageClass": STRING}),
+                    # valkey's memory units; never 0 (unlimited): noeviction needs a ceiling to refuse at.
+                    "maxmemory": {"type": "string", "pattern": "^[1-9][0-9]*([kKmMgG][bB]?|[bB])?$"},
                     "resources": RESOURCES,
                     **placement(),
                 }
