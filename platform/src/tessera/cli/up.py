@@ -51,7 +51,8 @@ def up(
         platform.start()
         key = asyncio.run(platform.create_tenant("demo"))
         typer.echo(up_banner(platform.base_url, platform.model, key, platform.engines(), platform.trace_dir,
-                             platform.kvcontrol_metrics_url), color=False)
+                             platform.kvcontrol_metrics_url,
+                             platform.redis_data_dir if platform.redis is not None else None), color=False)
         stop.wait()
     except (PlatformStartError, ValidationError) as exc:
         # The cause in a line or two, not Ray's traceback.

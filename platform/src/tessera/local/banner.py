@@ -20,7 +20,8 @@ def engine_lines(records: list[EngineRecord]) -> list[str]:
 
 
 def up_banner(base_url: str, model: str, key: str, records: list[EngineRecord], trace_dir: Path,
-              kvcontrol_metrics_url: str) -> str:
+              kvcontrol_metrics_url: str, redis_data_dir: Path | None = None) -> str:
+    """``redis_data_dir``: where the embedded Redis keeps its data; None: an external Redis (``redis_url``)."""
     request = ('{"model": "' + model + '", "messages": [{"role": "user", "content": "Hello"}], '
                '"max_tokens": 32, "stream": true}')
     controller = (f"KV-eviction controller: metrics {kvcontrol_metrics_url}" if kvcontrol_metrics_url
@@ -36,6 +37,8 @@ def up_banner(base_url: str, model: str, key: str, records: list[EngineRecord], 
         f'    -H "Authorization: Bearer {key}" -H "Content-Type: application/json" \\',
         f"    -d '{request}'",
         "",
+        *([f"Redis data (tenants, keys, budgets, usage; kept between runs, delete to start empty): {redis_data_dir}"]
+          if redis_data_dir is not None else []),
         f"Traces (gateway, engines, controller): {trace_dir}",
         f"  Why were the slowest requests slow:  .venv/bin/tessera traces analyze {trace_dir} -p 99",
         "Manage tenants: .venv/bin/tessera tenants --help     What runs here: .venv/bin/tessera doctor",

@@ -86,6 +86,11 @@ class LocalPlatform:
         return self.options.state_dir / "run"
 
     @property
+    def redis_data_dir(self) -> Path:
+        """The embedded Redis's append-only file, kept between runs (``rm -r`` it to start empty)."""
+        return self.options.state_dir / "redis"
+
+    @property
     def trace_dir(self) -> Path:
         return (self.options.trace_dir or self.options.state_dir / "traces").resolve()
 
@@ -107,11 +112,7 @@ class LocalPlatform:
         engine_cpus, platform_cpus = split_cpus() if opts.cpu_split else (None, None)
         own_cpus = os.sched_getaffinity(0)
         _pin(platform_cpus)  # what this process starts from here on inherits its CPUs
-        if not self.redis_url:
-            self.redis = EmbeddedRedis().start()
-            self.redis_url = self.redis.url
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "redis_url").write_text(self.redis_url)
+        self.start_redis()
         env = self._env()
         # NOTE: Ray sets OMP_NUM_THREADS to an actor's whole CPUs (1 for the engine replica) unless it is set;
         # vLLM's CPU build then computes on one thread where `vllm serve` uses every core it may run on.
@@ -131,6 +132,15 @@ class LocalPlatform:
             self._start_kvcontrol(env, deadline)
         os.sched_setaffinity(0, own_cpus)  # this process itself was only the parent
         return self
+
+    def start_redis(self) -> None:
+        """The embedded Redis (unless ``redis_url`` names one), keeping its data in ``redis_data_dir``: the
+        tenants, keys, budgets and usage of one `tessera up` are there in the next."""
+        if not self.redis_url:
+            self.redis = EmbeddedRedis(data_dir=self.redis_data_dir).start()
+            self.redis_url = self.redis.url
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "redis_url").write_text(self.redis_url)
 
     def _env(self) -> dict[str, str]:
         opts = self.options
