@@ -8,7 +8,6 @@ import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
-
 # How the embedded server keeps a data directory: the chart's bundled server's settings (appendonly,
 # everysec), so `tessera up` and the durability tests see the same guarantee as a cluster: every write is in
 # the append-only file before its reply (a killed server loses none), fsync'd once a second.

@@ -32,5 +32,6 @@ def test_banner_says_what_runs_and_where_traces_go() -> None:
 
 def test_banner_says_where_the_embedded_redis_keeps_its_data() -> None:
     text = up_banner("u", "m", "k", [], Path("/t"), "", Path(".tessera/redis"))
-    assert "Redis data (tenants, keys, budgets, usage; kept between runs, delete to start empty): .tessera/redis" in text
+    assert ("Redis data (tenants, keys, budgets, usage; kept between runs, delete to start empty): "
+            ".tessera/redis") in text
     assert "Redis data" not in up_banner("u", "m", "k", [], Path("/t"), ""), "an external Redis keeps its own"
