@@ -62,6 +62,12 @@ class TesseraSettings(BaseSettings):
         description="Concurrency lease TTL, seconds: a crashed gateway's leases free themselves after this; "
         "running requests renew theirs every third of it.",
     )
+    drain_timeout_s: float = Field(
+        default=30.0, gt=0.0,
+        description="After SIGTERM a gateway finishes its open streams for at most this long, seconds (from the "
+        "signal); a stream still running then ends with an SSE error event and is billed for what it generated "
+        "(gateway/drain.py). The chart's terminationGracePeriodSeconds covers it.",
+    )
     max_body_bytes: int = Field(default=1_048_576, description="Largest accepted request body, bytes (413 above).")
     routing_policy: str = Field(default="prefix_affinity", description="Routing policy name (see tessera.routing).")
     trace_exporter: str = Field(

@@ -48,4 +48,6 @@ def serve(
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     stop.wait()
-    host.stop()
+    # As a Serve replica leaves (deployment.py): out of the registry first, then the open streams finish
+    # (at most drainTimeoutS) before the server stops (engine/drain.py).
+    host.drain()

@@ -7,6 +7,7 @@ This module wires the services and dispatches by path; a generation request goes
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import uuid
 
@@ -17,6 +18,7 @@ from opentelemetry.propagate import extract, get_global_textmap
 from tessera.asgi import Receive, Scope, Send, header_map, send_response
 from tessera.gateway.admin import AdminAPI, usage_report
 from tessera.gateway.auth import Authenticator
+from tessera.gateway.drain import DRAIN_STATE_KEY, SETTLE_GRACE_S, GatewayDrain, answer_cut, draining_error
 from tessera.gateway.engine_client import EngineClient
 from tessera.gateway.errors import STORE_ERRORS, APIError, store_unavailable
 from tessera.gateway.failopen import FailOpen
@@ -76,10 +78,11 @@ class Gateway:
             engines=self.engines, metrics=self.metrics, fail_open=FailOpen(settings.redis_fail_open),
             finishes=self.finishes, max_body_bytes=settings.max_body_bytes)
         self.admin = AdminAPI(self.store, self.admission, settings.admin_token)
+        self.drain = GatewayDrain(settings.drain_timeout_s)  # begun by the server on SIGTERM (drain.py)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
-            await self._lifespan(receive, send)
+            await self._lifespan(scope, receive, send)
             return
         if scope["type"] != "http":
             return
@@ -93,17 +96,32 @@ class Gateway:
             if endpoint is not None:
                 if method != "POST":
                     raise APIError(405, f"{path} only accepts POST", "method_not_allowed")
+                if self.drain.draining:
+                    raise draining_error()
                 # The request's spans are noted as it runs and made after it (see telemetry/late_spans.py).
                 # Most requests carry no trace context: then there is nothing to extract.
                 context = extract(headers) if not self._trace_fields.isdisjoint(headers) else Context()
                 late = LateTrace(self.tracer, context, {"tessera.request_id": request_id, "http.route": path})
                 error: Exception | None = None
+                task = asyncio.current_task()
+                assert task is not None
+                self.drain.track(task, send)
                 try:
                     await self.pipeline.handle(endpoint, headers, request_id, late, receive, send)
+                except asyncio.CancelledError:
+                    # Cut at the drain deadline: the pipeline settled the request on the way out (billing);
+                    # only its answer is left. Any other cancellation is not ours to swallow.
+                    answer = self.drain.take_cut(task)
+                    if answer is None:
+                        raise
+                    task.uncancel()
+                    error = APIError(503, "drain deadline", "gateway_draining")
+                    await answer_cut(send, answer, self.drain.timeout_s, request_id)
                 except Exception as exc:
                     error = exc
                     raise
                 finally:
+                    self.drain.untrack(task)
                     late.emit(error)
             elif path == "/v1/models" and method == "GET":
                 await self._models(send, headers, request_id)
@@ -153,8 +171,13 @@ class Gateway:
         await respond(send, 200, tokenizer_document(served), request_id)
 
     async def _ready(self, send: Send, request_id: str) -> None:
-        """Readiness: Redis answers (unless the gateway runs fail-open) and at least one engine is registered;
-        503 naming what is missing otherwise, so Kubernetes sends no traffic a gateway cannot serve."""
+        """Readiness: not draining, Redis answers (unless the gateway runs fail-open) and at least one engine
+        is registered; 503 naming what is missing otherwise, so Kubernetes sends no traffic a gateway cannot
+        serve."""
+        if self.drain.draining:
+            await respond(send, 503, {"status": "draining", "problems": ["the gateway is shutting down"]},
+                          request_id)
+            return
         problems: list[str] = []
         try:
             await self.redis.ping()
@@ -171,12 +194,19 @@ class Gateway:
         report = await usage_report(self.admission, tenant, scope.get("query_string", b""))
         await respond(send, 200, report, request_id)
 
-    async def _lifespan(self, receive: Receive, send: Send) -> None:
+    async def _lifespan(self, scope: Scope, receive: Receive, send: Send) -> None:
         while True:
             message = await receive()
             if message["type"] == "lifespan.startup":
+                # The server's side of the drain finds it here (lean_server.LeanServer).
+                if isinstance(scope.get("state"), dict):
+                    scope["state"][DRAIN_STATE_KEY] = self.drain
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
+                # A request cut at the deadline settles on its way out: Redis stays open until it has.
+                left = await self.drain.wait_closed(SETTLE_GRACE_S)
+                if left:
+                    logger.error("%d requests still open at shutdown; their usage may be unrecorded", left)
                 await self.finishes.close()
                 await self.router.close()
                 await self.auth.close()

@@ -11,6 +11,7 @@ Each worker runs ``lean_server.LeanServer``: uvicorn's ``Server`` with a 1 s hou
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import tempfile
@@ -53,7 +54,8 @@ def prepare_metrics_dir(path: Path | None) -> Path:
 
 
 def run_gateway(launch: GatewayLaunch) -> None:
-    """Serves until SIGTERM/SIGINT (uvicorn's own handling: stop accepting, finish in-flight requests).
+    """Serves until SIGTERM/SIGINT, then drains (gateway/drain.py: stop accepting, finish the open streams
+    for at most TESSERA_DRAIN_TIMEOUT_S, cut the rest with an error event, settle them, exit).
 
     What ``uvicorn.run`` does, with ``LeanServer`` as each worker's server. No ``server`` header (it only
     names the software); the ``date`` header stays."""
@@ -62,17 +64,23 @@ def run_gateway(launch: GatewayLaunch) -> None:
     from uvicorn.config import STARTUP_FAILURE
     from uvicorn.supervisors import multiprocess
 
-    from tessera.gateway.lean_server import LeanServer, LeanWorker
+    from tessera.gateway.drain import SETTLE_GRACE_S
+    from tessera.gateway.lean_server import LeanServer, LeanSupervisor, LeanWorker
+    from tessera.settings import load_settings
+
+    # uvicorn's own timeout only backs the drain's cut up (drain.py): it cancels what is left without an
+    # answer and without waiting for the cancelled requests to settle.
+    backstop_s = math.ceil(load_settings().drain_timeout_s + SETTLE_GRACE_S)
 
     config = uvicorn.Config("tessera.gateway.app:create_app", factory=True, host=launch.host, port=launch.port,
                             workers=launch.workers, loop="uvloop", http="httptools", access_log=False,
                             server_header=False, log_level=launch.log_level,
-                            timeout_keep_alive=launch.timeout_keep_alive_s)
+                            timeout_keep_alive=launch.timeout_keep_alive_s, timeout_graceful_shutdown=backstop_s)
     if config.workers > 1:
         # NOTE: uvicorn's supervisor builds each worker's Server in ``multiprocess.Process.server`` and names
         # that class directly (at start and on every restart): swapping the class is the one seam it has.
         multiprocess.Process = LeanWorker  # type: ignore[misc]
-        multiprocess.Multiprocess(config, sockets=[config.bind_socket()]).run()
+        LeanSupervisor(config, sockets=[config.bind_socket()]).run()
         return
     config.load_app()
     server = LeanServer(config=config)

@@ -9,6 +9,9 @@ this project's VMs, more than everything else an idle gateway does). Its tick do
   shutdown within ``SERVER_TICK_S`` of SIGTERM/SIGINT instead of 0.1 s;
 - counts requests for ``limit_max_requests``, which the gateway does not set.
 
+It also drives the worker's drain (``drain.py``): the signal itself begins it (``/ready`` goes 503 before
+the listening socket closes), and uvicorn's graceful shutdown runs beside the cut at the deadline.
+
 The tick falls on the refreshers' grid (``refresher.py``: multiples of the period on the monotonic clock), so
 an idle process that still refreshes its caches wakes once for all of them. ``make bench-gateway-cpu``
 measures a worker's idle CPU.
@@ -17,10 +20,14 @@ measures a worker's idle CPU.
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
+from types import FrameType
 
 import uvicorn
 from uvicorn.supervisors import multiprocess
+
+from tessera.gateway.drain import DRAIN_STATE_KEY, GatewayDrain
 
 # A worker's housekeeping period (the date header, the shutdown check), seconds.
 SERVER_TICK_S = 1.0
@@ -38,6 +45,45 @@ class LeanServer(uvicorn.Server):
             counter = (counter + _TICKS_PER_DATE) % _COUNTER_WRAP
             should_exit = await self.on_tick(counter)
 
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # The signal handler: the drain (and its deadline) starts now, not at the next tick.
+        drain = self._drain()
+        if drain is not None:
+            drain.begin()
+        super().handle_exit(sig, frame)
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        """uvicorn's graceful shutdown (stop accepting, let open responses finish, lifespan shutdown), with
+        the drain's cut at its deadline running beside it."""
+        drain = self._drain()
+        if drain is None:
+            await super().shutdown(sockets)
+            return
+        drain.begin()
+        cutter = asyncio.create_task(drain.cut_at_deadline())
+        try:
+            await super().shutdown(sockets)
+        finally:
+            cutter.cancel()
+
+    def _drain(self) -> GatewayDrain | None:
+        """The app's drain, which it left in the lifespan state at startup (None before, or for another app)."""
+        state = getattr(getattr(self, "lifespan", None), "state", None)
+        drain = state.get(DRAIN_STATE_KEY) if isinstance(state, dict) else None
+        return drain if isinstance(drain, GatewayDrain) else None
+
+
+class LeanSupervisor(multiprocess.Multiprocess):
+    """uvicorn's supervisor of ``--workers`` > 1, which closes its copy of the listening socket before it
+    signals the workers: the socket stays open while any process holds it, and a connection then waits in
+    the kernel's backlog, never accepted, until the whole gateway exits, instead of being refused at once
+    (a client then retries elsewhere)."""
+
+    def terminate_all(self) -> None:
+        for sock in self.sockets:
+            sock.close()
+        super().terminate_all()
+
 
 class LeanWorker(multiprocess.Process):
     """A worker process of uvicorn's supervisor (``--workers`` > 1) that serves with ``LeanServer``."""
@@ -49,4 +95,4 @@ class LeanWorker(multiprocess.Process):
         return self._server
 
 
-__all__ = ["SERVER_TICK_S", "LeanServer", "LeanWorker"]
+__all__ = ["SERVER_TICK_S", "LeanServer", "LeanSupervisor", "LeanWorker"]
