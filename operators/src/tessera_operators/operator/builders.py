@@ -151,14 +151,20 @@ def build_tenant_status(
     generation: int | None = None,
     message: str = "",
     key_id: str | None = None,
+    key_sha256: str | None = None,
     key_generation: int | None = None,
     secret_name: str | None = None,
 ) -> JSON:
+    """``key_sha256``: the hash Redis holds for ``key_id``; status keeps it so a Redis that lost everything
+    gets the same key back (handlers.tenant_resync). Status, not the Secret: only the operator writes
+    status, so nobody who may write the Secret can make the operator install a key of their choosing."""
     status: JSON = {"phase": phase, "message": message}
     if generation is not None:
         status["observedGeneration"] = generation
     if key_id is not None:
         status["keyId"] = key_id
+    if key_sha256 is not None:
+        status["keySha256"] = key_sha256
     if key_generation is not None:
         status["keyGeneration"] = key_generation
     if secret_name is not None:

@@ -182,6 +182,12 @@ def build_tenant_crd() -> JSON:
         TENANT_PHASES,
         {
             "keyId": {"type": "string", "description": "Public id of the current key (tsk-<keyId>-...)."},
+            "keySha256": {
+                "type": "string",
+                "pattern": "^[0-9a-f]{64}$",
+                "description": "SHA-256 of the current key (never the key): the operator re-installs it in a "
+                "Redis that lost it, so the key in the Secret keeps working.",
+            },
             "keyGeneration": {"type": "integer", "format": "int64"},
             "secretName": {"type": "string"},
         },

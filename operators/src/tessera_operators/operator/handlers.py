@@ -24,10 +24,12 @@ from pydantic import ValidationError
 from redis.exceptions import RedisError
 
 from tessera.registry import EngineRegistry
+from tessera.tenancy.keys import hash_key
 from tessera.tenancy.store import TenantExistsError, TenantNotFoundError, TenantStore
 
 from .builders import (
     ApplicationOwnedElsewhereError,
+    KeyMaterial,
     TenantSpec,
     build_model_status,
     build_serve_application,
@@ -44,6 +46,7 @@ from .builders import (
 from .conditions import application_state, build_model_conditions, is_ready
 from .crds import GROUP, VERSION
 from .kube import KubeApi, KubeConflictError, KubeUnavailableError
+from .tenant_sync import resync_reason
 
 JSON = dict[str, Any]
 _log = logging.getLogger(__name__)
@@ -98,6 +101,11 @@ def _fail(patch: kopf.Patch, generation: int | None, message: str) -> kopf.Perma
 
 # --- Tenant ---------------------------------------------------------------------------------------------
 
+# How often every Tenant is checked against Redis (tenant_resync): bounds how long a Tenant's key answers 401
+# after Redis came back empty (a restart without persistence, a flush, a failover to an empty replica). Each
+# check is two Redis reads per Tenant; the API server is called only when something must be repaired.
+TENANT_RESYNC_INTERVAL_S = 30.0
+
 
 @kopf.on.create(GROUP, VERSION, "tenants")
 async def tenant_create(
@@ -144,6 +152,37 @@ async def tenant_resume(
     await _ensure_tenant(name, namespace, spec, body, status, patch, _context(memo))
 
 
+@kopf.timer(GROUP, VERSION, "tenants", interval=TENANT_RESYNC_INTERVAL_S, initial_delay=TENANT_RESYNC_INTERVAL_S)
+async def tenant_resync(
+    name: str,
+    namespace: str | None,
+    spec: kopf.Spec,
+    body: kopf.Body,
+    status: kopf.Status,
+    patch: kopf.Patch,
+    memo: Any,
+    **_: Any,
+) -> None:
+    """Periodic: when Redis lost the tenant, its policy or its key, puts them back, the key unchanged (its
+    hash from status.keySha256), so clients holding the Secret's key are served again without a new key."""
+    context = _context(memo)
+    try:
+        tenant = parse_tenant(name, spec)
+    except (ValueError, ValidationError):
+        return  # create/update already reported it Failed; a timer cannot fix a spec
+    key_id = status.get("keyId")
+    try:
+        stored = await context.store.get_tenant(name)
+        stored_key = await context.store.get_key(key_id) if key_id else None
+    except RedisError as exc:
+        raise kopf.TemporaryError(f"Redis unavailable: {exc}", delay=REDIS_RETRY_DELAY_S) from exc
+    reason = resync_reason(tenant, status, stored.policy if stored is not None else None, stored_key)
+    if reason is None:
+        return
+    _log.warning("tenant %s: %s; resynchronising", name, reason)
+    await _ensure_tenant(name, namespace, spec, body, status, patch, context)
+
+
 @kopf.on.delete(GROUP, VERSION, "tenants")
 async def tenant_delete(
     name: str, namespace: str | None, spec: kopf.Spec, status: kopf.Status, memo: Any, **_: Any
@@ -185,7 +224,7 @@ async def _ensure_tenant(
         raise _fail(patch, generation, f"invalid Tenant: {exc}") from exc
     try:
         await _ensure_tenant_record(tenant, context)
-        key_id = await _ensure_tenant_key(tenant, _namespace(namespace), body, status, context)
+        key_id, key_sha256 = await _ensure_tenant_key(tenant, _namespace(namespace), body, status, context)
     except RedisError as exc:
         patch.status.update({"phase": "Pending", "message": f"waiting for Redis: {exc}"})
         raise kopf.TemporaryError(f"Redis unavailable: {exc}", delay=REDIS_RETRY_DELAY_S) from exc
@@ -200,6 +239,7 @@ async def _ensure_tenant(
             "Ready",
             generation=generation,
             key_id=key_id,
+            key_sha256=key_sha256,
             key_generation=tenant.key_generation,
             secret_name=tenant.secret_name,
         ),
@@ -229,8 +269,9 @@ async def _ensure_tenant_key(
     body: Mapping[str, Any],
     status: Mapping[str, Any],
     context: OperatorContext,
-) -> str:
-    """The id of the tenant's working key, issuing (and rotating) one when needed."""
+) -> tuple[str, str]:
+    """The id and hash of the tenant's working key: the Secret's key, re-installed when Redis lost it, or a
+    new one (issued, and the old one revoked) when it was revoked, rotated or is gone with its Secret."""
     store, kube = context.store, context.kube
     secret = await kube.read_secret(namespace, tenant.secret_name)
     if secret is not None and not is_operator_secret(secret, tenant.name):
@@ -242,7 +283,11 @@ async def _ensure_tenant_key(
     current_works = current is not None and await store.authenticate(current.plaintext) == tenant.name
     rotate = status.get("keyGeneration") is not None and status["keyGeneration"] != tenant.key_generation
     if current is not None and current_works and not rotate:
-        return current.key_id
+        return current.key_id, hash_key(current.plaintext)
+    if current is not None and not rotate and await _restore_tenant_key(tenant, current, status, store):
+        _log.warning("tenant %s: key %s was missing from Redis; re-installed from its hash", tenant.name,
+                     current.key_id)
+        return current.key_id, hash_key(current.plaintext)
 
     # Keys this replaces: the one in this Secret, the one in the Secret used before spec.secretName moved,
     # and the one the status last reported (its Secret may have been deleted by hand).
@@ -271,7 +316,19 @@ async def _ensure_tenant_key(
         if old_secret is not None and is_operator_secret(old_secret, tenant.name):
             await kube.delete_secret(namespace, old_secret_name)
     _log.info("tenant %s: key %s written to Secret %s", tenant.name, issued.key_id, tenant.secret_name)
-    return issued.key_id
+    return issued.key_id, issued.sha256
+
+
+async def _restore_tenant_key(
+    tenant: TenantSpec, current: KeyMaterial, status: Mapping[str, Any], store: TenantStore
+) -> bool:
+    """Re-installs the Secret's key when Redis has no record of it at all (not when it is revoked) and it is
+    the key the operator last reported: its id is status.keyId and its hash status.keySha256. The Secret
+    alone is not trusted: whoever may write a Secret must not be able to make the operator install a key."""
+    sha256 = hash_key(current.plaintext)
+    if status.get("keyId") != current.key_id or status.get("keySha256") != sha256:
+        return False
+    return await store.restore_key(tenant.name, current.key_id, sha256)
 
 
 def _owner_or_none(body: Mapping[str, Any]) -> JSON | None:

@@ -5,7 +5,8 @@ Layout:
   tessera:tenants                    set of tenant names
   tessera:tenant:<name>              hash: policy (JSON), cache_salt, created_at
   tessera:tenant:<name>:keys         set of key ids
-  tessera:apikey:<key_id>            hash: sha256, tenant, created_at, revoked_at
+  tessera:apikey:<key_id>            hash: sha256, tenant, created_at, revoked_at (restored_at: see
+                                     ``restore_key``)
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import redis.asyncio as aioredis
 if TYPE_CHECKING:
     from tessera.redis_wire import Command, RedisWire
 
-from tessera.tenancy.keys import IssuedKey, key_matches, new_key, parse_key_id
+from tessera.tenancy.keys import KEY_ID_HEX_CHARS, IssuedKey, key_matches, new_key, parse_key_id
 from tessera.tenancy.policy import TenantPolicy, validate_tenant_name
 
 TENANTS_SET = "tessera:tenants"
@@ -42,6 +43,17 @@ def apikey_key(key_id: str) -> str:
 
 def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
+
+
+# Re-installs a key record only where none exists: a revoked record (revoked_at set) is never brought back.
+# One script, so no reader sees a record without its tenant field.
+_RESTORE_KEY_LUA = """
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+redis.call('HSET', KEYS[1], 'sha256', ARGV[1], 'tenant', ARGV[2], 'created_at', ARGV[3], 'restored_at', ARGV[3])
+redis.call('SADD', KEYS[2], ARGV[4])
+return 1
+"""
+_SHA256_HEX_CHARS = 64
 
 
 class TenantExistsError(ValueError):
@@ -70,6 +82,16 @@ class KeyInfo:
     @property
     def display_prefix(self) -> str:
         return f"tsk-{self.key_id}-…"
+
+
+@dataclass(frozen=True, slots=True)
+class StoredKey:
+    """A key record as Redis holds it: the hash, never the key."""
+
+    key_id: str
+    tenant: str
+    sha256: str
+    revoked: bool
 
 
 class TenantStore:
@@ -138,6 +160,26 @@ class TenantStore:
         pipe.sadd(tenant_keys_set(tenant), issued.key_id)
         await pipe.execute()
         return issued
+
+    async def restore_key(self, tenant: str, key_id: str, sha256: str) -> bool:
+        """Re-installs a key that Redis lost (a flush, a restart without persistence) from its id and hash,
+        so the client's key authenticates again unchanged. False, writing nothing, when a record of that id
+        exists (live or revoked: a revocation is never undone here)."""
+        await self.require_tenant(tenant)
+        if not _is_hex(key_id, KEY_ID_HEX_CHARS):
+            raise ValueError(f"key id {key_id!r} is not {KEY_ID_HEX_CHARS} lowercase hex characters")
+        if not _is_hex(sha256, _SHA256_HEX_CHARS):
+            raise ValueError(f"sha256 must be {_SHA256_HEX_CHARS} lowercase hex characters")
+        restored = await self._redis.eval(_RESTORE_KEY_LUA, 2, apikey_key(key_id), tenant_keys_set(tenant),
+                                          sha256, tenant, repr(time.time()), key_id)
+        return bool(restored)
+
+    async def get_key(self, key_id: str) -> StoredKey | None:
+        raw = await self._redis.hgetall(apikey_key(key_id))
+        if not raw or b"sha256" not in raw:
+            return None
+        return StoredKey(key_id=key_id, tenant=_text(raw[b"tenant"]), sha256=_text(raw[b"sha256"]),
+                         revoked=b"revoked_at" in raw)
 
     async def list_keys(self, tenant: str) -> list[KeyInfo]:
         await self.require_tenant(tenant)
@@ -208,6 +250,10 @@ class TenantStore:
             if isinstance(reply, Exception):
                 raise reply
         return replies
+
+
+def _is_hex(text: str, num_chars: int) -> bool:
+    return len(text) == num_chars and all(c in "0123456789abcdef" for c in text)
 
 
 def _as_map(reply: Any) -> Mapping[Any, Any]:
