@@ -7,6 +7,7 @@ from pathlib import Path
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+from redis.exceptions import ResponseError
 
 # How the embedded server keeps a data directory: the chart's bundled server's settings (appendonly,
 # everysec), so `tessera up` and the durability tests see the same guarantee as a cluster: every write is in
@@ -87,3 +88,33 @@ def connect(url: str, timeout_s: float = 1.0, pool_size: int = POOL_SIZE) -> aio
         retry=Retry(NoBackoff(), 0),
     )
     return aioredis.Redis(connection_pool=pool)
+
+
+# Tessera's Redis must never evict (docs/kubernetes.md "Durability"): allkeys-* policies drop tenants and key
+# hashes, and volatile-* ones drop exactly the keys with a TTL, which are the budgets, usage and concurrency
+# leases (a dropped budget admits a tenant's whole budget again). At maxmemory, noeviction refuses writes
+# instead: admission answers 503, which is loud and recoverable.
+REQUIRED_EVICTION_POLICY = "noeviction"
+
+
+def eviction_problem(policy: str) -> str | None:
+    """What is wrong with a Redis's ``maxmemory-policy`` for Tessera, in a sentence; None when it is safe."""
+    if policy == REQUIRED_EVICTION_POLICY:
+        return None
+    evicted = "every key, tenants and key hashes included" if policy.startswith("allkeys") else (
+        "keys with a TTL: budgets, usage and concurrency leases")
+    return (f"Redis runs maxmemory-policy {policy}, which evicts {evicted}; set it to "
+            f"{REQUIRED_EVICTION_POLICY} (the chart's bundled Redis does)")
+
+
+async def check_eviction_policy(client: aioredis.Redis) -> str | None:
+    """``eviction_problem`` of the server behind ``client``; None also when the server does not let us read
+    it (managed services rename or disable CONFIG): then the operator of that service answers for it."""
+    try:
+        reply = await client.config_get("maxmemory-policy")
+    except ResponseError:
+        return None
+    policy = reply.get("maxmemory-policy") or reply.get(b"maxmemory-policy")
+    if policy is None:
+        return None
+    return eviction_problem(policy.decode() if isinstance(policy, bytes) else str(policy))

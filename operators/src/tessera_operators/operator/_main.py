@@ -7,8 +7,10 @@ import logging
 from typing import Any
 
 import kopf
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
 
-from tessera.redis_conn import connect
+from tessera.redis_conn import check_eviction_policy, connect
 from tessera.registry import EngineRegistry
 from tessera.tenancy.store import TenantStore
 
@@ -16,6 +18,8 @@ from .discovery import start_discovery
 from .handlers import OperatorContext
 from .kube import KubernetesApi
 from .settings import OperatorSettings
+
+_log = logging.getLogger(__name__)
 
 
 @kopf.on.startup()
@@ -42,6 +46,19 @@ async def operator_startup(settings: kopf.OperatorSettings, memo: Any, **_: Any)
     )
     if operator_settings.operator_discovery_port:
         memo.discovery = await start_discovery(registry, operator_settings.operator_discovery_port)
+    await _warn_if_redis_evicts(redis)
+
+
+async def _warn_if_redis_evicts(redis: aioredis.Redis) -> None:
+    """An evicting Redis would silently drop what the operator writes (and budgets): say so at start. Not
+    fatal: the tenants are still served, and an unreachable Redis is the handlers' TemporaryError to report."""
+    try:
+        problem = await check_eviction_policy(redis)
+    except RedisError as exc:
+        _log.warning("could not read Redis's maxmemory-policy: %s", exc)
+        return
+    if problem is not None:
+        _log.error("%s", problem)
 
 
 @kopf.on.cleanup()
