@@ -399,6 +399,7 @@ def chart_properties() -> dict[str, JSON]:
             "redisFailOpen": BOOLEAN,
             "keyCacheTtlS": number(0),
             "maxBodyBytes": integer(1024),
+            "drain": obj({"preStopSleepS": integer(0, 120), "timeoutS": integer(1, 3600)}),
             "adminToken": obj({"existingSecret": STRING, "key": {"type": "string", "minLength": 1}}),
             "resources": RESOURCES,
             "tokenizerFetch": obj({"resources": RESOURCES}),
