@@ -3,10 +3,10 @@
 Run: ``make bench-gateway-cpu`` (about 40 s a run); writes bench/results/gateway_cpu.json.
 
 One gateway worker started as the chart starts it (``tessera gateway``, via ``_support.start_gateway``), an
-embedded Redis, and a fake engine in this process that answers ``/generate`` with ``TOKENS`` delta lines and
-its closing line, 2 ms apart, one write each, as a decoding engine sends them (no vLLM: only the gateway's
-CPU is under test). The client, the fake engine and Redis run outside the gateway process; the gateway's CPU
-is read from its threads' scheduler counters (``_support.cpu_seconds``, nanoseconds).
+embedded Redis, and a fake engine in this process that answers ``/generate`` with ``TOKENS`` delta lines, 2 ms
+apart, one write each, the last one with the closing line, as a decoding engine replica sends them (no vLLM:
+only the gateway's CPU is under test). The client, the fake engine and Redis run outside the gateway process;
+the gateway's CPU is read from its threads' scheduler counters (``_support.cpu_seconds``, nanoseconds).
 
 Per run:
 - ``per_request_ms``: gateway CPU over ``--requests`` sequential streamed chats, divided by their number
@@ -15,7 +15,8 @@ Per run:
   still run (they stop ``REFRESHER_IDLE_S`` after the last request);
 - ``idle_late_ms_per_s``: CPU per second 13 s after the traffic, the refreshers stopped.
 
-``SPY=path`` records a py-spy profile (raw format) of the gateway during the requests.
+``SPY=path`` records a py-spy profile (raw format) of the gateway during the requests; ``SPY_NATIVE=1`` with
+it adds the native frames (uvloop, the interpreter, the kernel calls' wrappers).
 """
 
 from __future__ import annotations
@@ -51,7 +52,8 @@ async def fake_engine(reader: asyncio.StreamReader, writer: asyncio.StreamWriter
         while True:
             body = orjson.loads(await read_request_body(reader))
             lines = [delta_line(0, f" w{i}", [100 + i]) + b"\n" for i in range(body["max_tokens"])]
-            lines.append(done_line({"0": "length"}, RequestStats()) + b"\n")
+            # As the replica writes them (engine/generation.py): the last delta with the closing line.
+            lines[-1] += done_line({"0": "length"}, RequestStats()) + b"\n"
             writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/x-ndjson\r\n"
                          b"transfer-encoding: chunked\r\n\r\n")
             for chunk in lines:
@@ -110,7 +112,8 @@ async def one_run(num_requests: int, work: Path) -> dict[str, Any]:
             spy = None
             if os.environ.get("SPY"):
                 spy = subprocess.Popen([str(BIN / "py-spy"), "record", "-p", str(gateway.pid), "-r", "500", "-f", "raw",
-                                        "-o", os.environ["SPY"], "--nonblocking"],
+                                        "-o", os.environ["SPY"],
+                                        *(["--native"] if os.environ.get("SPY_NATIVE") else ["--nonblocking"])],
                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                 await asyncio.sleep(1.0)
             c0 = cpu_seconds(gateway.pid)

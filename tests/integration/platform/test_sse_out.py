@@ -1,6 +1,7 @@
 """SSEOut, the client side of the gateway's streamed responses, behind a real uvicorn server (httptools, as
-the gateway runs): deltas written from synchronous code in order, the role chunk first, and a client that
-reads slowly holding later chunks back (the relay is told to wait) without losing or reordering any."""
+the gateway runs): deltas written from synchronous code in order, the role chunk first, the last deltas in
+the tail's write when the engine's closing line came with them, and a client that reads slowly holding later
+chunks back (the relay is told to wait) without losing or reordering any."""
 
 from __future__ import annotations
 
@@ -28,14 +29,20 @@ class DeltaApp:
         self.batches: list[list[Delta]] = []
         self.role_choices = 1
         self.times_behind = 0
+        self.last_batch_ends = False  # the last batch came with the engine's closing line
+        self.body_writes = 0
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             return
+        async def counting_send(message: dict[str, Any]) -> None:
+            self.body_writes += message["type"] == "http.response.body"
+            await send(message)
+
         writer = ChunkWriter(True, "chatcmpl-test", "m", 0)
-        out = SSEOut(send, writer, self.role_choices, [(b"x-request-id", b"r1")])
-        for batch in self.batches:
-            behind = out.deltas(batch)
+        out = SSEOut(counting_send, writer, self.role_choices, [(b"x-request-id", b"r1")])
+        for i, batch in enumerate(self.batches):
+            behind = out.deltas(batch, self.last_batch_ends and i == len(self.batches) - 1)
             if behind is not None:
                 self.times_behind += 1
                 await behind
@@ -100,6 +107,27 @@ async def test_role_chunk_first_then_the_texts_in_order(server: tuple[DeltaApp, 
     assert deltas == [{"role": "assistant", "content": ""}, {"content": "Hel"}, {"content": "lo"},
                       {"content": "!"}, {}]
     assert events[-2]["choices"][0]["finish_reason"] == "stop" and events[-1] == "[DONE]"
+
+
+async def test_the_last_deltas_leave_with_the_tail_in_one_write(server: tuple[DeltaApp, int]) -> None:
+    app, port = server
+    app.last_batch_ends = True
+    app.batches = [[Delta(0, "", [7])], [Delta(0, "Hel", [8])], [Delta(0, "lo", [9])]]
+    _, events = await _get(port)
+    deltas = [e["choices"][0]["delta"] for e in events[:-1]]
+    assert deltas == [{"role": "assistant", "content": ""}, {"content": "Hel"}, {"content": "lo"}, {}]
+    assert events[-1] == "[DONE]"
+    assert app.body_writes == 3, "role, 'Hel', then 'lo' with the tail: the last batch had a write of its own"
+
+
+async def test_a_whole_answer_in_one_read_is_one_body_write(server: tuple[DeltaApp, int]) -> None:
+    app, port = server
+    app.last_batch_ends = True
+    app.batches = [[Delta(0, "Hi", [7]), Delta(0, "!", [8])]]
+    _, events = await _get(port)
+    assert [e["choices"][0]["delta"] for e in events[:-1]] == [
+        {"role": "assistant", "content": ""}, {"content": "Hi"}, {"content": "!"}, {}]
+    assert app.body_writes == 1
 
 
 async def test_a_completion_has_no_role_chunk(server: tuple[DeltaApp, int]) -> None:

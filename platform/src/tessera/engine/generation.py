@@ -57,6 +57,7 @@ async def stream_generation(engine: Any, engine_id: str, request: GenerateReques
     stats = RequestStats(engine_id=engine_id, num_prompt_tokens=len(request.prompt_token_ids))
     finish: dict[str, str | None] = {}
     final: Any = None
+    lines: list[bytes] = []
     async for output in engine.generate(prompt, sampling_params(request), request_id=request.request_id,
                                         priority=request.priority):
         final = output
@@ -69,8 +70,11 @@ async def stream_generation(engine: Any, engine_id: str, request: GenerateReques
                 lines.append(delta_line(completion.index, completion.text, completion.token_ids))
             if completion.finish_reason is not None:
                 finish[str(completion.index)] = completion.finish_reason
+        if output.finished:
+            continue  # vLLM's last output: its deltas leave with the closing line (one write, one gateway read)
         if lines:
             await send({"type": "http.response.body", "body": b"\n".join(lines) + b"\n", "more_body": True})
+            lines = []
         # NOTE: neither vLLM's output queue nor a non-full socket buffer suspends this coroutine, so a
         # stream would hold the event loop for its whole length and starve /stats, /requests and /abort
         # (the KV-eviction controller's view of the engine): give the loop a turn after every step.
@@ -81,7 +85,7 @@ async def stream_generation(engine: Any, engine_id: str, request: GenerateReques
     else:
         fill_timeline(stats, final, request.n)
         tail = done_line(finish, stats)
-    await send({"type": "http.response.body", "body": tail + b"\n", "more_body": False})
+    await send({"type": "http.response.body", "body": b"\n".join([*lines, tail]) + b"\n", "more_body": False})
     return stats
 
 

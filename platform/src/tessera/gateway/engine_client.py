@@ -47,7 +47,9 @@ class StreamResult:
 
 
 # Takes a batch of deltas (in stream order); returns None, or a future to wait for before the next batch.
-DeltaSink = Callable[[list[Delta]], "asyncio.Future[None] | None"]
+# (deltas, last): ``last`` when the engine's closing line came in the same read, so that the sink may hold
+# these deltas back and send them with the response's tail in one write.
+DeltaSink = Callable[[list[Delta], bool], "asyncio.Future[None] | None"]
 
 
 class _Attempt:
@@ -98,7 +100,7 @@ class _Attempt:
             return
         if result.first_delta_ns is None:
             result.first_delta_ns = time.time_ns()
-        behind = self.on_deltas(deltas)
+        behind = self.on_deltas(deltas, self.done)
         if behind is not None:
             self.response.pause()
             behind.add_done_callback(self._caught_up)

@@ -33,25 +33,30 @@ class SSEOut:
         self.started = False
         self._behind: asyncio.Future[None] | None = None  # a send waiting for the client, then the backlog
         self._backlog: list[dict[str, Any]] = []
+        self._held = b""  # the last deltas' chunks, kept for the tail's write
 
-    def deltas(self, deltas: list[Delta]) -> asyncio.Future[None] | None:
+    def deltas(self, deltas: list[Delta], last: bool = False) -> asyncio.Future[None] | None:
+        """``last``: the engine's closing line came with these deltas; their chunks then leave with the tail
+        (``end``), one socket write fewer per request."""
         writer = self._writer
         body = b"".join([writer.text(d.index, d.text) for d in deltas if d.text])
         if not self.started:
             # The response starts with the engine's first delta, and the role chunks leave with its text.
             self._start()
             body = b"".join([writer.role(i) for i in range(self._role_choices)]) + body
-        if body:
+        if last:
+            self._held += body
+        elif body:
             self._emit({"type": "http.response.body", "body": body, "more_body": True})
         return self._behind
 
     async def end(self, tail: bytes) -> None:
-        """The last bytes of the body, after everything sent before them."""
+        """The last bytes of the body (after the held deltas), after everything sent before them."""
         if not self.started:
             self._start()
         if self._behind is not None:
             await self._behind
-        await self._send({"type": "http.response.body", "body": tail, "more_body": False})
+        await self._send({"type": "http.response.body", "body": self._held + tail, "more_body": False})
 
     def close(self) -> None:
         """Drops what still waits for a client that went away."""

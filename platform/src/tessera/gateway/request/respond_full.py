@@ -15,7 +15,7 @@ async def respond_full(ctx: RequestContext, relay: Relay, head: ResponseHead) ->
     body = ctx.body
     texts: dict[int, list[str]] = {i: [] for i in range(body.n)}
 
-    def take(deltas: list[Delta]) -> None:
+    def take(deltas: list[Delta], last: bool) -> None:
         for delta in deltas:
             texts.setdefault(delta.index, []).append(delta.text)
 
