@@ -15,6 +15,9 @@ Per run:
   still run (they stop ``REFRESHER_IDLE_S`` after the last request);
 - ``idle_late_ms_per_s``: CPU per second 13 s after the traffic, the refreshers stopped.
 
+Beside them, the floor (``relay_floor.py``): a bare uvloop relay's CPU per line on this machine, times the
+events of a request.
+
 ``SPY=path`` records a py-spy profile (raw format) of the gateway during the requests; ``SPY_NATIVE=1`` with
 it adds the native frames (uvloop, the interpreter, the kernel calls' wrappers).
 """
@@ -33,6 +36,7 @@ from typing import Any
 import httpx
 import orjson
 from _support import BIN, bench_model, cpu_seconds, print_table, read_request_body, start_gateway, stop, write_results
+from relay_floor import relay_floor_us
 
 from tessera.engine.protocol import RequestStats, delta_line, done_line
 
@@ -156,10 +160,17 @@ def main() -> None:
     medians = {k: statistics.median(r[k] for r in runs) for k in keys}
     goals = {"per_request_ms": GOAL_PER_REQUEST_MS, "idle_after_ms_per_s": GOAL_IDLE_MS_PER_S,
              "idle_late_ms_per_s": GOAL_IDLE_MS_PER_S}
+    # The kernel's and uvloop's share, which no gateway code can remove: a bare relay's CPU per line times
+    # the writes a request makes to its client.
+    floor_us = relay_floor_us()
+    chunks = runs[-1]["chunks_per_request"]
     path = write_results("gateway_cpu", {"tokens": TOKENS, "line_gap_s": LINE_GAP_S, "requests": args.requests,
-                                         "runs": runs, "median": medians, "goals": goals})
+                                         "runs": runs, "median": medians, "goals": goals,
+                                         "relay_floor_us_per_line": floor_us})
     print_table(["measure", *(f"run {i + 1}" for i in range(len(runs))), "median", "goal"],
                 [[k, *(r[k] for r in runs), medians[k], goals[k]] for k in keys])
+    print(f"floor: a bare uvloop relay spends {floor_us:.1f} us of CPU per line here; the {chunks} SSE events of a "
+          f"request at that cost: {floor_us * chunks / 1e3:.2f} ms of the per-request figure")
     print(f"wrote {path}")
 
 
