@@ -23,6 +23,13 @@ against the engine's own block pool): after the events of one engine are applied
 * a hash's owner, root and depth are fixed when its first copy is stored and forgotten when its last copy
   goes; they never change in between.
 
+A gap in the batches' ``seq`` (events lost: a slow subscriber, a dropped message) breaks the invariant: a
+lost BlockRemoved leaves a phantom block that can push its owner over quota. So on a gap the ledger starts
+over, as the prefix-index feeder does (routing/indexer.py): it forgets every block (keeping their owners for
+children stored later) and counts what it sees since (``stores_since_reset``, ``cleared_since_reset``).
+From then on it is a lower bound of the engine's pool (a block stored before the gap and still cached is
+missing, never one too many), and resync.py says when it may be acted on again.
+
 Each BlockRemoved is reported as an ``Eviction`` with the owner, the chain root and the depth of the block
 (depth 0 = the chain's first block), so a prefix-cache miss of a later request can be traced to the
 eviction of exactly the blocks it had to recompute. ``evicted_by`` names the owner of the next block stored
@@ -91,6 +98,10 @@ class KVLedger:
         self.num_unknown_removals = 0
         self.num_missed_batches = 0
         self.last_seq: int | None = None
+        # Since the last reset on a gap (resync.py): blocks stored, and whether an AllBlocksCleared came.
+        self.num_resets = 0
+        self.stores_since_reset = 0
+        self.cleared_since_reset = False
 
     # ---- reading ---------------------------------------------------------------------------------
 
@@ -127,6 +138,7 @@ class KVLedger:
         if self.last_seq is not None and batch.seq > self.last_seq + 1:
             update.missed_batches = batch.seq - self.last_seq - 1
             self.num_missed_batches += update.missed_batches
+            self._reset()
         self.last_seq = batch.seq
         stored = iter(batch.stored_blocks)
         pending: list[tuple[int, _Block]] = []  # evictions waiting for the next store to name the evictor
@@ -135,6 +147,7 @@ class KVLedger:
                 h, parent, _tokens, salt = next(stored)
                 assert h == block_hash, "stored_blocks must follow the store ops one to one"
                 owner = self._store(h, parent, salt)
+                self.stores_since_reset += 1
                 update.stored[owner] += 1
                 self.last_store_ts[owner] = batch.ts
                 self._flush(pending, owner, update, batch.ts)
@@ -145,6 +158,7 @@ class KVLedger:
             elif op == "clear":
                 self._flush(pending, None, update, batch.ts)
                 self._clear()
+                self.cleared_since_reset = True
                 update.cleared = True
         self._flush(pending, None, update, batch.ts)
         return update
@@ -196,6 +210,13 @@ class KVLedger:
         self._forgotten.move_to_end(block_hash)
         if len(self._forgotten) > _FORGOTTEN_MAX:
             self._forgotten.popitem(last=False)
+
+    def _reset(self) -> None:
+        """Starts over after lost events: no block it cannot vouch for (see the module docstring)."""
+        self._clear()
+        self.num_resets += 1
+        self.stores_since_reset = 0
+        self.cleared_since_reset = False
 
     def _clear(self) -> None:
         for block_hash, block in self._blocks.items():

@@ -8,6 +8,9 @@ Two tasks share the loop's state:
   eviction spans, ends the previous tick's action spans (their "free blocks after"), builds a snapshot,
   asks ``decide`` and applies the actions: demotion flags, the engine's pressure flag (both with a TTL it
   refreshes while they hold) and ``POST /abort``.
+
+After lost KV events the ledger starts over and, until resync.py says it is whole again, the ticks hold
+the actions it drives (``actions_while_stale``).
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ from .policy import (
     action_name,
     decide,
 )
+from .resync import ResyncView, actions_while_stale, is_stale
 from .spans import links_to, parent_context, to_ns
 
 logger = logging.getLogger(__name__)
@@ -95,6 +99,7 @@ class EngineControlLoop:
         self._flags_refreshed = 0.0
         self._pending_evictions: list[tuple[LedgerUpdate, int | None, dict[str, list[str]]]] = []
         self._open_spans: list[Any] = []
+        self._reset_at: float | None = None  # time.monotonic() of the ledger's last reset on a gap, until whole
 
     # ---- lifecycle -------------------------------------------------------------------------------
 
@@ -142,6 +147,9 @@ class EngineControlLoop:
             metrics.unknown_removals.labels(self.engine_id).inc(self.ledger.num_unknown_removals - unknown)
         if update.missed_batches:
             metrics.missed.labels(self.engine_id).inc(update.missed_batches)
+            self._reset_at = time.monotonic()
+            logger.warning("%s: %d KV event batches lost before seq %d; the ledger starts over and holds its "
+                           "decisions until it is whole again", self.engine_id, update.missed_batches, update.seq)
         if update.evictions:
             free_before = self.state.num_free_blocks if self.state else None
             evictors = {e.evicted_by for e in update.evictions if e.evicted_by is not None}
@@ -236,6 +244,8 @@ class EngineControlLoop:
             return []
         snapshot = await self.snapshot(state)
         actions = decide(snapshot, self.ctx.policy)
+        if self.ledger_stale(state):
+            actions = actions_while_stale(actions)
         if logger.isEnabledFor(logging.DEBUG) and (snapshot.requests or actions):
             logger.debug("%s: free %d/%d, %d running, %d waiting, relief %d, pressure %s; tenants %s; "
                          "requests %s -> %s", self.engine_id, state.num_free_blocks, state.num_gpu_blocks,
@@ -246,6 +256,20 @@ class EngineControlLoop:
             await self.apply(action, snapshot)
         await self._refresh_flags()
         return actions
+
+    def ledger_stale(self, state: EngineState) -> bool:
+        """Whether the ledger, reset on a gap, is still short of the engine's pool (resync.py); the first
+        tick that finds it whole forgets the reset."""
+        if self._reset_at is None:
+            return False
+        ledger = self.ledger
+        view = ResyncView(time.monotonic() - self._reset_at, ledger.stores_since_reset, ledger.cleared_since_reset)
+        if is_stale(view, state.num_gpu_blocks, self.ctx.policy.resync_max_s):
+            return True
+        logger.info("%s: the ledger is whole again (%d blocks stored since its reset, cleared: %s)",
+                    self.engine_id, ledger.stores_since_reset, ledger.cleared_since_reset)
+        self._reset_at = None
+        return False
 
     def observe(self, state: EngineState) -> None:
         """A fresh poll: emit the eviction spans waiting for it, end the last tick's action spans (both learn

@@ -59,6 +59,12 @@ class PolicyConfig(BaseModel):
         default=2, ge=0, description="Free blocks at or below which the last-resort abort may fire."
     )
     abort_cooldown_s: float = Field(default=2.0, ge=0.0, description="Least time between two aborts on an engine.")
+    resync_max_s: float = Field(
+        default=60.0, gt=0.0,
+        description="After lost KV events the engine's ledger starts over and holds demotions, restores and "
+        "aborts until the engine's cache has turned over or was cleared, or for at most this long, seconds "
+        "(kvcontrol/resync.py).",
+    )
     abort_min_age_s: float = Field(
         default=0.5, ge=0.0, description="Requests younger than this are not aborted (they may not even run yet)."
     )
