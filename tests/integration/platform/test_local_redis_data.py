@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tessera.local.platform import LocalPlatform, LocalPlatformOptions
+from tessera.local.platform import LocalPlatform, LocalPlatformOptions, PlatformStartError
 from tessera.redis_conn import connect
 from tessera.tenancy.store import TenantStore
 
@@ -52,3 +52,18 @@ def test_a_caller_with_its_own_redis_url_gets_no_embedded_server(tmp_path: Path)
     platform.start_redis()
     assert platform.redis is None and not (tmp_path / "redis").exists()
     assert (platform.run_dir / "redis_url").read_text() == "redis://127.0.0.1:1/0"
+
+
+def test_a_second_run_on_the_same_state_directory_is_refused(tmp_path: Path) -> None:
+    first = LocalPlatform(LocalPlatformOptions(state_dir=tmp_path))
+    first.start_redis()
+    try:
+        second = LocalPlatform(LocalPlatformOptions(state_dir=tmp_path))
+        with pytest.raises(PlatformStartError, match="another `tessera up` is running"):
+            second.start_redis()
+        assert second.redis is None, "no second server appends to the same AOF"
+    finally:
+        first.stop()
+    third = LocalPlatform(LocalPlatformOptions(state_dir=tmp_path))
+    third.start_redis()  # the lock went with the first run
+    third.stop()

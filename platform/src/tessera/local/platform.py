@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import json
 import os
 import signal
@@ -16,7 +17,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import httpx
 
@@ -71,6 +72,7 @@ class LocalPlatform:
         self.kvcontrol_metrics_url = ""
         self.engine_config: EngineConfig | None = None
         self._ray_started = False
+        self._redis_lock: IO[str] | None = None
 
     @property
     def base_url(self) -> str:
@@ -137,10 +139,24 @@ class LocalPlatform:
         """The embedded Redis (unless ``redis_url`` names one), keeping its data in ``redis_data_dir``: the
         tenants, keys, budgets and usage of one `tessera up` are there in the next."""
         if not self.redis_url:
+            self._lock_redis_data_dir()
             self.redis = EmbeddedRedis(data_dir=self.redis_data_dir).start()
             self.redis_url = self.redis.url
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "redis_url").write_text(self.redis_url)
+
+    def _lock_redis_data_dir(self) -> None:
+        """Two servers appending to one AOF would corrupt it: a second `tessera up` on the same state
+        directory stops here. The lock is the kernel's (flock), so a killed run leaves none behind."""
+        self.redis_data_dir.mkdir(parents=True, exist_ok=True)
+        lock = (self.redis_data_dir / "tessera-up.lock").open("w")
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.close()
+            raise PlatformStartError(f"another `tessera up` is running on {self.redis_data_dir}: stop it, or "
+                                     "give this one its own --state-dir") from None
+        self._redis_lock = lock
 
     def _env(self) -> dict[str, str]:
         opts = self.options
@@ -282,6 +298,9 @@ class LocalPlatform:
         if self.redis is not None:
             self.redis.stop()
             self.redis = None
+        if self._redis_lock is not None:
+            self._redis_lock.close()  # releases the flock
+            self._redis_lock = None
         with contextlib.suppress(FileNotFoundError):
             (self.run_dir / "redis_url").unlink()
 
