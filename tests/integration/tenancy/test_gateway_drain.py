@@ -179,7 +179,7 @@ async def test_a_draining_replica_leaves_the_registry_first_then_finishes_its_st
         tenancy_redis: RestartableRedis, drain_engine: EngineHost) -> None:
     """Last in this module: it stops the module's replica."""
     payload = {"request_id": f"drain-{time.monotonic_ns()}", "prompt_token_ids": list(range(400, 416)),
-               "max_tokens": 1500, "temperature": 1.0, "ignore_eos": True}
+               "max_tokens": 3000, "temperature": 1.0, "ignore_eos": True}
     lines: list[dict[str, object]] = []
     first = asyncio.Event()
 
@@ -213,5 +213,5 @@ async def test_a_draining_replica_leaves_the_registry_first_then_finishes_its_st
     finally:
         await redis.aclose()
     assert lines[-1].get("done") is True, lines[-1]
-    assert sum(len(line.get("d", [])) for line in lines) == 1500  # type: ignore[arg-type,misc]
+    assert sum(len(line.get("d", [])) for line in lines) == 3000  # type: ignore[arg-type,misc]
     assert outcome is not None and outcome.drained

@@ -115,8 +115,7 @@ class Gateway:
                     if answer is None:
                         raise
                     task.uncancel()
-                    error = APIError(503, "drain deadline", "gateway_draining")
-                    await answer_cut(send, answer, self.drain.timeout_s, request_id)
+                    error = await answer_cut(send, answer, self.drain.timeout_s, request_id)
                 except Exception as exc:
                     error = exc
                     raise

@@ -158,13 +158,14 @@ class GatewayDrain:
         return len(self._open)
 
 
-async def answer_cut(send: Send, answer: CutAnswer, timeout_s: float, request_id: str) -> None:
-    """The end of a request the drain cut, once it settled."""
+async def answer_cut(send: Send, answer: CutAnswer, timeout_s: float, request_id: str) -> APIError:
+    """The end of a request the drain cut, once it settled; returns the error it answered (for its span)."""
     err = cut_error(timeout_s)
     if answer is CutAnswer.ERROR_EVENT:
         await send({"type": "http.response.body", "body": error_event(err), "more_body": False})
     elif answer is CutAnswer.ERROR_RESPONSE:
         await respond_error(send, err, request_id)
+    return err
 
 
 __all__ = ["DRAIN_STATE_KEY", "SETTLE_GRACE_S", "CutAnswer", "GatewayDrain", "ResponseProgress", "answer_cut",
