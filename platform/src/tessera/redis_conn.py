@@ -114,7 +114,10 @@ async def check_eviction_policy(client: aioredis.Redis) -> str | None:
         reply = await client.config_get("maxmemory-policy")
     except ResponseError:
         return None
-    policy = reply.get("maxmemory-policy") or reply.get(b"maxmemory-policy")
-    if policy is None:
-        return None
-    return eviction_problem(policy.decode() if isinstance(policy, bytes) else str(policy))
+    config = {_text(name): _text(value) for name, value in dict(reply).items()}
+    policy = config.get("maxmemory-policy")
+    return None if policy is None else eviction_problem(policy)
+
+
+def _text(raw: object) -> str:
+    return raw.decode() if isinstance(raw, bytes) else str(raw)
