@@ -78,6 +78,11 @@ async def demoted(loop: EngineControlLoop, tenant: str) -> bool:
     return bool(await loop.ctx.redis.exists(demoted_key(tenant)))
 
 
+def stale_gauge(loop: EngineControlLoop) -> float | None:
+    value = loop.ctx.metrics.registry.get_sample_value("tessera_kvcontrol_ledger_stale", {"engine": loop.engine_id})
+    return value
+
+
 async def lose_batch_1(loop: EngineControlLoop) -> None:
     """Alice stores 12 blocks (under her 15), Bob 20 (over: he is demoted). Batch 1, lost on the way, evicts
     10 of Alice's blocks and all of Bob's; batch 2 stores 10 more of Alice's. She then holds 12 blocks: a
@@ -92,6 +97,7 @@ async def lose_batch_1(loop: EngineControlLoop) -> None:
             loop.on_batch(sent)
     # Stale: no demotion of Alice, and Bob, forgotten to 0 blocks by the reset, is not restored yet either.
     assert await loop.tick() == []
+    assert stale_gauge(loop) == 1.0
     assert not await demoted(loop, ALICE) and await demoted(loop, BOB)
 
 
@@ -115,3 +121,4 @@ async def test_once_the_engine_clears_its_cache_the_ledger_acts_again(loop: Engi
     assert sorted((type(a).__name__, a.tenant) for a in actions if isinstance(a, Demote | Restore)) == [
         ("Demote", ALICE), ("Restore", BOB)]
     assert await demoted(loop, ALICE) and not await demoted(loop, BOB)
+    assert stale_gauge(loop) == 0.0

@@ -148,6 +148,7 @@ class EngineControlLoop:
         if update.missed_batches:
             metrics.missed.labels(self.engine_id).inc(update.missed_batches)
             self._reset_at = time.monotonic()
+            metrics.ledger_stale.labels(self.engine_id).set(1)
             logger.warning("%s: %d KV event batches lost before seq %d; the ledger starts over and holds its "
                            "decisions until it is whole again", self.engine_id, update.missed_batches, update.seq)
         if update.evictions:
@@ -269,6 +270,7 @@ class EngineControlLoop:
         logger.info("%s: the ledger is whole again (%d blocks stored since its reset, cleared: %s)",
                     self.engine_id, ledger.stores_since_reset, ledger.cleared_since_reset)
         self._reset_at = None
+        self.ctx.metrics.ledger_stale.labels(self.engine_id).set(0)
         return False
 
     def observe(self, state: EngineState) -> None:

@@ -31,6 +31,9 @@ class ControllerMetrics:
         self.missed = Counter("tessera_kvcontrol_missed_batches_total",
                               "KV event batches lost before reaching the controller (sequence gaps)",
                               ["engine"], registry=r)
+        self.ledger_stale = Gauge("tessera_kvcontrol_ledger_stale",
+                                  "1 while the engine's ledger, reset after lost KV events, holds its decisions "
+                                  "(kvcontrol/resync.py)", ["engine"], registry=r)
         self.unknown_removals = Counter("tessera_kvcontrol_unknown_removals_total",
                                         "BlockRemoved events for blocks the ledger never saw stored", ["engine"],
                                         registry=r)
@@ -50,7 +53,7 @@ class ControllerMetrics:
     def forget_engine(self, engine: str) -> None:
         for tenant in self._tenant_labels.pop(engine, set()):
             self.tenant_blocks.remove(engine, tenant)
-        for gauge in (self.blocks_total, self.blocks_used, self.pressure):
+        for gauge in (self.blocks_total, self.blocks_used, self.pressure, self.ledger_stale):
             try:
                 gauge.remove(engine)
             except KeyError:
