@@ -44,7 +44,8 @@ def drain_engine(small_model_dir: Path, tenancy_redis: RestartableRedis) -> Iter
 
 @dataclass
 class StreamOutcome:
-    num_tokens: int = 0  # content chunks received
+    num_tokens: int = 0  # content chunks received (one per engine delta: a token, or several accepted drafts)
+    completion_tokens: int | None = None  # the usage chunk's, when the request asked for it
     done: bool = False  # ended with data: [DONE]
     error: dict[str, object] | None = None  # the SSE error event's "error", if it ended with one
 
@@ -63,6 +64,8 @@ async def stream_one(client: httpx.AsyncClient, url: str, tenant: TenantHandle, 
             event = orjson.loads(data)
             if "error" in event:
                 outcome.error = event["error"]
+            elif event.get("usage"):
+                outcome.completion_tokens = event["usage"]["completion_tokens"]
             elif any(choice.get("text") for choice in event.get("choices", [])):
                 outcome.num_tokens += 1
                 first_chunk.set()
@@ -112,7 +115,7 @@ async def test_sigterm_during_20_streams_completes_them_all_and_refuses_new_conn
         tenant = create_tenant(gateway, {"maxConcurrentRequests": 50}, prefix="drain")
         # Sampled, so n-gram speculation cannot shortcut it: long enough to still run well after the signal.
         body = completion_body(max_tokens=STREAM_TOKENS, prompt=list(range(300, 316)), stream=True, ignore_eos=True,
-                               temperature=1.0)
+                               temperature=1.0, stream_options={"include_usage": True})
         limits = httpx.Limits(max_connections=NUM_STREAMS + 5)
         async with httpx.AsyncClient(timeout=180.0, limits=limits) as client:
             tasks, outcomes = await start_streams(gateway.url, tenant, body, client)
@@ -122,7 +125,7 @@ async def test_sigterm_during_20_streams_completes_them_all_and_refuses_new_conn
             refused_after_s = time.monotonic() - signalled
             running_when_refused = sum(not t.done() for t in tasks)
             await asyncio.gather(*tasks)
-        assert [(o.done, o.error, o.num_tokens) for o in outcomes] == [(True, None, STREAM_TOKENS)] * NUM_STREAMS
+        assert [(o.done, o.error, o.completion_tokens) for o in outcomes] == [(True, None, STREAM_TOKENS)] * NUM_STREAMS
         # The streams outlived the listening socket: the drain, not a quick finish, completed them.
         assert running_when_refused > 0, refused_after_s
         await asyncio.to_thread(gateway.process.wait, 30)
