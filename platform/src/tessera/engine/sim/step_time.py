@@ -1,0 +1,121 @@
+"""How long one engine step takes, from what it computes (``StepShape``): two models, chosen by ``kind``.
+
+* ``roofline``: the planner's roofline (``planner/serving.py``) for a GPU, model and tensor parallelism,
+  applied to a mixed step. Per GPU of the TP group the step does ``(2·N_mm·T + 4·L·a·d·P) / t`` FLOPs
+  (T scheduled tokens, P query-key pairs of causal attention) and moves ``N_mm·e_w / t`` weight bytes plus
+  the KV it reads; it takes the slower of the two at the given efficiencies, plus a fixed overhead per step
+  (scheduler, sampling, TP all-reduces). The roofline is a lower bound; the efficiencies say how far from
+  it the modelled engine runs.
+* ``measured``: a linear model fitted on a real engine (the CPU engine's step costs): a fixed cost per
+  step, per sequence in the batch, and per prefill token. Calibration (``bench/bench_sim_calibration.py``)
+  configures the sim this way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from tessera.engine.sim.scheduler import StepShape
+from tessera.planner.presets import get_gpu, get_model
+from tessera.planner.serving import (
+    WEIGHT_DTYPE_BYTES,
+    KVDtype,
+    WeightDtype,
+    compute_dtype,
+    kv_bytes_per_token_per_gpu,
+    kv_capacity,
+)
+from tessera.planner.shapes import count_params
+
+StepTimeFn = Callable[[StepShape], float]
+
+
+class RooflineStepTime(BaseModel):
+    """Step time from the planner's roofline. Defaults: H100 SXM, Llama-3-70B, TP8, FP8 KV."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: Literal["roofline"] = Field(default="roofline", description="Selects the roofline model.")
+    gpu: str = Field(default="h100-sxm", description="Planner GPU preset (`tessera plan` lists them).")
+    model: str = Field(default="llama-3-70b", description="Planner model preset.")
+    tensor_parallel_size: int = Field(default=8, ge=1, description="GPUs per replica (TP).")
+    weight_dtype: WeightDtype = Field(default="bf16", description="Weight dtype (FP8 weights run FP8 matmuls).")
+    kv_cache_dtype: KVDtype = Field(default="fp8", description="KV cache dtype (bytes read per cached token).")
+    compute_efficiency: float = Field(
+        default=0.5, gt=0.0, le=1.0,
+        description="Share of peak FLOP/s the step's matmuls reach (an assumption, not a measurement).")
+    memory_efficiency: float = Field(
+        default=0.8, gt=0.0, le=1.0,
+        description="Share of HBM bandwidth the step's reads reach (an assumption, not a measurement).")
+    step_overhead_s: float = Field(
+        default=0.002, ge=0.0,
+        description="Fixed seconds per step: scheduling, sampling, TP all-reduces (an assumption).")
+
+
+class MeasuredStepTime(BaseModel):
+    """Step time from a real engine's measured costs: ``step + per_seq·seqs + per_prefill_token·tokens``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: Literal["measured"] = Field(default="measured", description="Selects the measured model.")
+    step_s: float = Field(ge=0.0, description="Seconds per step whatever it holds (a 1-sequence decode).")
+    per_seq_s: float = Field(ge=0.0, description="Seconds per sequence in the batch beyond the first.")
+    per_prefill_token_s: float = Field(ge=0.0, description="Seconds per prompt token computed.")
+
+
+StepTimeConfig = Annotated[RooflineStepTime | MeasuredStepTime, Field(discriminator="kind")]
+
+
+def roofline_step_time(config: RooflineStepTime) -> StepTimeFn:
+    shape, gpu = get_model(config.model), get_gpu(config.gpu)
+    tp = config.tensor_parallel_size
+    matmul_params = count_params(shape).matmul
+    weight_bytes_per_gpu = matmul_params * WEIGHT_DTYPE_BYTES[config.weight_dtype] / tp
+    kv_bytes_per_token = kv_bytes_per_token_per_gpu(shape, config.kv_cache_dtype, tp)
+    attention_flops_per_pair = 4.0 * shape.num_layers * shape.query_width
+    flops_per_s = gpu.peak_flops(compute_dtype(config.weight_dtype)) * config.compute_efficiency
+    bytes_per_s = gpu.hbm_bandwidth_bytes_per_s * config.memory_efficiency
+
+    def step_time(step: StepShape) -> float:
+        if step.num_scheduled_tokens == 0:
+            return 0.0
+        flops = (2.0 * matmul_params * step.num_scheduled_tokens
+                 + attention_flops_per_pair * step.attention_pairs) / tp
+        bytes_moved = weight_bytes_per_gpu + step.num_context_tokens * kv_bytes_per_token
+        return max(flops / flops_per_s, bytes_moved / bytes_per_s) + config.step_overhead_s
+
+    return step_time
+
+
+def measured_step_time(config: MeasuredStepTime) -> StepTimeFn:
+    def step_time(step: StepShape) -> float:
+        if step.num_scheduled_tokens == 0:
+            return 0.0
+        return (config.step_s + config.per_seq_s * max(0, step.num_seqs - 1)
+                + config.per_prefill_token_s * step.num_prefill_tokens)
+
+    return step_time
+
+
+_MODELS: dict[str, Callable[..., StepTimeFn]] = {"roofline": roofline_step_time, "measured": measured_step_time}
+
+
+def step_time_fn(config: RooflineStepTime | MeasuredStepTime) -> StepTimeFn:
+    try:
+        make = _MODELS[config.kind]
+    except KeyError:
+        raise ValueError(f"unknown step-time model {config.kind!r}; valid: {', '.join(sorted(_MODELS))}") from None
+    return make(config)
+
+
+def roofline_num_gpu_blocks(config: RooflineStepTime, block_size: int, max_model_len: int,
+                            gpu_memory_utilization: float = 0.9) -> int:
+    """KV blocks the planner says one replica of this GPU/model/TP holds (plus vLLM's null block)."""
+    capacity = kv_capacity(get_model(config.model), get_gpu(config.gpu), kv_dtype=config.kv_cache_dtype,
+                           context_len=max_model_len, tp=config.tensor_parallel_size,
+                           weight_dtype=config.weight_dtype, gpu_memory_utilization=gpu_memory_utilization,
+                           block_size=block_size)
+    return capacity.capacity_tokens // block_size + 1

@@ -1,0 +1,58 @@
+"""Step-time models (step_time.py): the roofline preset's regimes and the measured linear model."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import TypeAdapter, ValidationError
+
+from tessera.engine.sim.scheduler import StepShape
+from tessera.engine.sim.step_time import (
+    MeasuredStepTime,
+    RooflineStepTime,
+    StepTimeConfig,
+    roofline_num_gpu_blocks,
+    step_time_fn,
+)
+from tessera.planner.presets import get_gpu, get_model
+from tessera.planner.serving import decode_step_bound
+
+
+def decode(num_seqs: int, context: int) -> StepShape:
+    return StepShape(num_seqs, 0, num_seqs, num_seqs, num_seqs * (context + 1.0), num_seqs * (context + 1))
+
+
+def test_a_small_decode_is_the_planners_memory_bound_plus_the_step_overhead() -> None:
+    config = RooflineStepTime(compute_efficiency=1.0, memory_efficiency=1.0)
+    bound = decode_step_bound(get_model("llama-3-70b"), get_gpu("h100-sxm"), batch=1, context_len=1001, tp=8,
+                              kv_dtype="fp8")
+    assert bound.regime == "memory-bound"
+    assert step_time_fn(config)(decode(1, 1000)) == pytest.approx(bound.time_s + config.step_overhead_s, rel=1e-3)
+
+
+def test_a_long_prefill_is_compute_bound_and_grows_with_its_tokens() -> None:
+    fn = step_time_fn(RooflineStepTime())
+    one, two = (fn(StepShape(n, n, 0, 1, n * (n + 1) / 2, n)) for n in (2048, 4096))
+    assert one > 0.05
+    assert two > 2 * one - RooflineStepTime().step_overhead_s  # attention makes it superlinear
+
+
+def test_the_measured_model_is_linear_in_sequences_and_prefill_tokens() -> None:
+    fn = step_time_fn(MeasuredStepTime(step_s=0.01, per_seq_s=0.001, per_prefill_token_s=0.0001))
+    assert fn(StepShape(100, 98, 2, 3, 0.0, 0)) == pytest.approx(0.01 + 2 * 0.001 + 98 * 0.0001)
+    assert fn(StepShape(0, 0, 0, 0, 0.0, 0)) == 0.0
+
+
+def test_the_preset_holds_an_h100_tp8_llama_70b_fp8_kv_cache() -> None:
+    blocks = roofline_num_gpu_blocks(RooflineStepTime(), block_size=16, max_model_len=8192)
+    # 8 × 80 GB × 0.9 minus 140 GB of weights, at 160 KiB of FP8 KV per token over 8 GPUs: millions of tokens.
+    assert 1_000_000 < (blocks - 1) * 16 < 5_000_000
+
+
+def test_configs_are_strict_and_chosen_by_kind() -> None:
+    adapter: TypeAdapter[RooflineStepTime | MeasuredStepTime] = TypeAdapter(StepTimeConfig)
+    assert isinstance(adapter.validate_python({"kind": "measured", "step_s": 0.01, "per_seq_s": 0,
+                                               "per_prefill_token_s": 0}), MeasuredStepTime)
+    with pytest.raises(ValidationError):
+        adapter.validate_python({"kind": "roofline", "gpus": "h100-sxm"})
+    with pytest.raises(ValueError, match="llama-3-70b"):
+        step_time_fn(RooflineStepTime(model="llama-9"))
