@@ -9,7 +9,8 @@ Concurrent callers share the connection: each call writes its commands in one ``
 replies, matched in order (Redis answers a connection's commands in the order they arrive). A timeout or a
 lost connection fails every pending call and drops the connection, since a late reply would otherwise be
 handed to the next caller; the next call reconnects. Errors are redis-py's own exception types, so callers
-handle both clients alike (``NoScriptError`` for NOSCRIPT, ``ResponseError`` for the other error replies).
+handle both clients alike (``NoScriptError`` for NOSCRIPT, ``OutOfMemoryError`` for a server at maxmemory,
+``ResponseError`` for the other error replies).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Any
 import hiredis
 from redis.asyncio.connection import SSLConnection, UnixDomainSocketConnection, parse_url
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoScriptError, ResponseError
+from redis.exceptions import NoScriptError, OutOfMemoryError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 Command = tuple[str | bytes | int | float, ...]
@@ -41,7 +42,11 @@ def pack_commands(commands: list[Command]) -> bytes:
 
 def as_redis_error(reply: hiredis.ReplyError) -> ResponseError:
     message = str(reply)
-    return NoScriptError(message) if message.startswith("NOSCRIPT") else ResponseError(message)
+    if message.startswith("NOSCRIPT"):
+        return NoScriptError(message)
+    if message.startswith("OOM"):
+        return OutOfMemoryError(message)  # noeviction at maxmemory: the billing queue waits on it (billing.py)
+    return ResponseError(message)
 
 
 class _Call:

@@ -16,6 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
+from redis.exceptions import OutOfMemoryError
+
 from tessera.tenancy.admission import Admission, Lease
 
 logger = logging.getLogger(__name__)
@@ -34,8 +36,15 @@ class PendingFinish:
     finished_at: datetime
 
 
+def _waits(exc: BaseException, is_transient: Callable[[BaseException], bool]) -> bool:
+    """Whether a failed finish is parked. Besides the caller's transient errors: a Redis at maxmemory
+    (noeviction, as Tessera requires) refuses the finish with OOM, and takes it once memory is freed."""
+    return is_transient(exc) or isinstance(exc, OutOfMemoryError)
+
+
 class FinishQueue:
-    """Finishes leases now, or later when Redis is unreachable; ``is_transient`` says which errors wait."""
+    """Finishes leases now, or later when Redis is unreachable or full; ``is_transient`` says which other
+    errors wait."""
 
     def __init__(self, admission: Admission, is_transient: Callable[[BaseException], bool]) -> None:
         self._admission = admission
@@ -52,7 +61,7 @@ class FinishQueue:
         try:
             await self._admission.finish(lease, prompt_tokens, completion_tokens, pending.finished_at)
         except Exception as exc:
-            if not self._is_transient(exc):
+            if not _waits(exc, self._is_transient):
                 raise
             self._park(pending)
 
@@ -75,7 +84,7 @@ class FinishQueue:
                     await self._admission.finish(item.lease, item.prompt_tokens, item.completion_tokens,
                                                  item.finished_at)
                 except Exception as exc:
-                    if not self._is_transient(exc):
+                    if not _waits(exc, self._is_transient):
                         logger.exception("usage of lease %s could not be recorded", item.lease.lease_id)
                         self._parked.popleft()
                         continue
