@@ -11,7 +11,8 @@ from redis.exceptions import ResponseError
 
 # How the embedded server keeps a data directory: the chart's bundled server's settings (appendonly,
 # everysec), so `tessera up` and the durability tests see the same guarantee as a cluster: every write is in
-# the append-only file before its reply (a killed server loses none), fsync'd once a second.
+# the append-only file before its reply (a killed server loses none, unless a stalled disk made Valkey
+# postpone its writes, up to 2 s), fsync'd once a second.
 DURABLE_CONFIG: dict[str, str] = {"appendonly": "yes", "appendfsync": "everysec", "save": ""}
 
 

@@ -4,10 +4,11 @@ tenant, key hash (a key still authenticates, a revoked one stays revoked), polic
 
 The bound on lost usage, stated and checked here per finish: Valkey writes each command to the AOF before it
 sends the reply, and ``appendfsync everysec`` fsyncs the file once a second, so
-- a killed *process* (SIGKILL, OOM kill) loses no acknowledged finish: the kernel still has the write;
+- a killed *process* (SIGKILL, OOM kill) loses no acknowledged finish on a healthy disk: the kernel still
+  has the write;
 - a crashed *node* loses at most the finishes acknowledged in the last second before the crash (those not
-  yet fsync'd). Valkey may hold writes back for up to 2 s more while a previous fsync is still running on a
-  stalled disk, which the chart's dedicated claim is there to avoid.
+  yet fsync'd). In both cases Valkey may hold writes back for up to 2 s while a previous fsync is still
+  running on a stalled disk, which the chart's dedicated claim is there to avoid.
 A test process cannot crash its node, so this test holds the kill to the node's bound, ``LOST_WINDOW_S``:
 an acknowledged finish missing after the restart must have been acknowledged within the last second (on a
 healthy disk none is missing). A finish that got no reply (the kill cut it off) is parked by the gateway's

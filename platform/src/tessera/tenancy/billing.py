@@ -1,10 +1,10 @@
 """Usage is never lost: a request's ``finish`` (reconcile + usage) is retried until Redis takes it.
 
 The request path calls ``FinishQueue.finish`` once, after the last token, also when the client went away or
-the engine failed. When Redis does not answer, the call is parked and retried in the background with
-backoff; ``finish.lua`` is idempotent per lease, so a retry after a lost reply does not count twice. A
-parked finish still holds its concurrency lease and its TPM reservation in Redis until then, which errs
-on the side of the limits (the lease also expires by itself).
+the engine failed. When Redis does not answer (or is full: OOM under noeviction), the call is parked and
+retried in the background with backoff; ``finish.lua`` is idempotent per lease, so a retry after a lost
+reply does not count twice. A parked finish still holds its concurrency lease and its TPM reservation in
+Redis until then, which errs on the side of the limits (the lease also expires by itself).
 """
 
 from __future__ import annotations
