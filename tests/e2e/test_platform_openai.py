@@ -113,8 +113,8 @@ def test_a_client_leaving_mid_stream_leaves_no_request_in_the_engine(platform_st
         lines = (line for line in response.iter_lines() if line.startswith("data: {"))
         next(lines)
         next(lines)
-        request_id = response.headers["x-request-id"]
-        assert any(r["request_id"] == request_id for r in httpx.get(f"{engine}/requests").json())
+        # The replica knows the request by the gateway's id for it, which names the tenant.
+        assert any(r["request_id"].startswith("e2e-openai/") for r in httpx.get(f"{engine}/requests").json())
     left = time.monotonic()
     while time.monotonic() - left < 2.0 and httpx.get(f"{engine}/requests").json():
         time.sleep(0.02)

@@ -161,6 +161,12 @@ class EngineEndpoints:
         if not self.replica.is_healthy():
             await respond_json(send, 503, {"error": "engine is not healthy"})
             return
+        if self.in_flight.get(request.request_id) is not None:
+            # vLLM aborts every request sharing an id and the table below holds one entry per id: a second
+            # request under a running one's id would cut the first short.
+            await respond_json(send, 409, {"error": f"request {request.request_id!r} is already running here; "
+                                                    "every request needs an id of its own"})
+            return
         headers = header_map(scope)
         entry = self.in_flight.start(request.request_id, headers.get("x-tessera-tenant", ""), request.priority)
         engine = self.replica.engine

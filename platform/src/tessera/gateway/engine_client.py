@@ -77,6 +77,7 @@ class _Attempt:
 
     def _take(self, lines: list[bytes]) -> None:
         result, deltas = self.result, []
+        aborted: list[int] = []
         for line in lines:
             try:
                 message = parse_line(line)
@@ -92,18 +93,21 @@ class _Attempt:
                 result.finish = message.finish
                 result.stats = message.stats
                 self.done = True
+                aborted = [i for i, reason in message.finish.items() if reason == "abort"]
             else:
                 self.error = message.message
                 result.stats = message.stats
                 self.retryable = message.retryable
-        if not deltas:
-            return
-        if result.first_delta_ns is None:
-            result.first_delta_ns = time.time_ns()
-        behind = self.on_deltas(deltas, self.done)
-        if behind is not None:
-            self.response.pause()
-            behind.add_done_callback(self._caught_up)
+        if deltas:
+            if result.first_delta_ns is None:
+                result.first_delta_ns = time.time_ns()
+            behind = self.on_deltas(deltas, self.done and not aborted)
+            if behind is not None:
+                self.response.pause()
+                behind.add_done_callback(self._caught_up)
+        if aborted:
+            raise APIError(502, f"The engine aborted choice {aborted[0]} before it finished; the text so far "
+                           "is incomplete. Retry the request.", "request_aborted")
 
     def _caught_up(self, behind: asyncio.Future[None]) -> None:
         if behind.cancelled():

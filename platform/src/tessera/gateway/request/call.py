@@ -1,6 +1,7 @@
-"""Phase ``call``: the engine request (``engine.protocol.GenerateBody``) to the route's replicas, best first
-(``EngineClient.relay`` retries on the next one), answered to the client as a stream (respond_stream.py) or
-as one body (respond_full.py). The first engine counts the request in flight while it runs."""
+"""Phase ``call``: the engine request (``engine.protocol.GenerateBody``, under an id of the gateway's own) to
+the route's replicas, best first (``EngineClient.relay`` retries on the next one), answered to the client as a
+stream (respond_stream.py) or as one body (respond_full.py). The first engine counts the request in flight
+while it runs."""
 
 from __future__ import annotations
 
@@ -27,18 +28,29 @@ _ID_PREFIX = secrets.token_hex(8)
 _ids = itertools.count()
 
 
+def engine_request_id(tenant: str, response_id: str) -> str:
+    """The id the replica and vLLM know the request by: made here, never the client's ``X-Request-Id``
+    (vLLM aborts every request sharing an id and the replica keys its in-flight table by it, so a tenant
+    reusing another's id could cut that tenant's stream short). The client's id stays a label: echoed in the
+    response, on the spans and in the ``x-request-id`` header to the replica. The tenant in front scopes it
+    and names the owner in the replica's ``/requests`` and in vLLM's logs."""
+    return f"{tenant}/{response_id}"
+
+
 async def call_engine(ctx: RequestContext, engines: EngineClient, router: Router) -> None:
     body, decision, records = ctx.body, ctx.decision, ctx.records
     priority = ctx.tenant.policy.priority + (DEMOTION_STEP if ctx.demoted else 0)
+    response_id = f"{ctx.endpoint.id_prefix}{_ID_PREFIX}{next(_ids):x}"
     engine_body: GenerateBody = {
-        "request_id": ctx.request_id, "prompt_token_ids": ctx.prompt_ids, "max_tokens": ctx.max_tokens,
+        "request_id": engine_request_id(ctx.tenant.name, response_id), "prompt_token_ids": ctx.prompt_ids,
+        "max_tokens": ctx.max_tokens,
         "temperature": body.temperature, "top_p": body.top_p, "seed": body.seed, "stop": body.stop_list,
         "n": body.n, "cache_salt": ctx.cache_salt, "priority": priority, "ignore_eos": body.ignore_eos}
     ctx.engine_body = engine_body
     engine_headers = {"x-tessera-tenant": ctx.tenant.name, "x-request-id": ctx.request_id}
     ctx.notes.engine_headers(engine_headers)
     first = decision.ranked[0]
-    head = ResponseHead(f"{ctx.endpoint.id_prefix}{_ID_PREFIX}{next(_ids):x}", int(time.time()),
+    head = ResponseHead(response_id, int(time.time()),
                         [(b"x-request-id", ctx.request_id.encode()), (b"x-tessera-engine", first.encode()),
                          (b"x-tessera-route-reason", decision.reason.encode())])
     ctx.notes.attributes.update({"tessera.engine": first, "tessera.route.reason": decision.reason,
