@@ -14,7 +14,10 @@ from pathlib import Path
 
 import typer
 
+from tessera.cli.engine_sim import sim
+
 engine_app = typer.Typer(no_args_is_help=True, help="Run an engine host directly.")
+engine_app.command("sim")(sim)
 
 
 @engine_app.command("serve")

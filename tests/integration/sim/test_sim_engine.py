@@ -1,0 +1,146 @@
+"""A simulated engine (``tessera engine sim``, a real process) registers in real Redis, a real gateway routes
+a streamed chat to it, Tessera's KV-event decoder reads its events, and its own index feed puts the
+prompt's blocks in the prefix index under the gateway's hashes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import orjson
+import pytest
+
+from tessera.redis_conn import EmbeddedRedis, connect
+from tessera.registry import EngineRecord, EngineRegistry
+from tessera.routing.hashing import block_hash_chain
+from tessera.routing.kv_events import KVEventSubscriber
+from tessera.routing.prefix_index import PrefixIndex
+from tests.support.gateways import running_gateways
+from tests.support.routing_stack import issue_tenant_key
+
+MODEL = "sim-small"
+BLOCK_SIZE = 16
+START_TIMEOUT_S = 60.0
+
+
+@dataclass
+class SimProcess:
+    process: subprocess.Popen[bytes]
+    urls: list[str]
+
+
+@pytest.fixture(scope="module")
+def sim_process(small_model_dir: Path, redis_server: EmbeddedRedis, tmp_path_factory: pytest.TempPathFactory
+                ) -> Iterator[SimProcess]:
+    work = tmp_path_factory.mktemp("sim")
+    # Measured step costs and a small cache: a test-sized engine (the roofline preset's H100 cache would do
+    # as well, it is only bigger).
+    config = {"served_model_name": MODEL, "tokenizer": str(small_model_dir), "block_size": BLOCK_SIZE,
+              "num_gpu_blocks": 64, "max_model_len": 512, "heartbeat_interval_s": 0.5,
+              "step_time": {"kind": "measured", "step_s": 0.002, "per_seq_s": 0.0, "per_prefill_token_s": 1e-5}}
+    ready = work / "ready.json"
+    env = {**os.environ, "TESSERA_REDIS_URL": redis_server.url}
+    log = open(work / "sim.log", "wb")  # noqa: SIM115 - closed after the process
+    process = subprocess.Popen(
+        [str(Path(sys.executable).parent / "tessera"), "engine", "sim", "--config", json.dumps(config),
+         "--num-engines", "1", "--ready-file", str(ready)],
+        env=env, stdout=log, stderr=subprocess.STDOUT, process_group=0)
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not ready.exists():
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the sim did not start:\n{(work / 'sim.log').read_text()[-3000:]}")
+            time.sleep(0.1)
+        yield SimProcess(process, json.loads(ready.read_text()))
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGTERM)
+            try:
+                process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+        log.close()
+
+
+async def registered(redis_url: str, url: str) -> EngineRecord:
+    redis = connect(redis_url, timeout_s=5.0)
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            for record in await EngineRegistry(redis).live_engines():
+                if record.url == url:
+                    return record
+            await asyncio.sleep(0.1)
+        raise TimeoutError(f"{url} never registered")
+    finally:
+        await redis.aclose()
+
+
+def sse_contents(body: str) -> list[str]:
+    out = []
+    for line in body.splitlines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            for choice in orjson.loads(line[6:]).get("choices", []):
+                out.append(choice.get("delta", {}).get("content") or "")
+    return out
+
+
+def test_a_gateway_routes_to_a_sim_engine_and_its_kv_events_reach_the_decoder_and_the_index(
+        sim_process: SimProcess, redis_server: EmbeddedRedis, tmp_path_factory: pytest.TempPathFactory) -> None:
+    record = asyncio.run(registered(redis_server.url, sim_process.urls[0]))
+    assert (record.model, record.block_size, record.num_gpu_blocks) == (MODEL, BLOCK_SIZE, 64)
+    key, _salt = issue_tenant_key(redis_server.url, f"sim-{time.monotonic_ns()}")
+    env = {"TESSERA_REDIS_TIMEOUT_S": "2.0", "TESSERA_REGISTRY_REFRESH_S": "0.25", "TESSERA_REGISTRY_MAX_AGE_S": "0.5"}
+    prompt_ids = list(range(1000, 1040))  # two full blocks and a partial one
+    expected_chain = block_hash_chain(prompt_ids, BLOCK_SIZE, "tenant-salt")[:2]
+
+    async def scenario(gateway_url: str) -> None:
+        # Subscribed before any request: the first batches are not missed.
+        events = KVEventSubscriber(record.kv_events_endpoint)
+        try:
+            async with httpx.AsyncClient(timeout=30.0) as client:
+                chat = {"model": MODEL, "stream": True, "max_tokens": 4,
+                        "messages": [{"role": "user", "content": "tell me about simulated engines " * 6}]}
+                response = await client.post(f"{gateway_url}/v1/chat/completions", json=chat,
+                                             headers={"authorization": f"Bearer {key}"})
+                assert response.status_code == 200, response.text
+                assert response.headers["x-tessera-engine"] == record.engine_id
+                assert "".join(sse_contents(response.text)).count(" t") == 4
+                # The replica protocol straight to the engine, with known ids: its events carry their hashes.
+                direct = await client.post(f"{record.url}/generate", json={
+                    "request_id": "direct-1", "prompt_token_ids": prompt_ids, "max_tokens": 2,
+                    "cache_salt": "tenant-salt"})
+                lines = [orjson.loads(line) for line in direct.content.splitlines()]
+                assert lines[-1]["done"] and lines[-1]["stats"]["num_output_tokens"] == 2
+            stored: dict[int, tuple[int | None, str | None]] = {}
+            async with asyncio.timeout(15):
+                async for batch in events:
+                    stored.update({h: (parent, salt) for h, parent, _, salt in batch.stored_blocks})
+                    if all(h in stored for h in expected_chain):
+                        break
+            assert stored[expected_chain[0]] == (None, "tenant-salt")
+            assert stored[expected_chain[1]] == (expected_chain[0], None)
+        finally:
+            events.close()
+        # The sim's own index feed (the real engine host's loop) put the blocks in the shared prefix index.
+        redis = connect(redis_server.url, timeout_s=5.0)
+        try:
+            async with asyncio.timeout(15):
+                while (await PrefixIndex(redis).longest_prefixes(expected_chain, [record.engine_id])
+                       ).get(record.engine_id, 0) < 2:
+                    await asyncio.sleep(0.1)
+        finally:
+            await redis.aclose()
+
+    with running_gateways(1, redis_server.url, tmp_path_factory.mktemp("sim-gw"), env) as gateways:
+        asyncio.run(scenario(gateways[0].url))
