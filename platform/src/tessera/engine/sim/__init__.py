@@ -3,10 +3,14 @@ scheduler, timed by a step-time model instead of a GPU, behind the replica's own
 
 One concept per module: ``block_pool`` (what is cached and evicted, and the KV events), ``hash_chain``
 (the gateway's block hashes, grown with the output), ``scheduler`` (what each step computes),
-``step_time`` (how long a step takes), ``kv_wire`` (vLLM's KV-event wire format and publisher).
+``step_time`` (how long a step takes), ``kv_wire`` (vLLM's KV-event wire format and publisher),
+``config`` (a replica's settings), ``engine`` (the scheduler stepped in simulated time), ``server`` (its
+HTTP routes) and ``fleet`` (many replicas in one process; import it from ``tessera.engine.sim.fleet``, it
+pulls the HTTP server and Redis).
 """
 
 from tessera.engine.sim.block_pool import Block, BlockPool
+from tessera.engine.sim.config import SimEngineConfig
 from tessera.engine.sim.scheduler import SchedulingPolicy, SimRequest, SimScheduler, StepShape
 from tessera.engine.sim.step_time import MeasuredStepTime, RooflineStepTime, StepTimeConfig, step_time_fn
 
@@ -16,6 +20,7 @@ __all__ = [
     "MeasuredStepTime",
     "RooflineStepTime",
     "SchedulingPolicy",
+    "SimEngineConfig",
     "SimRequest",
     "SimScheduler",
     "StepShape",
