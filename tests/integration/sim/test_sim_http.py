@@ -125,3 +125,28 @@ def test_many_replicas_share_one_process_each_on_its_own_port() -> None:
         assert stats["simulated"] and stats["num_gpu_blocks"] == 128
 
     with_fleet(config(), 20, body)
+
+
+def test_requests_lists_tenants_and_abort_ends_a_stream_with_a_retryable_error() -> None:
+    async def body(fleet: SimFleet, client: httpx.AsyncClient) -> None:
+        url = fleet.replicas[0].url
+
+        async def long_request() -> list[dict[str, Any]]:
+            response = await client.post(f"{url}/generate", headers={"x-tessera-tenant": "acme"}, json={
+                "request_id": "victim", "prompt_token_ids": list(range(64)), "max_tokens": 1000, "priority": 3})
+            return lines_of(response)
+
+        streaming = asyncio.create_task(long_request())
+        async with asyncio.timeout(10):
+            while not (listing := (await client.get(f"{url}/requests")).json()):
+                await asyncio.sleep(0.01)
+        assert [(e["request_id"], e["tenant"], e["priority"]) for e in listing] == [("victim", "acme", 3)]
+        aborted = await client.post(f"{url}/abort", json={"request_id": "victim", "reason": "kv pressure"})
+        assert aborted.status_code == 200
+        last = (await streaming)[-1]
+        assert last["retryable"] and last["status"] == 503 and "kv pressure" in last["error"]
+        assert last["stats"]["num_output_tokens"] < 1000
+        assert (await client.post(f"{url}/abort", json={"request_id": "victim"})).status_code == 404
+        assert (await client.get(f"{url}/requests")).json() == []
+
+    with_fleet(config(step_time=MeasuredStepTime(step_s=0.02, per_seq_s=0, per_prefill_token_s=0)), 1, body)

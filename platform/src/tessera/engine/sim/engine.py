@@ -106,20 +106,20 @@ class SimEngine:
         self._work.set()
         return stream
 
-    def abort(self, request_id: str) -> bool:
-        stream = self._streams.pop(request_id, None)
-        if stream is None:
+    def abort(self, request_id: str, reason: str = "aborted") -> bool:
+        """Stops a request still queued or running (its blocks freed); its stream ends with ``reason``."""
+        stream = self._streams.get(request_id)
+        if stream is None or stream.done:
             return False
         self.scheduler.abort(request_id)
         stream.done = True
-        stream.error = "aborted"
+        stream.error = reason
         stream.changed.set()
         return True
 
     def release(self, stream: RequestStream) -> None:
         """The HTTP side is done with ``stream`` (sent, or the client left: then the request is aborted)."""
-        if not stream.done:
-            self.abort(stream.request.request_id)
+        self.abort(stream.request.request_id, "the client left")
         self._streams.pop(stream.request.request_id, None)
 
     def stats_of(self, stream: RequestStream) -> RequestStats:

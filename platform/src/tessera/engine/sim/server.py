@@ -4,7 +4,8 @@ OpenAI API so routers other than Tessera's can sit in front of the same fleet.
   POST /generate              NDJSON lines (engine/protocol.py: delta_line … done_line | error_line)
   POST /v1/completions        OpenAI completions, streamed (SSE) or whole
   POST /v1/chat/completions   OpenAI chat completions, streamed (SSE) or whole
-  GET  /health, /stats, /requests
+  POST /abort                 {"request_id", "reason"}: the KV-eviction controller's abort (a retryable error)
+  GET  /health, /stats, /requests (in-flight requests with tenant and priority, as the real replica lists them)
 
 NOTE: the OpenAI routes tokenize as one token per UTF-8 byte of the prompt (chat: of the messages joined
 with their roles). The sim needs token ids only for block hashes, and bytes keep two prompts that share a
@@ -29,10 +30,12 @@ from tessera.asgi import (
     Receive,
     Scope,
     Send,
+    header_map,
     read_body,
     respond_json,
     wait_disconnect,
 )
+from tessera.engine.in_flight import InFlightRequests
 from tessera.engine.protocol import GenerateRequest, delta_line, done_line, error_line
 from tessera.engine.sim.engine import RequestRejected, RequestStream, SimEngine
 
@@ -74,6 +77,15 @@ class OpenAIBody(BaseModel):
         return list((self.prompt or "").encode())
 
 
+class AbortBody(BaseModel):
+    """``POST /abort``, as the real replica reads it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    request_id: str = Field(min_length=1)
+    reason: str = "aborted"
+
+
 def openai_error(message: str, status: int) -> dict[str, Any]:
     kind = "invalid_request_error" if status < 500 else "server_error"
     return {"error": {"message": message, "type": kind, "param": None, "code": None}}
@@ -86,13 +98,14 @@ class SimEndpoints:
         self.engine = engine
         self.model_name = model_name
         self.max_body_bytes = max_body_bytes
+        self.in_flight = InFlightRequests()
 
     async def asgi(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return
         path, method = scope["path"], scope["method"]
         if path == "/generate" and method == "POST":
-            await self.generate(receive, send)
+            await self.generate(scope, receive, send)
         elif path == "/v1/completions" and method == "POST":
             await self.openai(receive, send, "text_completion")
         elif path == "/v1/chat/completions" and method == "POST":
@@ -102,8 +115,9 @@ class SimEndpoints:
         elif path == "/stats":
             await respond_json(send, 200, self.stats())
         elif path == "/requests":
-            await respond_json(send, 200, [{"request_id": r.request_id, "priority": r.priority}
-                                           for r in self.engine.scheduler.requests.values()])
+            await respond_json(send, 200, self.in_flight.listing())
+        elif path == "/abort" and method == "POST":
+            await self.abort(receive, send)
         elif path == "/v1/models":
             await respond_json(send, 200, {"object": "list", "data": [{"id": self.model_name, "object": "model"}]})
         else:
@@ -146,7 +160,23 @@ class SimEndpoints:
 
     # -- the replica protocol -----------------------------------------------------------------------------
 
-    async def generate(self, receive: Receive, send: Send) -> None:
+    async def abort(self, receive: Receive, send: Send) -> None:
+        raw = await self._body(receive, send)
+        if raw is None:
+            return
+        try:
+            body = AbortBody.model_validate_json(raw)
+        except ValidationError as exc:
+            await respond_json(send, 400, {"error": f"invalid AbortRequest: {exc.errors(include_url=False)}"})
+            return
+        entry = self.in_flight.get(body.request_id)
+        if entry is None or not self.engine.abort(body.request_id, f"request aborted by the engine: {body.reason}"):
+            await respond_json(send, 404, {"error": f"request {body.request_id!r} is not running here"})
+            return
+        entry.abort_reason = body.reason
+        await respond_json(send, 200, {"aborted": body.request_id})
+
+    async def generate(self, scope: Scope, receive: Receive, send: Send) -> None:
         raw = await self._body(receive, send)
         if raw is None:
             return
@@ -159,8 +189,12 @@ class SimEndpoints:
         except ValueError as exc:  # RequestRejected, or a request id already running
             await respond_json(send, 400, {"error": str(exc)})
             return
-        await send({"type": "http.response.start", "status": 200, "headers": NDJSON_HEADERS})
-        await self._until_done_or_gone(stream, self._write_lines(stream, send), receive)
+        self.in_flight.start(body.request_id, header_map(scope).get("x-tessera-tenant", ""), body.priority)
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": NDJSON_HEADERS})
+            await self._until_done_or_gone(stream, self._write_lines(stream, send), receive)
+        finally:
+            self.in_flight.finish(body.request_id)
 
     async def _write_lines(self, stream: RequestStream, send: Send) -> None:
         request = stream.request
