@@ -5,7 +5,8 @@ Time: a ``SimClock`` maps wall-clock time to simulated time (``time_scale`` wall
 second). A step that the model says takes ``dt`` simulated seconds ends ``dt`` simulated seconds after it
 began; if the process falls behind (a thousand engines on two cores), simulated time still follows the
 wall clock, so lag shows up as latency rather than vanishing. Every duration in a request's stats is
-simulated; the ``*_ts`` timestamps are the clock's epoch plus simulated time.
+simulated; the ``*_ts`` timestamps are the clock's epoch plus simulated time. KV-event batches carry the
+wall-clock time they were published, as vLLM's do.
 """
 
 from __future__ import annotations
@@ -169,7 +170,9 @@ class SimEngine:
             out = self.scheduler.update(batch, end_s, self._next_token)
             events = self.pool.take_events()
             if events and self._publish is not None:
-                self._publish(self.clock.epoch_s + end_s, events)
+                # NOTE: a batch's ts is wall-clock, as vLLM's: it says when the batch left, which is what an
+                # index's event-to-visible lag is measured against, whatever the time scale.
+                self._publish(time.time(), events)
             for request_id in out.new_tokens:
                 stream = self._streams.get(request_id)
                 if stream is not None:
