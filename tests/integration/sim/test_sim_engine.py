@@ -1,6 +1,6 @@
 """A simulated engine (``tessera engine sim``, a real process) registers in real Redis, a real gateway routes
-a streamed chat to it, Tessera's KV-event decoder reads its events, and its own index feed puts the
-prompt's blocks in the prefix index under the gateway's hashes."""
+a streamed chat to it, Tessera's KV-event decoder reads its events, its own index feed puts the prompt's
+blocks in the prefix index under the gateway's hashes, and on SIGTERM it leaves the registry and the index."""
 
 from __future__ import annotations
 
@@ -144,3 +144,18 @@ def test_a_gateway_routes_to_a_sim_engine_and_its_kv_events_reach_the_decoder_an
 
     with running_gateways(1, redis_server.url, tmp_path_factory.mktemp("sim-gw"), env) as gateways:
         asyncio.run(scenario(gateways[0].url))
+
+    # Stopped as a real replica stops: out of the registry, its blocks out of the index, exit status 0.
+    os.killpg(sim_process.process.pid, signal.SIGTERM)
+    assert sim_process.process.wait(timeout=30) == 0
+
+    async def gone() -> None:
+        redis = connect(redis_server.url, timeout_s=5.0)
+        try:
+            assert record.engine_id not in [e.engine_id for e in await EngineRegistry(redis).live_engines()]
+            assert (await PrefixIndex(redis).longest_prefixes(expected_chain, [record.engine_id])
+                    ).get(record.engine_id, 0) == 0
+        finally:
+            await redis.aclose()
+
+    asyncio.run(gone())
