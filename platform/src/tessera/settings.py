@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -68,8 +69,35 @@ class TesseraSettings(BaseSettings):
         "signal); a stream still running then ends with an SSE error event and is billed for what it generated "
         "(gateway/drain.py). The chart's terminationGracePeriodSeconds covers it.",
     )
+    engine_head_timeout_s: float = Field(
+        default=30.0, gt=0.0,
+        description="An engine replica that sends no response head this long after a request is taken for hung, "
+        "seconds (it sends its head before any generation work); the request goes to the next replica.",
+    )
+    engine_idle_timeout_s: float = Field(
+        default=120.0, gt=0.0,
+        description="A relayed engine stream with no byte for this long is taken for stalled, seconds (noticed "
+        "within twice this; a request queued in the engine sends nothing meanwhile, so keep it above the "
+        "longest queue wait); the request continues on the next replica or ends with an error.",
+    )
+    engine_total_timeout_s: float = Field(
+        default=3600.0, gt=0.0,
+        description="The longest one request may run, engine retries included, seconds: then 504 (or an SSE "
+        "error event), the engine request aborted and the tenant's lease released.",
+    )
     max_body_bytes: int = Field(default=1_048_576, description="Largest accepted request body, bytes (413 above).")
     routing_policy: str = Field(default="prefix_affinity", description="Routing policy name (see tessera.routing).")
+    prefix_index: Literal["local", "redis"] = Field(
+        default="local",
+        description="Where the route's prefix lookup is answered: 'local', the gateway worker's in-process index "
+        "fed from Redis's KV-event stream (no Redis call on the route), or 'redis', the Lua lookup riding in "
+        "admission's round trip (the fallback). See docs/routing.md.",
+    )
+    local_index_max_blocks: int = Field(
+        default=2_000_000, ge=1,
+        description="Cap of the local prefix index, blocks (the oldest-stored are evicted past it; about 200 bytes "
+        "a block, see docs/routing.md).",
+    )
     trace_exporter: str = Field(
         default="jsonl", description="Span exporter: 'jsonl', 'otlp-http', 'otlp-grpc' or 'none'."
     )

@@ -1,6 +1,7 @@
 """The gateway's engine HTTP client (http_wire) against a real uvicorn server with httptools, as the engine
 host runs it: chunked NDJSON streams line by line, keep-alive reuse, error bodies, an early close reaching
-the server as a disconnect, a stale pooled connection replaced, refused and broken connections."""
+the server as a disconnect, a stale pooled connection replaced, refused and broken connections, and the
+timeouts: a hung head, a stalled stream (but not a relay paused for its consumer)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import orjson
 import pytest
 import uvicorn
 
-from tessera.gateway.http_wire import EngineHTTP, EngineUnreachable
+from tessera.gateway.http_wire import EngineHTTP, EngineTimeout, EngineUnreachable
 
 
 class StreamingApp:
@@ -34,6 +35,11 @@ class StreamingApp:
             body += message.get("body", b"")
             if not message.get("more_body"):
                 break
+        if scope["path"] == "/hang":  # a replica that took the request and never answers
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            self.disconnects += 1
+            return
         if scope["path"] == "/fail":
             await send({"type": "http.response.start", "status": 503, "headers": []})
             await send({"type": "http.response.body", "body": b"engine is dead"})
@@ -253,4 +259,54 @@ async def test_leaving_a_relay_early_reaches_the_server_as_a_disconnect(server: 
             break
         await asyncio.sleep(0.02)
     assert app.disconnects == 1 and not sink.ended.done()  # nothing reaches a relay after it was left
+    await http.close()
+
+
+async def test_a_replica_that_sends_no_head_times_out_and_sees_the_caller_go(
+        server: tuple[StreamingApp, str]) -> None:
+    app, base = server
+    http = EngineHTTP(head_timeout_s=0.3)
+    with pytest.raises(EngineTimeout, match=r"no response head within 0\.3 s"):
+        async with http.post(f"{base}/hang", b"{}", {}):
+            pass
+    for _ in range(100):
+        if app.disconnects:
+            break
+        await asyncio.sleep(0.02)
+    assert app.disconnects == 1  # the connection closed: a real replica aborts the request
+    await http.close()
+
+
+async def test_a_stream_that_stalls_fails_the_relay_and_closes_the_connection(
+        server: tuple[StreamingApp, str]) -> None:
+    app, base = server
+    http = EngineHTTP(idle_timeout_s=0.2)
+    sink = Recorder()
+    async with http.post(f"{base}/stream", orjson.dumps({"n": 3, "gap_s": 5.0}), {}) as resp:
+        resp.relay(sink)
+        failure = await asyncio.wait_for(sink.ended, 3)
+    assert isinstance(failure, EngineTimeout) and "sent nothing for 0.2 s" in str(failure)
+    assert sink.lines == [{"i": 0}]
+    for _ in range(100):
+        if app.disconnects:
+            break
+        await asyncio.sleep(0.02)
+    assert app.disconnects == 1
+    await http.close()
+
+
+async def test_a_relay_paused_for_its_consumer_is_not_idle(server: tuple[StreamingApp, str]) -> None:
+    _, base = server
+    http = EngineHTTP(idle_timeout_s=0.1)
+    sink = Recorder(pause_first=True)
+    async with http.post(f"{base}/stream", orjson.dumps({"n": 20, "gap_s": 0.002}), {}) as resp:
+        sink.response = resp
+        resp.relay(sink)
+        while not sink.lines:
+            await asyncio.sleep(0.005)
+        await asyncio.sleep(0.5)  # five idle periods with nothing read: the consumer, not the engine, is slow
+        assert not sink.ended.done()
+        resp.resume()
+        assert await sink.ended is None
+    assert sink.lines == [{"i": i} for i in range(20)]
     await http.close()

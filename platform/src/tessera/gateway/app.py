@@ -67,7 +67,8 @@ class Gateway:
         self.router = Router(self.redis, settings.routing_policy, PrefixIndex(self.redis),
                              refresh_s=settings.registry_refresh_s, max_age_s=settings.registry_max_age_s,
                              wire=self.wire)
-        self.engines = EngineClient()
+        self.engines = EngineClient(settings.engine_head_timeout_s, settings.engine_idle_timeout_s,
+                                    settings.engine_total_timeout_s)
         self.metrics = GatewayMetrics()
         self.tracer = trace.get_tracer("tessera.gateway")
         # The headers the configured propagators read (traceparent, tracestate, baggage by default).

@@ -29,9 +29,11 @@ from tessera.engine.protocol import (
     parse_line,
 )
 from tessera.gateway.errors import APIError
-from tessera.gateway.http_wire import EngineHTTP, EngineUnreachable, StreamResponse
+from tessera.gateway.http_wire import HEAD_TIMEOUT_S, IDLE_TIMEOUT_S, EngineHTTP, EngineUnreachable, StreamResponse
 
 MAX_ATTEMPTS = 3
+# The longest a request may take from its first engine call to its last line, retries included, seconds.
+TOTAL_TIMEOUT_S = 3600.0
 
 
 @dataclass(slots=True)
@@ -125,8 +127,10 @@ class _Attempt:
 
 
 class EngineClient:
-    def __init__(self) -> None:
-        self.http = EngineHTTP()
+    def __init__(self, head_timeout_s: float = HEAD_TIMEOUT_S, idle_timeout_s: float = IDLE_TIMEOUT_S,
+                 total_timeout_s: float = TOTAL_TIMEOUT_S) -> None:
+        self.http = EngineHTTP(head_timeout_s=head_timeout_s, idle_timeout_s=idle_timeout_s)
+        self.total_timeout_s = total_timeout_s
 
     async def close(self) -> None:
         await self.http.close()
@@ -134,7 +138,17 @@ class EngineClient:
     async def relay(self, urls: list[tuple[str, str]], body: GenerateBody, headers: dict[str, str],
                     result: StreamResult, on_deltas: DeltaSink) -> None:
         """Relays the deltas of the first engine that serves the request to ``on_deltas``; ``urls`` is
-        [(engine_id, url)] in the route's order. Returns once the engine's closing line came."""
+        [(engine_id, url)] in the route's order. Returns once the engine's closing line came; 504 when that
+        takes longer than ``total_timeout_s`` (the engine connection then closes: the replica aborts)."""
+        try:
+            async with asyncio.timeout(self.total_timeout_s):
+                await self._relay(urls, body, headers, result, on_deltas)
+        except TimeoutError:
+            raise APIError(504, f"The request did not finish within the gateway's limit of "
+                           f"{self.total_timeout_s:g} s; ask for fewer tokens or retry.", "engine_timeout") from None
+
+    async def _relay(self, urls: list[tuple[str, str]], body: GenerateBody, headers: dict[str, str],
+                     result: StreamResult, on_deltas: DeltaSink) -> None:
         generated: list[int] = []
         last_error = "no engine available"
         single = body.get("n", 1) == 1

@@ -18,6 +18,12 @@ away and aborts the vLLM request. A finished response returns its connection to 
 on a reused connection that the engine had meanwhile closed (no byte of a response came back) is sent once
 more on a new connection, as HTTP clients do for idempotent-by-construction failures: the engine never
 saw it.
+
+Nothing waits on an engine forever: the connect, the response head (``head_timeout_s``: the replica sends its
+head before any generation work, so a slow head means a hung replica) and, while a response is relayed, any
+``idle_timeout_s`` in which no byte came (checked once per period: a stall is noticed within two periods; a
+relay paused for a slow client is not idle) each fail with ``EngineTimeout``, and the connection closes, so
+the replica aborts the request.
 """
 
 from __future__ import annotations
@@ -35,12 +41,18 @@ import httptools
 # Idle pooled connections older than this are closed instead of reused (the engine keeps them 300 s).
 IDLE_KEEP_S = 60.0
 CONNECT_TIMEOUT_S = 2.0
+HEAD_TIMEOUT_S = 30.0
+IDLE_TIMEOUT_S = 120.0
 # Reading pauses while this much body waits for the consumer (engine streams are small; this is a guard).
 MAX_BUFFER_BYTES = 1 << 20
 
 
 class EngineUnreachable(ConnectionError):
     """The engine refused the connection, or closed it before the response ended."""
+
+
+class EngineTimeout(EngineUnreachable):
+    """The engine did not answer, or went quiet mid-stream, within its time."""
 
 
 class LineSink(Protocol):
@@ -74,13 +86,15 @@ class _Connection(asyncio.Protocol):
         self.sink: LineSink | None = None
         self._sink_ended = False
         self._sink_paused = False
+        self._heard = False  # a byte came since the idle watch last looked
+        self._idle_watch: asyncio.TimerHandle | None = None
 
     # asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
-        self.got_bytes = True
+        self.got_bytes = self._heard = True
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
@@ -181,15 +195,37 @@ class _Connection(asyncio.Protocol):
         self._wakeup = asyncio.get_running_loop().create_future()
         await self._wakeup
 
+    def watch_idle(self, idle_timeout_s: float) -> None:
+        """Fails the relay when a whole ``idle_timeout_s`` passes with no byte from the engine while the
+        sink takes more (one timer per period, not per chunk)."""
+        self._heard = False
+        self._idle_watch = asyncio.get_running_loop().call_later(idle_timeout_s, self._check_idle, idle_timeout_s)
+
+    def _check_idle(self, idle_timeout_s: float) -> None:
+        if self._sink_ended or self.sink is None:
+            return
+        if self._heard or self._sink_paused:
+            self.watch_idle(idle_timeout_s)  # looks again a period later, for bytes from now on
+            return
+        self._fail(EngineTimeout(f"the engine sent nothing for {idle_timeout_s:g} s"))
+        if self.transport is not None:
+            self.transport.abort()
+
+    def stop_watch(self) -> None:
+        if self._idle_watch is not None:
+            self._idle_watch.cancel()
+            self._idle_watch = None
+
     @property
     def reusable(self) -> bool:
         return self.complete and self.keep_alive and not self.closed
 
 
 class StreamResponse:
-    def __init__(self, connection: _Connection) -> None:
+    def __init__(self, connection: _Connection, idle_timeout_s: float = IDLE_TIMEOUT_S) -> None:
         self._conn = connection
         self.status = connection.status
+        self._idle_timeout_s = idle_timeout_s
 
     async def lines(self) -> AsyncIterator[bytes]:
         """The body's newline-terminated lines (the last one also when it has no newline)."""
@@ -214,6 +250,7 @@ class StreamResponse:
         """From now on the body's lines go to ``sink`` as they arrive (those already here go now), and
         ``sink.body_ended`` says when the response is over; ``lines()`` must not be used alongside."""
         self._conn.sink = sink
+        self._conn.watch_idle(self._idle_timeout_s)
         self._conn.deliver()
 
     def pause(self) -> None:
@@ -233,8 +270,11 @@ class StreamResponse:
 class EngineHTTP:
     """Keep-alive connections per engine address, most recently used first (the warmest one)."""
 
-    def __init__(self, connect_timeout_s: float = CONNECT_TIMEOUT_S, idle_keep_s: float = IDLE_KEEP_S) -> None:
+    def __init__(self, connect_timeout_s: float = CONNECT_TIMEOUT_S, idle_keep_s: float = IDLE_KEEP_S,
+                 head_timeout_s: float = HEAD_TIMEOUT_S, idle_timeout_s: float = IDLE_TIMEOUT_S) -> None:
         self._connect_timeout_s = connect_timeout_s
+        self._head_timeout_s = head_timeout_s
+        self._idle_timeout_s = idle_timeout_s
         self._idle_keep_s = idle_keep_s
         self._idle: dict[tuple[str, int], list[tuple[_Connection, float]]] = {}
 
@@ -244,8 +284,9 @@ class EngineHTTP:
         request = _request_bytes(netloc, path, body, headers)
         conn = await self._send(address, request)
         try:
-            yield StreamResponse(conn)
+            yield StreamResponse(conn, self._idle_timeout_s)
         finally:
+            conn.stop_watch()
             conn.sink = None  # a relay ends with its response: nothing reaches it from a late close
             if conn.reusable:
                 self._idle.setdefault(address, []).append((conn, time.monotonic()))
@@ -258,12 +299,12 @@ class EngineHTTP:
         reused = self._pooled(address)
         if reused is not None:
             try:
-                return await _exchange(reused, request)
-            except EngineUnreachable:
-                if reused.got_bytes:
+                return await _exchange(reused, request, self._head_timeout_s)
+            except EngineUnreachable as exc:
+                if reused.got_bytes or isinstance(exc, EngineTimeout):
                     raise
                 # Stale: the engine had closed it while idle and never saw this request. Once more, fresh.
-        return await _exchange(await self._connect(address), request)
+        return await _exchange(await self._connect(address), request, self._head_timeout_s)
 
     def _pooled(self, address: tuple[str, int]) -> _Connection | None:
         idle = self._idle.get(address)
@@ -306,11 +347,15 @@ def _target(url: str) -> tuple[str, str, tuple[str, int]]:
     return parts.netloc, parts.path or "/", (parts.hostname, parts.port or 80)
 
 
-async def _exchange(conn: _Connection, request: bytes) -> _Connection:
+async def _exchange(conn: _Connection, request: bytes, head_timeout_s: float) -> _Connection:
     assert conn.transport is not None
     try:
         conn.transport.write(request)
-        await conn.headers_done
+        async with asyncio.timeout(head_timeout_s):
+            await conn.headers_done
+    except TimeoutError:
+        conn.transport.abort()
+        raise EngineTimeout(f"the engine sent no response head within {head_timeout_s:g} s") from None
     except BaseException:
         conn.transport.abort()
         raise

@@ -1,11 +1,14 @@
-"""The answer to ``stream: false``: the engine's deltas collected, then one OpenAI response body."""
+"""The answer to ``stream: false``: the engine's deltas collected, then one OpenAI response body. A client that
+leaves meanwhile ends the request (``ClientWatch``): the replica aborts it rather than generating for nobody."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import TYPE_CHECKING
 
 from tessera.asgi import JSON_CONTENT, send_response
 from tessera.gateway.openai_format import usage
+from tessera.gateway.request.client_watch import ClientWatch
 
 if TYPE_CHECKING:
     from tessera.engine.protocol import Delta
@@ -19,7 +22,15 @@ async def respond_full(ctx: RequestContext, relay: Relay, head: ResponseHead) ->
         for delta in deltas:
             texts.setdefault(delta.index, []).append(delta.text)
 
-    await relay(take)
+    watch = ClientWatch(ctx.receive)
+    try:
+        await relay(take)
+    except asyncio.CancelledError:
+        if not watch.absorb():
+            raise
+        return  # the client left: nobody to answer
+    finally:
+        watch.close()
     result = ctx.result
     cached = int(result.stats.get("num_cached_tokens", 0))
     payload = ctx.endpoint.full_response(head.response_id, body.model, head.created,
