@@ -90,6 +90,19 @@ def test_prompt_over_the_model_context_is_400(gateways: list[GatewayProcess], te
     assert too_much.status_code == 400 and error_of(too_much)["param"] == "max_tokens"
 
 
+def test_a_request_the_tenants_rate_can_never_hold_is_400_not_429(gateways: list[GatewayProcess]) -> None:
+    # Admission would answer it 429 + Retry-After forever: no tokens-per-minute window holds 100 + prompt.
+    small = create_tenant(gateways[0], {"tokensPerMinute": 50}, prefix="tpm")
+    with httpx.Client(base_url=gateways[0].url, timeout=30) as c:
+        response = post(c, small, completion_body(max_tokens=100))
+        fitting = post(c, small, completion_body(max_tokens=4))
+    assert response.status_code == 400, response.text
+    error = error_of(response)
+    assert (error["code"], error["param"]) == ("exceeds_token_limit", "max_tokens")
+    assert "tokens-per-minute limit is 50" in error["message"]
+    assert fitting.status_code == 200, fitting.text
+
+
 @pytest.mark.parametrize("raw", [b"{", b"not json", b"[1, 2]", b"", b'{"model": "m",}'])
 def test_malformed_json_is_400(client: httpx.Client, tenant: TenantHandle, raw: bytes) -> None:
     response = post(client, tenant, raw)

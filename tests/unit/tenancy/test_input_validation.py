@@ -134,3 +134,25 @@ def test_default_max_tokens_fits_cap_and_context() -> None:
     req = parse_request(True, orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "x"}]}))
     assert check_limits(CHAT, req, tenant(max_tokens_cap=1000), MODEL, 200) == 56
     assert check_limits(CHAT, req, tenant(max_tokens_cap=8), MODEL, 200) == 8
+
+
+def test_a_request_no_tokens_per_minute_window_can_hold_is_400_naming_the_limit() -> None:
+    err = limit_error(completion(max_tokens=50, n=2, temperature=1.0), tenant(tokens_per_minute=100, max_n=2), 10)
+    assert (err.code, err.param) == ("exceeds_token_limit", "max_tokens")
+    assert "tokens-per-minute limit is 100" in err.message and "110" in err.message
+    assert check_limits(COMPLETIONS, completion(max_tokens=45, n=2, temperature=1.0),  # type: ignore[arg-type]
+                        tenant(tokens_per_minute=100, max_n=2), MODEL, 10) == 45
+
+
+def test_the_smaller_of_rate_and_budget_bounds_a_request() -> None:
+    err = limit_error(completion(max_tokens=60), tenant(tokens_per_minute=1000, token_budget=50,
+                                                        budget_period="day"), 10)
+    assert err.code == "exceeds_token_limit" and "token budget per day is 50" in err.message
+    prompt_alone = limit_error(completion(), tenant(token_budget=50), 60)
+    assert (prompt_alone.code, prompt_alone.param) == ("exceeds_token_limit", "prompt")
+
+
+def test_left_out_max_tokens_becomes_what_fits_the_limit() -> None:
+    chat = parse_request(True, orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "x"}]}))
+    assert check_limits(CHAT, chat, tenant(tokens_per_minute=40), MODEL, 10) == 30
+    assert check_limits(CHAT, chat, tenant(), MODEL, 10) == 246  # the model's context, as before

@@ -1,9 +1,13 @@
 """Phase ``prompt``: the served model (404, or 403 for a model the tenant may not use), the prompt's token
-ids (tokenized once, by the endpoint's kind) and the tenant's and model's limits on them (400)."""
+ids (tokenized once, by the endpoint's kind) and the tenant's and model's limits on them (400).
+
+A request that no window of the tenant's tokens-per-minute limit or budget period could ever hold is a 400
+here, naming the limit: admission would answer it 429 with ``Retry-After`` forever. A request that leaves
+``max_tokens`` out gets the most output that can fit instead."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from tessera.gateway.errors import APIError, bad_request
 
@@ -12,6 +16,7 @@ if TYPE_CHECKING:
     from tessera.gateway.models import ModelCatalog, ServedModel
     from tessera.gateway.request.context import RequestContext
     from tessera.gateway.request.endpoint import Endpoint, OpenAIRequest
+    from tessera.tenancy.policy import TenantPolicy
     from tessera.tenancy.store import Tenant
 
 
@@ -46,6 +51,11 @@ def check_limits(endpoint: Endpoint, body: OpenAIRequest, tenant: Tenant, model:
     if policy.max_prompt_tokens is not None and num_prompt > policy.max_prompt_tokens:
         raise bad_request(f"The prompt has {num_prompt} tokens; your limit is {policy.max_prompt_tokens}.",
                           "prompt_too_long", "prompt")
+    ceiling = token_ceiling(policy)
+    if ceiling is not None and num_prompt + body.n > ceiling.tokens:
+        raise bad_request(f"The prompt has {num_prompt} tokens; your {ceiling.name} is {ceiling.tokens} tokens, "
+                          "prompt and output together: this request can never be admitted. Shorten the prompt.",
+                          "exceeds_token_limit", endpoint.prompt_param)
     context = model.info.max_model_len
     if num_prompt >= context:
         raise bad_request(f"The prompt has {num_prompt} tokens; the model's context is {context} tokens.",
@@ -53,7 +63,8 @@ def check_limits(endpoint: Endpoint, body: OpenAIRequest, tenant: Tenant, model:
     requested = endpoint.requested_max_tokens(body)
     param = "max_tokens"
     if requested is None:
-        return min(policy.max_tokens_cap, context - num_prompt)
+        fitting = (ceiling.tokens - num_prompt) // body.n if ceiling is not None else policy.max_tokens_cap
+        return min(policy.max_tokens_cap, context - num_prompt, fitting)
     if requested > policy.max_tokens_cap:
         raise bad_request(f"max_tokens={requested} exceeds your limit of {policy.max_tokens_cap}.",
                           "max_tokens_too_large", param)
@@ -62,4 +73,25 @@ def check_limits(endpoint: Endpoint, body: OpenAIRequest, tenant: Tenant, model:
             f"This model's maximum context length is {context} tokens; the prompt has {num_prompt} and "
             f"max_tokens is {requested} ({num_prompt + requested} in all). Lower max_tokens or the prompt.",
             "context_length_exceeded", param)
+    if ceiling is not None and num_prompt + requested * body.n > ceiling.tokens:
+        raise bad_request(
+            f"The prompt ({num_prompt} tokens) and max_tokens={requested} × n={body.n} need "
+            f"{num_prompt + requested * body.n} tokens; your {ceiling.name} is {ceiling.tokens}: this request can "
+            "never be admitted. Lower max_tokens.", "exceeds_token_limit", param)
     return requested
+
+
+class TokenCeiling(NamedTuple):
+    tokens: int
+    name: str  # the limit, as the error names it
+
+
+def token_ceiling(policy: TenantPolicy) -> TokenCeiling | None:
+    """The most tokens one request can reserve and ever be admitted: the smaller of the tenant's
+    tokens-per-minute limit and its budget (admission reserves prompt + max_tokens × n against both)."""
+    limits = []
+    if policy.tokens_per_minute is not None:
+        limits.append(TokenCeiling(policy.tokens_per_minute, "tokens-per-minute limit"))
+    if policy.token_budget is not None:
+        limits.append(TokenCeiling(policy.token_budget, f"token budget per {policy.budget_period}"))
+    return min(limits) if limits else None
