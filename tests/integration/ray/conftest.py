@@ -1,5 +1,6 @@
 """One multi-node Ray cluster with GPU-declaring nodes, shared by this directory's tests (see
-tests/support/ray_cluster.py for why its driver is a child process)."""
+tests/support/ray_cluster.py for why its driver is a child process). One for the package, not per module:
+starting a cluster costs seconds of both cores, and each test deletes the applications it deployed."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from tessera.redis_conn import EmbeddedRedis
 from tests.support.ray_cluster import GPU_NODES, GPUS_PER_NODE, ClusterDriver, ClusterSpec
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="package")
 def cluster(redis_server: EmbeddedRedis, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClusterDriver]:
     """A head without GPUs (as the chart's) and GPU_NODES nodes declaring GPUS_PER_NODE GPUs each."""
     env = {
