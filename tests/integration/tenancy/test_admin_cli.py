@@ -83,6 +83,23 @@ def test_invalid_tenants_are_400(admin: httpx.Client, body: dict[str, Any], para
         assert error_of(response)["param"] == param
 
 
+@pytest.mark.parametrize("method, path, code", [
+    ("POST", "/admin/tenants/{owner}:keys/keys", "invalid_tenant_name"),  # was Redis's WRONGTYPE: a 500
+    ("GET", "/admin/tenants/{owner}:keys", "invalid_tenant_name"),
+    ("GET", "/admin/tenants/{owner}:keys/usage", "invalid_tenant_name"),
+    ("DELETE", "/admin/tenants/x*", "invalid_tenant_name"),
+    ("DELETE", "/admin/keys/{owner}:keys", "invalid_key_id"),
+])
+def test_names_in_admin_paths_are_checked_before_redis(admin: httpx.Client, method: str, path: str,
+                                                      code: str) -> None:
+    owner = name()
+    admin.post("/admin/tenants", json={"name": owner})
+    admin.post(f"/admin/tenants/{owner}/keys")  # the owner's key set exists: '<owner>:keys' would address it
+    response = admin.request(method, path.format(owner=owner))
+    assert response.status_code == 400, response.text
+    assert error_of(response)["code"] == code
+
+
 def test_invalid_updates_are_400_and_change_nothing(admin: httpx.Client) -> None:
     tenant = name()
     admin.post("/admin/tenants", json={"name": tenant, "policy": {"requestsPerMinute": 5}})

@@ -27,8 +27,9 @@ from tessera.asgi import Receive, Scope, Send
 from tessera.gateway.errors import APIError, bad_request, invalid_field
 from tessera.gateway.responses import request_body, respond
 from tessera.tenancy.admission import Admission
+from tessera.tenancy.keys import KEY_ID_HEX_CHARS, is_key_id
 from tessera.tenancy.periods import check_period
-from tessera.tenancy.policy import TenantPolicy
+from tessera.tenancy.policy import TenantPolicy, validate_tenant_name
 from tessera.tenancy.store import Tenant, TenantExistsError, TenantNotFoundError, TenantStore
 
 # Admin bodies are a tenant name and a policy: small.
@@ -71,6 +72,7 @@ class AdminAPI:
             raise APIError(401, "Invalid admin token.", "invalid_admin_token")
 
     async def _dispatch(self, method: str, parts: list[str], body: bytes, query: bytes) -> tuple[int, Any]:
+        check_path_names(parts)
         data = _json_object(body) if body else {}
         if parts == ["tenants"] and method == "POST":
             name = data.get("name")
@@ -111,6 +113,19 @@ class AdminAPI:
                 raise APIError(404, f"key {parts[1]!r} does not exist", "key_not_found") from None
             return 200, {"revoked": parts[1], "tenant": tenant_name}
         raise APIError(404, f"No admin route {method} /admin/{'/'.join(parts)}.", "not_found")
+
+
+def check_path_names(parts: list[str]) -> None:
+    """A tenant name or key id in the path must be one: it becomes part of a Redis key, and a name such as
+    ``foo:keys`` would address another record (a 500 from Redis's WRONGTYPE, or worse, the wrong data)."""
+    if len(parts) >= 2 and parts[0] == "tenants":
+        try:
+            validate_tenant_name(parts[1])
+        except ValueError as exc:
+            raise bad_request(str(exc), "invalid_tenant_name", "name") from None
+    if len(parts) == 2 and parts[0] == "keys" and not is_key_id(parts[1]):
+        raise bad_request(f"key id {parts[1][:80]!r} is not {KEY_ID_HEX_CHARS} lowercase hex characters (the "
+                          "key_id an issued key came with)", "invalid_key_id", "key_id")
 
 
 async def usage_report(admission: Admission, tenant: Tenant, query: bytes) -> dict[str, Any]:

@@ -36,12 +36,14 @@ def new_key() -> IssuedKey:
     return IssuedKey(key_id=key_id, plaintext=plaintext, sha256=hash_key(plaintext))
 
 
+def is_key_id(text: str) -> bool:
+    return len(text) == KEY_ID_HEX_CHARS and all(c in "0123456789abcdef" for c in text)
+
+
 def parse_key_id(plaintext: str) -> str | None:
     """The key id of a well-formed key, or None (the caller answers 401 without touching Redis)."""
     parts = plaintext.split("-", 2)
-    if len(parts) != 3 or parts[0] != KEY_PREFIX or len(parts[1]) != KEY_ID_HEX_CHARS or not parts[2]:
-        return None
-    if any(c not in "0123456789abcdef" for c in parts[1]):
+    if len(parts) != 3 or parts[0] != KEY_PREFIX or not is_key_id(parts[1]) or not parts[2]:
         return None
     return parts[1]
 
