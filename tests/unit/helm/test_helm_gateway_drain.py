@@ -9,7 +9,7 @@ from typing import Any
 import helm_python
 import pytest
 
-from tessera.gateway.drain import SETTLE_GRACE_S
+from tessera.gateway.drain import EXIT_AFTER_DEADLINE_S
 from tests.support.chart import find, render
 
 JSON = dict[str, Any]
@@ -29,15 +29,15 @@ def test_defaults_sleep_before_sigterm_pass_the_deadline_and_cover_both_with_the
     container = pod["containers"][0]
     assert container["lifecycle"]["preStop"] == {"exec": {"command": ["sleep", "5"]}}
     assert _env(pod)["TESSERA_DRAIN_TIMEOUT_S"] == "30"
-    assert pod["terminationGracePeriodSeconds"] == 5 + 30 + 10
+    assert pod["terminationGracePeriodSeconds"] == 5 + 30 + 20
 
 
 @pytest.mark.parametrize(("pre_stop_s", "timeout_s"), [(0, 1), (10, 300), (120, 3600)])
 def test_the_grace_period_leaves_the_cut_streams_time_to_be_billed(pre_stop_s: int, timeout_s: int) -> None:
     pod = _pod({"gateway": {"drain": {"preStopSleepS": pre_stop_s, "timeoutS": timeout_s}}})
     assert _env(pod)["TESSERA_DRAIN_TIMEOUT_S"] == str(timeout_s)
-    # The worker waits SETTLE_GRACE_S after the cut for the cut streams to settle; the rest is its exit.
-    assert pod["terminationGracePeriodSeconds"] >= pre_stop_s + timeout_s + SETTLE_GRACE_S + 1
+    # After the deadline a worker exits within EXIT_AFTER_DEADLINE_S at worst (backstop, settling, finishes).
+    assert pod["terminationGracePeriodSeconds"] >= pre_stop_s + timeout_s + EXIT_AFTER_DEADLINE_S
     lifecycle = pod["containers"][0].get("lifecycle")
     assert (lifecycle is None) == (pre_stop_s == 0), lifecycle
 

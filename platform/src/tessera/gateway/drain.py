@@ -16,7 +16,7 @@ new connections) each worker of ``tessera gateway``:
    the answer ``cut_answer`` picks: one SSE error event (``errors.error_body``) for a stream under way, a
    503 for a request that had sent nothing yet, nothing for one whose response was complete (it was only
    settling: cancelling it could lose its usage);
-4. closes Redis only after every request has ended, or ``SETTLE_GRACE_S`` after the cut.
+4. closes Redis only after every request has ended (at most ``SETTLE_GRACE_S`` more), so none loses its usage.
 
 Invariant (tests/unit/platform/test_gateway_drain.py): a request is cut only after the deadline, never one
 whose response is complete, and a cut request's answer is chosen by what it had sent.
@@ -44,10 +44,16 @@ logger = logging.getLogger(__name__)
 # Where the app leaves its ``GatewayDrain`` in the ASGI lifespan state, for the server to find
 # (``LeanServer``): the spec's one namespace that both sides of a worker see.
 DRAIN_STATE_KEY = "tessera.gateway.drain"
-# After the cut, how long the cut requests get to settle (one Redis round trip each, or a parked finish) and
-# write their answer before the worker closes Redis; uvicorn's own shutdown timeout is the deadline plus
-# this, a backstop that only acts if a request ignores its cut.
+# After the cut, uvicorn's own shutdown timeout cancels whatever is still open, without an answer and without
+# waiting for it to settle: a backstop for a request stuck past its cut (a client that reads nothing), set
+# well past the milliseconds a cut request takes to settle and answer, even on a starved CPU.
+BACKSTOP_AFTER_DEADLINE_S = 10.0
+# Then the worker's lifespan shutdown waits at most this for the open requests to settle before it closes
+# Redis (parked finishes get FinishQueue.close's 2 s after that).
 SETTLE_GRACE_S = 5.0
+# Signal to exit, at worst: the deadline, the backstop, the settle grace, the parked finishes' 2 s. The chart's
+# terminationGracePeriodSeconds adds this to preStop and the deadline.
+EXIT_AFTER_DEADLINE_S = BACKSTOP_AFTER_DEADLINE_S + SETTLE_GRACE_S + 2.0
 _POLL_S = 0.05
 
 
@@ -168,5 +174,5 @@ async def answer_cut(send: Send, answer: CutAnswer, timeout_s: float, request_id
     return err
 
 
-__all__ = ["DRAIN_STATE_KEY", "SETTLE_GRACE_S", "CutAnswer", "GatewayDrain", "ResponseProgress", "answer_cut",
-           "cut_answer", "draining_error", "response_progress"]
+__all__ = ["BACKSTOP_AFTER_DEADLINE_S", "DRAIN_STATE_KEY", "EXIT_AFTER_DEADLINE_S", "SETTLE_GRACE_S", "CutAnswer",
+           "GatewayDrain", "ResponseProgress", "answer_cut", "cut_answer", "draining_error", "response_progress"]

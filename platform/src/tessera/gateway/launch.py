@@ -64,13 +64,13 @@ def run_gateway(launch: GatewayLaunch) -> None:
     from uvicorn.config import STARTUP_FAILURE
     from uvicorn.supervisors import multiprocess
 
-    from tessera.gateway.drain import SETTLE_GRACE_S
+    from tessera.gateway.drain import BACKSTOP_AFTER_DEADLINE_S
     from tessera.gateway.lean_server import LeanServer, LeanSupervisor, LeanWorker
     from tessera.settings import load_settings
 
     # uvicorn's own timeout only backs the drain's cut up (drain.py): it cancels what is left without an
     # answer and without waiting for the cancelled requests to settle.
-    backstop_s = math.ceil(load_settings().drain_timeout_s + SETTLE_GRACE_S)
+    backstop_s = math.ceil(load_settings().drain_timeout_s + BACKSTOP_AFTER_DEADLINE_S)
 
     config = uvicorn.Config("tessera.gateway.app:create_app", factory=True, host=launch.host, port=launch.port,
                             workers=launch.workers, loop="uvloop", http="httptools", access_log=False,
