@@ -32,7 +32,7 @@ BLOCK = 32
 
 @pytest.fixture
 async def gateway(redis_server: EmbeddedRedis) -> AsyncIterator[Gateway]:
-    gw = Gateway(TesseraSettings(redis_url=redis_server.url, trace_exporter="none"))
+    gw = Gateway(TesseraSettings(redis_url=redis_server.url, trace_exporter="none", prefix_index="redis"))
     yield gw
     await gw.router.close()
     await gw.wire.close()

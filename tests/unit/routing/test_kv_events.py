@@ -125,11 +125,11 @@ class FlakyIndex(PrefixIndex):
         self._calls = 0
         self._fail_on = fail_on
 
-    async def apply(self, engine_id: str, ops: Sequence[Op]) -> None:
+    async def apply(self, engine_id: str, ops: Sequence[Op], ts: float | None = None) -> None:
         self._calls += 1
         if self._calls == self._fail_on:
             raise RedisConnectionError("connection reset by peer")
-        await super().apply(engine_id, ops)
+        await super().apply(engine_id, ops, ts)
 
 
 async def test_a_batch_that_failed_to_reach_redis_drops_the_entries_next_time(

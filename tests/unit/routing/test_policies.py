@@ -4,11 +4,13 @@ order, ties, dead engines and the bounded-load rule."""
 from __future__ import annotations
 
 import os
+import random
 import subprocess
 import sys
 
 import pytest
 
+from tessera.routing import policies
 from tessera.routing.policies import APPROX_CHUNK_CHARS, BOUND_FACTOR, make_policy, policy_names
 from tessera.routing.snapshot import EngineView, RouteRequest, RouteSnapshot
 
@@ -227,3 +229,48 @@ def test_approx_prefix_forgets_dead_engines() -> None:
     first = policy(RouteSnapshot((engine("a"), engine("b"))), req).ranked[0]
     survivor = "b" if first == "a" else "a"
     assert policy(RouteSnapshot((engine(survivor),)), req).ranked == (survivor,)
+
+
+def _reference_prefix_affinity(snap: RouteSnapshot, request: RouteRequest) -> list[tuple[str, tuple[bool, int]]]:
+    """prefix_affinity's ranking of the whole fleet, the plain way (sort every engine by its full key)."""
+    engines = snap.engines
+    loads = [max(e.load, snap.local_in_flight.get(e.engine_id, 0)) for e in engines]
+    bound = policies.BOUND_FACTOR * sum(loads) / len(loads) + 1
+    reusable = max(request.num_prompt_tokens - 1, 0)
+    cached = [min(snap.cached_prefix_blocks.get(e.engine_id, 0) * e.block_size, reusable // e.block_size * e.block_size)
+              for e in engines]
+    key = request.block_hashes[0]
+
+    def score(i: int) -> tuple[bool, int]:
+        return engines[i].under_pressure, -((cached[i] if loads[i] < bound else 0)
+                                            - policies.TOKENS_PER_RUNNING_REQUEST * loads[i]
+                                            - policies.TOKENS_PER_WAITING_REQUEST * engines[i].num_waiting)
+
+    order = sorted(range(len(engines)), key=lambda i: (*score(i), -policies._tie_rank(key, engines[i].engine_id)))
+    return [(engines[i].engine_id, score(i)) for i in order]
+
+
+def test_prefix_affinity_ranks_a_large_fleets_first_engines_exactly_as_a_full_sort() -> None:
+    """Past MAX_RANKED_ENGINES the policy scores only the engines whose score differs from the fleet order
+    (prefix holders, this gateway's in-flight engines) and the best tie group: its ranking must equal the
+    first MAX_RANKED_ENGINES of a full sort wherever that sort is decided by score or rendezvous."""
+    rng = random.Random(5)
+    policy = make_policy("prefix_affinity")
+    for trial in range(200):
+        fleet = tuple(engine(f"e{i:03d}", running=rng.randrange(4), waiting=rng.choice((0, 0, 0, 1)),
+                             pressure=rng.random() < 0.05, block_size=16) for i in range(rng.choice((17, 40, 120))))
+        ids = [e.engine_id for e in fleet]
+        cached = {e: rng.randrange(1, 64) for e in rng.sample(ids, rng.randrange(0, 4))}
+        in_flight = {e: rng.randrange(1, 8) for e in rng.sample(ids, rng.randrange(0, 4))}
+        request = RouteRequest("t", "m", 16 * 64 + 1, (trial, trial + 1))
+        snap = RouteSnapshot(fleet, cached, in_flight)
+        got = policy(snap, request).ranked
+        want = _reference_prefix_affinity(snap, request)
+        assert len(got) == policies.MAX_RANKED_ENGINES
+        assert got[0] == want[0][0]
+        # Beyond the best tie group the policy orders equal engines by id, the reference by rendezvous:
+        # compare the scores position by position, and the best group's order exactly.
+        score = dict(want)
+        assert [score[e] for e in got] == [s for _, s in want[:policies.MAX_RANKED_ENGINES]]
+        best = [e for e, s in want if s == want[0][1]][:policies.MAX_RANKED_ENGINES]
+        assert list(got[:len(best)]) == best

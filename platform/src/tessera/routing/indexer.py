@@ -49,7 +49,7 @@ async def feed_index(index: PrefixIndex, engine_id: str, batches: AsyncIterable[
             if must_clear:
                 await index.clear_engine(engine_id)
                 must_clear = False
-            await index.apply(engine_id, batch.ops)
+            await index.apply(engine_id, batch.ops, batch.ts)
         except (RedisError, OSError) as exc:  # a Redis blip must not stop the replica's indexing
             logger.warning("engine %s: prefix index update failed (%s); its entries are dropped next", engine_id, exc)
             stats.num_failed_batches += 1

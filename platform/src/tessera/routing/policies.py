@@ -184,41 +184,109 @@ def _tie_rank(key: int, engine_id: str) -> int:
     return hash((key, _engine_salt(engine_id)))
 
 
+# prefix_affinity ranks this many engines at most (all of a smaller fleet): the gateway falls back down the
+# list when a replica refuses, and past a handful of refusals the fleet is down, not one replica. Ranking
+# 1,000 engines in Python per request would cost more than the whole routing budget.
+MAX_RANKED_ENGINES = 16
+
+
+@dataclass(slots=True)
+class _Fleet:
+    """What prefix_affinity can compute once per registry read (the router passes the same ``engines``
+    tuple until the next one): per-engine arrays, and the engines ordered by (pressure, load price, id)."""
+
+    engines: tuple[EngineView, ...]
+    index: dict[str, int]
+    loads: list[int]
+    sum_loads: int
+    order: list[int]
+
+    @classmethod
+    def of(cls, engines: tuple[EngineView, ...]) -> _Fleet:
+        loads = [e.load for e in engines]
+        order = sorted(range(len(engines)), key=lambda i: (
+            engines[i].under_pressure,
+            TOKENS_PER_RUNNING_REQUEST * loads[i] + TOKENS_PER_WAITING_REQUEST * engines[i].num_waiting,
+            engines[i].engine_id))
+        return cls(engines, {e.engine_id: i for i, e in enumerate(engines)}, loads, sum(loads), order)
+
+
 @register("prefix_affinity")
 def _prefix_affinity() -> PolicyFn:
     """Expected cached tokens (from the KV-event index) minus load priced in tokens; an engine over the
-    bounded-load limit gets no credit for its cache, so a hot prefix spills to a second engine."""
+    bounded-load limit gets no credit for its cache, so a hot prefix spills to a second engine.
+
+    Cost: O(engines holding the prefix + engines with this gateway's requests in flight + the best tie
+    group), not O(fleet): only those engines' scores differ from the per-registry-read order (``_Fleet``).
+    The ranking is exact for the first ``MAX_RANKED_ENGINES``; engines tied on score beyond the best group
+    keep engine-id order."""
+    fleet_cache: list[_Fleet] = []
+
+    def fleet_of(engines: tuple[EngineView, ...]) -> _Fleet:
+        if not fleet_cache or fleet_cache[0].engines is not engines:
+            fleet_cache[:] = [_Fleet.of(engines)]
+        return fleet_cache[0]
 
     def policy(snapshot: RouteSnapshot, request: RouteRequest) -> RouteDecision:
         if (empty := _empty(snapshot)) is not None:
             return empty
-        engines = snapshot.engines
-        loads = [_load(e, snapshot) for e in engines]
-        bound = BOUND_FACTOR * sum(loads) / len(loads) + 1
+        fleet = fleet_of(snapshot.engines)
+        engines, index = fleet.engines, fleet.index
+        # Load = max(heartbeat, this gateway's in-flight count): only engines with requests in flight change.
+        loads: dict[int, int] = {}
+        sum_loads = fleet.sum_loads
+        for engine_id, num in snapshot.local_in_flight.items():
+            i = index.get(engine_id)
+            if i is not None and num > fleet.loads[i]:
+                loads[i] = num
+                sum_loads += num - fleet.loads[i]
+        bound = BOUND_FACTOR * sum_loads / len(engines) + 1
         # vLLM recomputes at least the last prompt token, so a fully cached, block-aligned prompt still
         # prefills its last block: credit at most what it can reuse.
         reusable = max(request.num_prompt_tokens - 1, 0)
-        cached = [min(snapshot.cached_prefix_blocks.get(e.engine_id, 0) * e.block_size,
-                      reusable // e.block_size * e.block_size if e.block_size > 0 else 0) for e in engines]
+        cached: dict[int, int] = {}
+        for engine_id, num_blocks in snapshot.cached_prefix_blocks.items():
+            i = index.get(engine_id)
+            if i is not None and num_blocks > 0:
+                size = engines[i].block_size
+                cached[i] = min(num_blocks * size, reusable // size * size if size > 0 else 0)
+        # Candidates: engines whose score differs from the fleet order's, plus enough of that order to fill
+        # the ranking and its whole best tie group (ties go to the rendezvous winner, below).
+        picked = set(loads) | set(cached)
+        num_head = MAX_RANKED_ENGINES + len(picked)
+        rest = [i for i in fleet.order[:num_head] if i not in picked]
+
+        def price(i: int) -> tuple[bool, int]:
+            load = loads.get(i, fleet.loads[i])
+            credit = cached.get(i, 0) if load < bound else 0
+            return engines[i].under_pressure, -(credit - TOKENS_PER_RUNNING_REQUEST * load
+                                                 - TOKENS_PER_WAITING_REQUEST * engines[i].num_waiting)
+
+        if rest:
+            best = price(rest[0])
+            for i in fleet.order[num_head:]:
+                if i in picked:
+                    continue
+                if price(i) != best:
+                    break
+                rest.append(i)  # the best group continues past the ranking's length: all of it competes
         # Equal scores (typically: nobody holds the prefix and loads tie) go to the prefix's rendezvous
         # winner, so distinct prefixes spread over the fleet and every gateway places a new prefix on the
         # same engine before the index has heard of it.
         key = request.block_hashes[0] if request.block_hashes else _engine_salt(request.session_id or request.tenant)
-        ranked = sorted(range(len(engines)), key=lambda i: (
-            engines[i].under_pressure,
-            -((cached[i] if loads[i] < bound else 0) - TOKENS_PER_RUNNING_REQUEST * loads[i]
-              - TOKENS_PER_WAITING_REQUEST * engines[i].num_waiting),
-            -_tie_rank(key, engines[i].engine_id)))
+        ranked = sorted([*picked, *rest], key=lambda i: (*price(i), -_tie_rank(key, engines[i].engine_id)))
+        ranked = ranked[:MAX_RANKED_ENGINES]
         top = ranked[0]
-        holder = max(range(len(engines)), key=lambda i: (cached[i], -loads[i]))
-        if cached[top] > 0:
-            reason = f"prefix_affinity cached_tokens={cached[top]} load={loads[top]}"
-        elif cached[holder] == 0:
-            reason = f"prefix_affinity miss: least_loaded load={loads[top]}"
-        elif loads[holder] >= bound:
-            reason = f"prefix_affinity bounded_load: holder load {loads[holder]} >= {bound:.1f}, load={loads[top]}"
+        top_cached, top_load = cached.get(top, 0), loads.get(top, fleet.loads[top])
+        holder = max(cached, key=lambda i: (cached[i], -loads.get(i, fleet.loads[i])), default=None)
+        if top_cached > 0:
+            reason = f"prefix_affinity cached_tokens={top_cached} load={top_load}"
+        elif holder is None or cached[holder] == 0:
+            reason = f"prefix_affinity miss: least_loaded load={top_load}"
+        elif (holder_load := loads.get(holder, fleet.loads[holder])) >= bound:
+            reason = f"prefix_affinity bounded_load: holder load {holder_load} >= {bound:.1f}, load={top_load}"
         else:
-            reason = f"prefix_affinity load outweighs {cached[holder]} cached tokens, load={loads[top]}"
-        return RouteDecision(tuple(engines[i].engine_id for i in ranked), reason, cached[top])
+            reason = f"prefix_affinity load outweighs {cached[holder]} cached tokens, load={top_load}"
+        return RouteDecision(tuple(engines[i].engine_id for i in ranked), reason, top_cached)
 
     return policy

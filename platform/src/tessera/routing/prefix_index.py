@@ -5,6 +5,10 @@ Layout (block hashes are the 64-bit ints KV events carry, written in decimal):
   tessera:pfx:<hash>          HASH engine_id -> copies of the block that engine holds (field absent = 0)
   tessera:pfx-engine:<id>     SET of hashes the engine holds (to drop them all on AllBlocksCleared / death)
   tessera:pfx-engines         ZSET engine_id -> Redis time of the engine's last applied batch
+  tessera:pfx-seq             HASH engine_id -> number of batches (and clears) applied so far
+  tessera:pfx-events          STREAM of those batches, for the gateways' in-process indexes
+                              (local_feed.py): e engine, n its sequence number, t publication time,
+                              o op letters (s store, r remove, c clear), h hashes (pack_hashes)
 
 Why copies and not a set: vLLM does not de-duplicate identical blocks (``BlockHashToBlockMap``, NOTE #1).
 Two requests that prefill the same prefix in the same step each cache a copy, each copy is announced by a
@@ -28,6 +32,7 @@ NOTE: the scripts touch keys they compute, so the index needs a single Redis (no
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -41,6 +46,12 @@ CLEAR_CHUNK = 2000
 # An engine absent from the registry is swept only once it has also applied nothing for this long, so a
 # replica whose heartbeat is merely late keeps its entries.
 SWEEP_GRACE_S = 30.0
+# The event stream the gateways' local indexes follow (local_feed.py), and its approximate length cap: at
+# ~10 batches a second per engine that is 5 s of history for 1,000 engines; a gateway further behind
+# misses entries, sees the jump in the engine's sequence number and re-reads that engine (a resync).
+EVENTS_STREAM = "tessera:pfx-events"
+SEQ_KEY = "tessera:pfx-seq"
+STREAM_MAXLEN = 50_000
 
 Op = tuple[str, int]
 
@@ -53,13 +64,17 @@ def engine_blocks_key(engine_id: str) -> str:
     return f"{ENGINE_BLOCKS_PREFIX}{engine_id}"
 
 
+# ARGV: engine id, op letters ('s'/'r'), the hashes packed (``pack_hashes``), the batch's publication time
+# ('' = now), then the hashes in decimal. Besides the index keys, appends the batch to the event stream
+# with the engine's next sequence number (see the module docstring).
 _APPLY_LUA = """
 local eid = ARGV[1]
+local ops = ARGV[2]
 local eset = 'tessera:pfx-engine:' .. eid
-for i = 2, #ARGV - 1, 2 do
-  local op, h = ARGV[i], ARGV[i + 1]
+for i = 1, #ops do
+  local h = ARGV[i + 4]
   local key = 'tessera:pfx:' .. h
-  if op == 's' then
+  if string.sub(ops, i, i) == 's' then
     redis.call('HINCRBY', key, eid, 1)
     redis.call('SADD', eset, h)
   else
@@ -70,13 +85,20 @@ for i = 2, #ARGV - 1, 2 do
     end
   end
 end
-redis.call('ZADD', 'tessera:pfx-engines', tonumber(redis.call('TIME')[1]), eid)
+local now = redis.call('TIME')
+redis.call('ZADD', 'tessera:pfx-engines', tonumber(now[1]), eid)
+local ts = ARGV[4]
+if ts == '' then ts = now[1] .. '.' .. string.format('%06d', tonumber(now[2])) end
+local seq = redis.call('HINCRBY', 'tessera:pfx-seq', eid, 1)
+redis.call('XADD', 'tessera:pfx-events', 'MAXLEN', '~', '@MAXLEN@', '*',
+           'e', eid, 'n', seq, 't', ts, 'o', ops, 'h', ARGV[3])
 return 1
-"""
+""".replace("@MAXLEN@", str(STREAM_MAXLEN))
 
 # ARGV: engine id, chunk size, grace seconds (negative: no grace check). Drops up to a chunk of the
 # engine's blocks; returns how many remain (0 = done), or -1 when the engine applied a batch within the
-# grace period (it is alive after all: keep its entries).
+# grace period (it is alive after all: keep its entries). The last chunk appends a clear ('c') to the
+# event stream: a local index that snapshots the engine mid-clear still applies it afterwards.
 _CLEAR_LUA = """
 local eid = ARGV[1]
 local grace = tonumber(ARGV[3])
@@ -88,8 +110,21 @@ local eset = 'tessera:pfx-engine:' .. eid
 local hashes = redis.call('SPOP', eset, tonumber(ARGV[2]))
 for _, h in ipairs(hashes) do redis.call('HDEL', 'tessera:pfx:' .. h, eid) end
 local left = redis.call('SCARD', eset)
-if left == 0 then redis.call('ZREM', 'tessera:pfx-engines', eid) end
+if left == 0 then
+  redis.call('ZREM', 'tessera:pfx-engines', eid)
+  local now = redis.call('TIME')
+  local seq = redis.call('HINCRBY', 'tessera:pfx-seq', eid, 1)
+  redis.call('XADD', 'tessera:pfx-events', 'MAXLEN', '~', '@MAXLEN@', '*', 'e', eid, 'n', seq,
+             't', now[1] .. '.' .. string.format('%06d', tonumber(now[2])), 'o', 'c', 'h', '')
+end
 return left
+""".replace("@MAXLEN@", str(STREAM_MAXLEN))
+
+# One engine's claims and its sequence number, atomically: a local index loads the hashes, then applies
+# the engine's stream entries numbered above that sequence number (local_feed.py).
+_SNAPSHOT_LUA = """
+local seq = redis.call('HGET', 'tessera:pfx-seq', ARGV[1]) or '0'
+return {seq, redis.call('SMEMBERS', 'tessera:pfx-engine:' .. ARGV[1])}
 """
 
 _LOOKUP_LUA = """
@@ -111,13 +146,23 @@ return out
 """
 
 
-def _encode(ops: Iterable[Op]) -> list[str]:
-    flat: list[str] = []
-    for op, h in ops:
+def _encode(engine_id: str, ops: Sequence[Op], ts: float | None) -> list[str | bytes]:
+    letters = []
+    for op, _ in ops:
         if op not in ("store", "remove"):
             raise ValueError(f"unknown index op {op!r}; valid: store, remove, clear")
-        flat += ["s" if op == "store" else "r", str(h)]
-    return flat
+        letters.append("s" if op == "store" else "r")
+    hashes = [h for _, h in ops]
+    return [engine_id, "".join(letters), pack_hashes(hashes), "" if ts is None else repr(ts), *map(str, hashes)]
+
+
+def pack_hashes(hashes: Sequence[int]) -> bytes:
+    """Hashes as the event stream carries them: 8 bytes each, little-endian (``unpack_hashes``)."""
+    return struct.pack(f"<{len(hashes)}Q", *hashes)
+
+
+def unpack_hashes(packed: bytes) -> tuple[int, ...]:
+    return struct.unpack(f"<{len(packed) // 8}Q", packed)
 
 
 class PrefixIndex:
@@ -128,6 +173,7 @@ class PrefixIndex:
         self._apply = redis.register_script(_APPLY_LUA)
         self._clear = redis.register_script(_CLEAR_LUA)
         self._lookup = redis.register_script(_LOOKUP_LUA)
+        self._snapshot = redis.register_script(_SNAPSHOT_LUA)
 
     async def longest_prefixes(self, chain: Sequence[int], engine_ids: Sequence[str]) -> dict[str, int]:
         """engine_id -> number of leading blocks of ``chain`` it holds, for the given (live) engines;
@@ -154,19 +200,26 @@ class PrefixIndex:
     def parse_lookup(flat: Sequence[Any]) -> dict[str, int]:
         return {_text(flat[i]): int(flat[i + 1]) for i in range(0, len(flat), 2)}
 
-    async def apply(self, engine_id: str, ops: Sequence[Op]) -> None:
-        """Applies an engine's events in order: ("store", h), ("remove", h) or ("clear", 0)."""
+    async def apply(self, engine_id: str, ops: Sequence[Op], ts: float | None = None) -> None:
+        """Applies an engine's events in order: ("store", h), ("remove", h) or ("clear", 0). ``ts``: when the
+        engine published them (Unix seconds; default: now), which the local indexes' lag is measured from."""
         start = 0
         for i, (op, _) in enumerate(ops):
             if op == "clear":
-                await self._apply_run(engine_id, ops[start:i])
+                await self._apply_run(engine_id, ops[start:i], ts)
                 await self.clear_engine(engine_id)
                 start = i + 1
-        await self._apply_run(engine_id, ops[start:])
+        await self._apply_run(engine_id, ops[start:], ts)
 
-    async def _apply_run(self, engine_id: str, ops: Sequence[Op]) -> None:
+    async def _apply_run(self, engine_id: str, ops: Sequence[Op], ts: float | None) -> None:
         if ops:
-            await self._apply(keys=[], args=[engine_id, *_encode(ops)])
+            await self._apply(keys=[], args=_encode(engine_id, ops, ts))
+
+    async def snapshot(self, engine_id: str) -> tuple[int, list[int]]:
+        """The engine's sequence number and the hashes it holds, read atomically (local indexes' warm start
+        and resync)."""
+        seq, members = await self._snapshot(keys=[], args=[engine_id])
+        return int(seq), [int(h) for h in members]
 
     async def clear_engine(self, engine_id: str) -> None:
         """Forgets every block of the engine (AllBlocksCleared, a gap in its events, or a clean shutdown)."""

@@ -22,6 +22,8 @@ from redis.exceptions import RedisError
 from tessera.redis_wire import Command, RedisWire
 from tessera.refresher import REFRESHER_IDLE_S, UsageRefresher
 from tessera.registry import EngineRecord, EngineRegistry
+from tessera.routing.local_feed import LocalIndexFeed
+from tessera.routing.local_index import LocalPrefixIndex
 from tessera.routing.policies import make_policy
 from tessera.routing.prefix_index import PrefixIndex
 from tessera.routing.snapshot import EngineView, RouteDecision, RouteRequest, RouteSnapshot
@@ -40,6 +42,11 @@ REGISTRY_MAX_AGE_S = 2.0
 SWEEP_INTERVAL_S = 30.0
 # Policies that read the prefix index; the others skip the lookup round trip.
 INDEX_POLICIES = frozenset({"prefix_affinity"})
+# Where the prefix lookup is answered: "local", this process's LocalPrefixIndex (no Redis call; fed by
+# local_feed.py), or "redis", the Lua lookup that rides in admission's round trip (the fallback).
+INDEX_SOURCES = ("local", "redis")
+# The local index's default cap, blocks (see local_index.py for the eviction order; ~200 bytes a block).
+LOCAL_INDEX_MAX_BLOCKS = 2_000_000
 
 
 def engine_view(record: EngineRecord) -> EngineView:
@@ -57,6 +64,17 @@ class RoutePlan:
     records: list[EngineRecord]
     lookup_args: list[str | int] | None
     lookup: Command | None
+    # The live engines' mask in the local index when the lookup is answered there (at ``decide``).
+    live_mask: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class _ModelView:
+    """One model's live engines as of a registry read: the records, the policies' views, records by id."""
+
+    records: list[EngineRecord]
+    views: tuple[EngineView, ...]
+    by_id: dict[str, EngineRecord]
 
 
 # A route: the policy's decision and the records of the engines it ranks (by engine id).
@@ -88,10 +106,15 @@ class InFlight:
 class Router:
     def __init__(self, redis: aioredis.Redis, policy_name: str, prefix_index: PrefixIndex | None = None, *,
                  refresh_s: float | None = None, max_age_s: float | None = None,
-                 wire: RedisWire | None = None) -> None:
+                 wire: RedisWire | None = None, index_source: str = "redis",
+                 local_index_max_blocks: int = LOCAL_INDEX_MAX_BLOCKS) -> None:
         """``refresh_s``/``max_age_s``: the registry copy's refresh period and the age past which a request
         reads it itself (default ``REGISTRY_CACHE_S``/``REGISTRY_MAX_AGE_S``); ``wire``: the lean Redis
-        connection the registry is read over (default: redis-py)."""
+        connection the registry is read over (default: redis-py); ``index_source``: one of
+        ``INDEX_SOURCES`` (the gateway passes ``TESSERA_PREFIX_INDEX``); ``local_index_max_blocks``: the
+        local index's cap."""
+        if index_source not in INDEX_SOURCES:
+            raise ValueError(f"unknown prefix index source {index_source!r}; valid: {', '.join(INDEX_SOURCES)}")
         self._registry = EngineRegistry(redis, wire=wire)
         self._max_age_s = REGISTRY_MAX_AGE_S if max_age_s is None else max_age_s
         self.policy_name = policy_name
@@ -105,12 +128,46 @@ class Router:
         self._refresher = UsageRefresher("registry", self._read_registry,
                                          REGISTRY_CACHE_S if refresh_s is None else refresh_s, REFRESHER_IDLE_S)
         self._in_flight: dict[str, int] = {}
+        self._feed: LocalIndexFeed | None = None
+        self._feed_task: asyncio.Task[None] | None = None
+        if self._prefix_index is not None and index_source == "local":
+            self._feed = LocalIndexFeed(redis, LocalPrefixIndex(local_index_max_blocks), self._prefix_index)
+        # model -> (index generation, live mask), and model -> its engines, valid until the next registry read
+        self._masks: dict[str, tuple[int, int]] = {}
+        self._models: dict[str, _ModelView] = {}
+
+    @property
+    def local_feed(self) -> LocalIndexFeed | None:
+        """The local index's feed (None when lookups go to Redis)."""
+        return self._feed
+
+    async def start_local_index(self) -> None:
+        """Starts the local index's feed (the first ``plan`` does it otherwise); returns once it has loaded."""
+        if self._feed is None:
+            return
+        self._ensure_feed()
+        while not self._feed.ready:
+            await asyncio.sleep(0.005)
+
+    def _ensure_feed(self) -> None:
+        if self._feed is not None and self._feed_task is None:
+            self._feed_task = asyncio.get_running_loop().create_task(self._feed.run())
 
     async def engines(self, model: str) -> list[EngineRecord]:
         self._refresher.used()
         if time.monotonic() - self._read_at > self._max_age_s:
             await self._read_registry()
-        return [e for e in self._engines if e.model == model]
+        return self._of_model(model).records
+
+    def _of_model(self, model: str) -> _ModelView:
+        # Built once per registry read and model: at 1,000 engines, building the views per request would
+        # cost more than the whole decision.
+        view = self._models.get(model)
+        if view is None:
+            records = [e for e in self._engines if e.model == model]
+            view = self._models[model] = _ModelView(records, tuple(engine_view(r) for r in records),
+                                                    {r.engine_id: r for r in records})
+        return view
 
     async def num_live_engines(self) -> int:
         """Live engines of every model, read from the registry now (readiness probes; not the request path)."""
@@ -119,6 +176,9 @@ class Router:
 
     async def close(self) -> None:
         await self._refresher.close()
+        if self._feed_task is not None:
+            self._feed_task.cancel()
+            await asyncio.gather(self._feed_task, return_exceptions=True)
         if self._sweep_task is not None:
             self._sweep_task.cancel()
             await asyncio.gather(self._sweep_task, return_exceptions=True)
@@ -127,6 +187,10 @@ class Router:
         started = time.monotonic()
         self._engines = await self._registry.live_engines()
         self._read_at = started
+        self._masks.clear()
+        self._models.clear()
+        if self._feed is not None:
+            self._feed.retain([e.engine_id for e in self._engines])
         if started - self._swept_at > SWEEP_INTERVAL_S:
             self._start_sweep()
 
@@ -143,6 +207,11 @@ class Router:
         records = await self.engines(request.model)
         if self._prefix_index is None or not request.block_hashes or not records:
             return RoutePlan(request, records, None, None)
+        feed = self._feed
+        if feed is not None:
+            self._ensure_feed()
+            if feed.ready:  # until the warm start has loaded, the lookup goes to Redis
+                return RoutePlan(request, records, None, None, self._live_mask(feed.index, request.model, records))
         args = PrefixIndex.lookup_args(request.block_hashes, [r.engine_id for r in records])
         return RoutePlan(request, records, args, ("EVALSHA", self._prefix_index.lookup_sha, 0, *args))
 
@@ -155,8 +224,24 @@ class Router:
         return await self._prefix_index.lookup(plan.lookup_args)  # arguments built once, in plan()
 
     def decide(self, plan: RoutePlan, cached: dict[str, int]) -> Routed:
-        snapshot = RouteSnapshot(tuple(engine_view(r) for r in plan.records), cached, dict(self._in_flight))
-        return self._policy(snapshot, plan.request), {r.engine_id: r for r in plan.records}
+        """The policy's ranking. A plan answered by the local index looks its prefix up here (``cached``,
+        then empty, is ignored)."""
+        if plan.live_mask is not None and self._feed is not None:
+            cached = self._feed.index.longest_prefixes(plan.request.block_hashes, plan.live_mask)
+        view = self._models.get(plan.request.model)
+        if view is None or view.records is not plan.records:  # a plan made before the last registry read
+            view = _ModelView(plan.records, tuple(engine_view(r) for r in plan.records),
+                              {r.engine_id: r for r in plan.records})
+        snapshot = RouteSnapshot(view.views, cached, dict(self._in_flight))
+        return self._policy(snapshot, plan.request), view.by_id
+
+    def _live_mask(self, index: LocalPrefixIndex, model: str, records: list[EngineRecord]) -> int:
+        cached = self._masks.get(model)
+        if cached is not None and cached[0] == index.generation:
+            return cached[1]
+        mask = index.live_mask(r.engine_id for r in records)
+        self._masks[model] = (index.generation, mask)
+        return mask
 
     def in_flight(self, engine_id: str) -> InFlight:
         return InFlight(self._in_flight, engine_id)

@@ -1,0 +1,156 @@
+"""Keeps a gateway worker's ``LocalPrefixIndex`` in step with the shared one: warm start from a snapshot,
+then the event stream the engines' feeders append to in the same Lua call that updates Redis
+(prefix_index.py: ``tessera:pfx-events``). docs/routing.md argues this source over subscribing to every
+engine's ZMQ publisher.
+
+Exactness rests on the per-engine sequence number ``n`` that each batch (and each clear) gets in Redis:
+- Warm start: note the stream's last entry id, then snapshot each indexed engine (its hashes and ``n``,
+  atomically), then read the stream from the noted id on: an entry whose ``n`` the snapshot already
+  covers is skipped, so every batch counts exactly once.
+- Gap: an entry whose ``n`` is not the engine's previous one plus 1 (the stream was trimmed past this
+  reader, Redis restarted, or the engine is new to this reader mid-life) makes the feed snapshot that
+  engine again — a *resync* — instead of applying events on top of a state it cannot vouch for.
+- Departed engines: the router hands the registry's live engines to ``retain`` on every registry read;
+  one absent for ``FORGET_GRACE_S`` is forgotten, and comes back by a resync if it publishes again.
+Between those, the local index trails the engines by the engine-host feeder's write plus one stream read
+(``lag_p99_s``). A stale entry costs hit rate only: lookups count only the live engines the router passes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import Iterable
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from tessera.routing.local_index import LocalPrefixIndex
+from tessera.routing.prefix_index import EVENTS_STREAM, SWEEP_GRACE_S, PrefixIndex, unpack_hashes
+
+logger = logging.getLogger(__name__)
+
+# One XREAD waits at most this long for new entries, ms. Below the gateway's Redis socket timeout
+# (TESSERA_REDIS_TIMEOUT_S, 0.25 s by default), so a quiet stream never looks like a hung Redis.
+READ_BLOCK_MS = 50
+# Entries per XREAD: a backlog is applied in slices, so the worker's requests wait at most one slice.
+READ_COUNT = 512
+# After a Redis error the feed retries after this long, seconds.
+RETRY_S = 1.0
+# An engine absent from the registry this long is forgotten, seconds (as the shared index's SWEEP_GRACE_S).
+FORGET_GRACE_S = SWEEP_GRACE_S
+# Lags kept for the p99 (the most recent ones).
+LAG_SAMPLES = 4096
+
+
+class LocalIndexFeed:
+    """Feeds ``index`` from Redis until cancelled (``run``); ``ready`` once the warm start has loaded."""
+
+    def __init__(self, redis: aioredis.Redis, index: LocalPrefixIndex, store: PrefixIndex) -> None:
+        self._redis = redis
+        self.index = index
+        self._store = store
+        self._seq: dict[str, int] = {}  # engine_id -> last sequence number applied (or snapshot)
+        self._absent_since: dict[str, float] = {}  # engine_id -> when a registry read first missed it
+        self._last_id: bytes | str = "0-0"
+        self.ready = False
+        self.lags_s: deque[float] = deque(maxlen=LAG_SAMPLES)
+        self.num_entries = 0
+        self.num_ops = 0
+        self.num_resyncs = 0
+
+    async def warm_start(self) -> None:
+        """Loads every indexed engine's snapshot; the stream is read from just before them."""
+        newest: Any = await self._redis.xrevrange(EVENTS_STREAM, "+", "-", count=1)
+        self._last_id = newest[0][0] if newest else "0-0"
+        for engine_id in await self._store.indexed_engines():
+            await self._resync(engine_id)
+        self.num_resyncs = 0
+        self.ready = True
+
+    async def _resync(self, engine_id: str) -> None:
+        seq, hashes = await self._store.snapshot(engine_id)
+        self.index.load_engine(engine_id, hashes)
+        self._seq[engine_id] = seq
+        self.num_resyncs += 1
+
+    async def poll(self, block_ms: int | None = READ_BLOCK_MS) -> int:
+        """One stream read (waiting up to ``block_ms``; None: no wait), applied; returns the entries read."""
+        reply: Any = await self._redis.xread({EVENTS_STREAM: self._last_id}, count=READ_COUNT, block=block_ms)
+        if not reply:
+            return 0
+        entries = reply[0][1]
+        for entry_id, fields in entries:
+            await self._apply_entry(fields)
+            self._last_id = entry_id
+        return len(entries)
+
+    async def _apply_entry(self, fields: dict[Any, Any]) -> None:
+        engine_id = _text(fields[b"e"])
+        seq = int(fields[b"n"])
+        last = self._seq.get(engine_id)
+        if last is not None and seq <= last:
+            return  # already in the engine's snapshot
+        if seq != (last or 0) + 1:
+            logger.info("prefix index: engine %s's events %s..%s not seen here; re-reading it",
+                        engine_id, (last or 0) + 1, seq - 1)
+            await self._resync(engine_id)  # the snapshot includes this entry (its n >= seq)
+            return
+        ops = _text(fields[b"o"])
+        self.index.apply(engine_id, ops, unpack_hashes(fields[b"h"]) if ops != "c" else (0,))
+        self._seq[engine_id] = seq
+        self.num_entries += 1
+        self.num_ops += len(ops)
+        self.lags_s.append(time.time() - float(fields[b"t"]))
+
+    def retain(self, live_engine_ids: Iterable[str], now: float | None = None) -> list[str]:
+        """Forgets engines absent from the registry for ``FORGET_GRACE_S`` (and their sequence numbers: they
+        resync if they publish again); returns them. Until then their entries cost memory only: lookups
+        count live engines alone. The grace keeps a replica whose heartbeat is merely late from losing its
+        whole cache here, which only its next batch (a resync) would bring back."""
+        now = time.monotonic() if now is None else now
+        live = set(live_engine_ids)
+        for engine_id in live:
+            self._absent_since.pop(engine_id, None)
+        gone = []
+        for engine_id in self.index.engines:
+            if engine_id not in live and now - self._absent_since.setdefault(engine_id, now) >= FORGET_GRACE_S:
+                gone.append(engine_id)
+        for engine_id in gone:
+            self.index.forget_engine(engine_id)
+            self._seq.pop(engine_id, None)
+            del self._absent_since[engine_id]
+        return gone
+
+    def lag_p99_s(self) -> float | None:
+        """Event-to-visible lag p99 over the recent entries: engine publication to applied here, seconds."""
+        if not self.lags_s:
+            return None
+        ordered = sorted(self.lags_s)
+        return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
+
+    async def run(self) -> None:
+        """Warm start, then follow the stream until cancelled; Redis errors are retried, never fatal (the
+        router falls back to the Redis lookup until the warm start has loaded)."""
+        while not self.ready:
+            try:
+                await self.warm_start()
+            except (RedisError, OSError) as exc:
+                logger.warning("prefix index warm start failed, retrying: %s", exc)
+                await asyncio.sleep(RETRY_S)
+        while True:
+            try:
+                await self.poll()
+            except (RedisError, OSError) as exc:
+                logger.warning("prefix index stream read failed, retrying: %s", exc)
+                await asyncio.sleep(RETRY_S)
+            if self.index.num_retired_slots:
+                for _ in self.index.compact():
+                    await asyncio.sleep(0)  # the worker's requests run between chunks
+
+
+def _text(raw: object) -> str:
+    return raw.decode() if isinstance(raw, bytes) else str(raw)

@@ -1,0 +1,248 @@
+"""The gateway worker's own prefix index: block hash -> engines holding it, in this process's memory, so a
+route needs no Redis call to know where a prompt's prefix is cached. Pure data structure, no I/O; fed by
+``local_feed.py`` from the events the engines' feeders also apply to Redis (prefix_index.py).
+
+Layout, chosen for speed in CPython (``make bench-prefix-index`` measures it): each engine gets a *slot*
+(a small int), and ``_holders`` maps a block hash to an int bitmask of the slots holding it — one dict
+entry and one int per block, no per-block objects. A lookup walks the chain ANDing masks, so it costs one
+dict probe per block whatever the fleet size, and stops at the first block no live engine holds.
+
+Copies: vLLM may cache two copies of one block (prefix_index.py says why). The usual single copy is the
+mask bit; extra copies are counted in ``_extra`` (hash -> slot -> copies beyond the first), which stays
+empty in the common case, so a store or remove is a dict probe and a bit operation.
+
+Forgetting an engine (AllBlocksCleared, a gap in its events, or its leaving the registry) is O(1): its slot
+is *retired* — no longer anyone's — and a returning engine gets a fresh slot. A lookup ANDs with the live
+engines' mask, so a retired slot's bits never attract a request; ``compact`` clears them in passes off the
+request path and frees the slots for reuse.
+
+Invariant (tests/unit/routing/test_local_index.py checks it against a reference model): for an engine with
+a slot, block ``h`` has the engine's bit iff c(h) > 0 under prefix_index.py's counting (store +1, remove
+-1 not below 0, clear resets) — except that the cap may drop a block, and a warm start counts one copy
+per block. Both err toward forgetting: a stale index costs hit rate, never a request sent to a dead
+engine (lookups only count the live engines the caller passes).
+
+Bounded memory: at most ``max_blocks`` distinct hashes. Eviction order: when a store would exceed the cap,
+the oldest-first-stored ``max(1, max_blocks // EVICT_FRACTION)`` blocks go, in the order their hash was
+first stored (a block stored again by another engine keeps its place; re-use emits no KV event, so the
+index cannot see recency). Evicting in batches keeps it amortised O(1): the dict's insertion order *is*
+the eviction queue, and one pass over its head removes a whole batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from itertools import islice
+
+# A full index evicts this fraction of its cap at once (see the module docstring).
+EVICT_FRACTION = 64
+# compact() clears retired bits in chunks of this many blocks, so a caller can yield between chunks.
+COMPACT_CHUNK = 20_000
+
+
+class LocalPrefixIndex:
+    """Block hash -> holder engines, with per-engine matched-prefix lookup. Not thread-safe (one event loop)."""
+
+    __slots__ = ("_extra", "_free_slots", "_holders", "_max_blocks", "_retired", "_slot_engine", "_slots",
+                 "generation", "num_evicted")
+
+    def __init__(self, max_blocks: int) -> None:
+        if max_blocks < 1:
+            raise ValueError(f"max_blocks must be at least 1, got {max_blocks}")
+        self._max_blocks = max_blocks
+        self._holders: dict[int, int] = {}
+        self._extra: dict[int, dict[int, int]] = {}
+        self._slots: dict[str, int] = {}  # engine_id -> its current slot
+        self._slot_engine: list[str | None] = []  # slot -> engine id (None: free or retired)
+        self._free_slots: list[int] = []
+        self._retired = 0  # mask of retired slots whose bits compact() has not cleared yet
+        # Bumped whenever an engine's slot changes, so a caller's cached live mask knows it is stale.
+        self.generation = 0
+        self.num_evicted = 0
+
+    # ---- engines ---------------------------------------------------------------------------------------
+
+    def _slot(self, engine_id: str) -> int:
+        slot = self._slots.get(engine_id)
+        if slot is None:
+            if self._free_slots:
+                slot = self._free_slots.pop()
+                self._slot_engine[slot] = engine_id
+            else:
+                slot = len(self._slot_engine)
+                self._slot_engine.append(engine_id)
+            self._slots[engine_id] = slot
+            self.generation += 1
+        return slot
+
+    def forget_engine(self, engine_id: str) -> None:
+        """Drops every claim of the engine, O(1): its slot is retired (see the module docstring)."""
+        slot = self._slots.pop(engine_id, None)
+        if slot is None:
+            return
+        self._slot_engine[slot] = None
+        self._retired |= 1 << slot
+        self.generation += 1
+
+    def retain_engines(self, live_engine_ids: Iterable[str]) -> list[str]:
+        """Forgets every engine not in ``live_engine_ids``; returns those forgotten."""
+        live = set(live_engine_ids)
+        gone = [e for e in self._slots if e not in live]
+        for engine_id in gone:
+            self.forget_engine(engine_id)
+        return gone
+
+    def live_mask(self, engine_ids: Iterable[str]) -> int:
+        """The mask of those engines' slots (engines the index has never heard of hold nothing)."""
+        slots = self._slots
+        mask = 0
+        for engine_id in engine_ids:
+            slot = slots.get(engine_id)
+            if slot is not None:
+                mask |= 1 << slot
+        return mask
+
+    @property
+    def engines(self) -> list[str]:
+        return list(self._slots)
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self._holders)
+
+    @property
+    def num_retired_slots(self) -> int:
+        return self._retired.bit_count()
+
+    # ---- events ----------------------------------------------------------------------------------------
+
+    def apply(self, engine_id: str, ops: str, hashes: Sequence[int]) -> None:
+        """Applies one batch of the engine's events in order: ``ops[i]`` is ``s`` (store ``hashes[i]``),
+        ``r`` (remove it) or ``c`` (clear the engine; its hash is ignored)."""
+        slot = self._slot(engine_id)
+        bit = 1 << slot
+        holders, extra = self._holders, self._extra
+        for op, h in zip(ops, hashes, strict=True):
+            if op == "s":
+                mask = holders.get(h)
+                if mask is None:
+                    if len(holders) >= self._max_blocks:
+                        self._evict()
+                    holders[h] = bit
+                elif not mask & bit:
+                    holders[h] = mask | bit
+                else:
+                    copies = extra.setdefault(h, {})
+                    copies[slot] = copies.get(slot, 0) + 1
+            elif op == "r":
+                mask = holders.get(h)
+                if mask is None or not mask & bit:
+                    continue  # evicted by the cap, or never seen (warm start): nothing to forget
+                held = extra.get(h)
+                if held and slot in held:  # one of several copies: the bit stays
+                    if held[slot] > 1:
+                        held[slot] -= 1
+                    else:
+                        del held[slot]
+                        if not held:
+                            del extra[h]
+                elif mask == bit:
+                    del holders[h]
+                else:
+                    holders[h] = mask & ~bit
+            elif op == "c":
+                self.forget_engine(engine_id)
+                slot = self._slot(engine_id)
+                bit = 1 << slot
+            else:
+                raise ValueError(f"unknown index op {op!r}; valid: s (store), r (remove), c (clear)")
+
+    def load_engine(self, engine_id: str, hashes: Iterable[int]) -> None:
+        """Replaces the engine's claims by ``hashes`` (a snapshot; one copy each)."""
+        self.forget_engine(engine_id)
+        bit = 1 << self._slot(engine_id)
+        holders = self._holders
+        for h in hashes:
+            mask = holders.get(h)
+            if mask is None:
+                if len(holders) >= self._max_blocks:
+                    self._evict()
+                holders[h] = bit
+            else:
+                holders[h] = mask | bit
+
+    def _evict(self) -> None:
+        holders, extra = self._holders, self._extra
+        oldest = list(islice(holders, max(1, self._max_blocks // EVICT_FRACTION)))
+        for h in oldest:
+            del holders[h]
+            if extra:
+                extra.pop(h, None)
+        self.num_evicted += len(oldest)
+
+    def compact(self) -> Iterator[int]:
+        """Clears retired slots' bits, ``COMPACT_CHUNK`` blocks per step (a generator: the caller may yield to
+        its event loop between steps; it yields the number of blocks left), then frees those slots."""
+        retired = self._retired
+        if not retired:
+            return
+        keep = ~retired
+        holders = self._holders
+        keys = list(holders)
+        for start in range(0, len(keys), COMPACT_CHUNK):
+            for h in keys[start:start + COMPACT_CHUNK]:
+                mask = holders.get(h)
+                if mask is not None and mask & retired:
+                    if mask & keep:
+                        holders[h] = mask & keep
+                    else:
+                        del holders[h]
+            yield len(keys) - start - COMPACT_CHUNK
+        for h in list(self._extra):
+            copies = self._extra[h]
+            for slot in [s for s in copies if retired >> s & 1]:
+                del copies[slot]
+            if not copies:
+                del self._extra[h]
+        # Only now may the slots be reused: no block carries their bits any more.
+        self._retired &= ~retired
+        self._free_slots.extend(s for s in range(retired.bit_length()) if retired >> s & 1)
+
+    # ---- lookup ----------------------------------------------------------------------------------------
+
+    def longest_prefixes(self, chain: Sequence[int], live_mask: int) -> dict[str, int]:
+        """engine_id -> how many leading blocks of ``chain`` it holds, for the engines in ``live_mask``;
+        engines holding none are left out. What vLLM's ``find_longest_cache_hit`` finds there, as far as
+        the index knows."""
+        get = self._holders.get
+        alive = live_mask & ~self._retired
+        out: dict[str, int] = {}
+        depth = 0
+        for h in chain:
+            held = alive & get(h, 0)
+            if held != alive:
+                if depth:
+                    self._record(out, alive & ~held, depth)
+                alive = held
+                if not held:
+                    return out
+            depth += 1
+        if depth and alive:
+            self._record(out, alive, depth)
+        return out
+
+    def _record(self, out: dict[str, int], mask: int, depth: int) -> None:
+        names = self._slot_engine
+        while mask:
+            low = mask & -mask
+            name = names[low.bit_length() - 1]
+            assert name is not None, "a live mask names a slot no engine holds"
+            out[name] = depth
+            mask ^= low
+
+    def blocks_of(self, engine_id: str) -> set[int]:
+        """Every hash the index says the engine holds (tests and debugging: a full scan)."""
+        slot = self._slots.get(engine_id)
+        if slot is None:
+            return set()
+        return {h for h, mask in self._holders.items() if mask >> slot & 1}

@@ -1,0 +1,160 @@
+"""The gateway worker's local prefix index fed from real Redis (routing/local_feed.py): a warm start loads
+what the engines' feeders wrote, the event stream brings stores, removes and clears, a gap (trimmed
+stream) resyncs the engine, and a Router on the local index routes with no Redis lookup at all."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+
+import pytest
+import redis.asyncio as aioredis
+
+from tessera.redis_conn import EmbeddedRedis, connect
+from tessera.registry import EngineRecord, EngineRegistry
+from tessera.routing.local_feed import FORGET_GRACE_S, LocalIndexFeed
+from tessera.routing.local_index import LocalPrefixIndex
+from tessera.routing.prefix_index import EVENTS_STREAM, PrefixIndex
+from tessera.routing.router import Router
+from tessera.routing.snapshot import RouteRequest
+
+
+@pytest.fixture
+async def redis(redis_server: EmbeddedRedis) -> AsyncIterator[aioredis.Redis]:
+    client = connect(redis_server.url, timeout_s=5.0)
+    yield client
+    await client.aclose()
+
+
+@pytest.fixture
+def names() -> list[str]:
+    tag = uuid.uuid4().hex[:8]
+    return [f"lf-{tag}-{n}" for n in ("a", "b", "c")]
+
+
+def chain(n: int) -> list[int]:
+    base = uuid.uuid4().int & ((1 << 60) - 1)
+    return [base + i for i in range(n)]
+
+
+async def drain(feed: LocalIndexFeed) -> None:
+    while await feed.poll(block_ms=None):
+        pass
+
+
+async def test_warm_start_then_the_stream_keeps_the_local_index_equal_to_redis(
+        redis: aioredis.Redis, names: list[str]) -> None:
+    store = PrefixIndex(redis)
+    a, b, _ = names
+    hashes = chain(8)
+    await store.apply(a, [("store", h) for h in hashes[:6]])
+    await store.apply(b, [("store", h) for h in hashes[:2]])
+    feed = LocalIndexFeed(redis, LocalPrefixIndex(100_000), store)
+    await feed.warm_start()
+    assert feed.ready
+    live = feed.index.live_mask([a, b])
+    assert feed.index.longest_prefixes(hashes, live) == {a: 6, b: 2}
+
+    await store.apply(b, [("store", h) for h in hashes[2:5]], ts=None)
+    await store.apply(a, [("remove", hashes[3])])
+    await drain(feed)
+    assert feed.index.longest_prefixes(hashes, feed.index.live_mask([a, b])) == {a: 3, b: 5}
+    assert feed.index.blocks_of(a) == set((await store.blocks_of(a)).keys())
+
+    await store.apply(b, [("clear", 0), ("store", hashes[0])])
+    await drain(feed)
+    assert feed.index.longest_prefixes(hashes, feed.index.live_mask([a, b])) == {a: 3, b: 1}
+    assert feed.num_resyncs == 0 and feed.lag_p99_s() is not None
+
+
+async def test_a_second_feed_started_later_sees_the_same_index(redis: aioredis.Redis, names: list[str]) -> None:
+    store = PrefixIndex(redis)
+    a, b, _ = names
+    hashes = chain(5)
+    first = LocalIndexFeed(redis, LocalPrefixIndex(100_000), store)
+    await first.warm_start()
+    await store.apply(a, [("store", h) for h in hashes])
+    await store.apply(a, [("remove", hashes[4])])
+    await store.apply(b, [("store", hashes[0])])
+    await drain(first)
+    later = LocalIndexFeed(redis, LocalPrefixIndex(100_000), store)
+    await later.warm_start()  # a gateway starting now: snapshot, then only what came after it
+    await store.apply(a, [("remove", hashes[3])])
+    await drain(first)
+    await drain(later)
+    expected = {a: 3, b: 1}
+    assert first.index.longest_prefixes(hashes, first.index.live_mask([a, b])) == expected
+    assert later.index.longest_prefixes(hashes, later.index.live_mask([a, b])) == expected
+
+
+async def test_a_gap_in_an_engines_events_resyncs_it_from_redis(redis: aioredis.Redis, names: list[str]) -> None:
+    store = PrefixIndex(redis)
+    a = names[0]
+    hashes = chain(6)
+    feed = LocalIndexFeed(redis, LocalPrefixIndex(100_000), store)
+    await feed.warm_start()
+    await store.apply(a, [("store", h) for h in hashes])
+    await drain(feed)
+    await store.apply(a, [("remove", hashes[2])])
+    await redis.xtrim(EVENTS_STREAM, maxlen=0)  # this reader fell behind a trim: the remove is lost to it
+    await store.apply(a, [("store", hashes[2] + 10_000)])
+    await drain(feed)
+    assert feed.num_resyncs == 1
+    assert feed.index.blocks_of(a) == set((await store.blocks_of(a)).keys())
+    assert feed.index.longest_prefixes(hashes, feed.index.live_mask([a])) == {a: 2}
+
+
+async def test_a_router_on_the_local_index_routes_without_a_redis_lookup(
+        redis: aioredis.Redis, names: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    store = PrefixIndex(redis)
+    model = f"m-{names[0]}"
+    registry = EngineRegistry(redis)
+    for name in names:
+        await registry.heartbeat(EngineRecord(name, f"http://{name}", model, 16, 100, 2048))
+    hashes = chain(6)
+    await store.apply(names[1], [("store", h) for h in hashes[:5]])
+    await store.apply("lf-dead-engine", [("store", h) for h in hashes])  # not in the registry
+    router = Router(redis, "prefix_affinity", store, index_source="local")
+    await router.start_local_index()
+
+    async def no_lookup(*_: object) -> None:
+        raise AssertionError("the local index made a Redis lookup")
+    monkeypatch.setattr(store, "lookup", no_lookup)
+    request = RouteRequest(tenant="t", model=model, num_prompt_tokens=16 * 6 + 3, block_hashes=tuple(hashes))
+    plan = await router.plan(request)
+    assert plan.lookup is None and plan.live_mask is not None  # admission's round trip carries no lookup
+    decision, _ = router.decide(plan, {})
+    assert decision.ranked[0] == names[1] and decision.expected_cached_tokens == 80
+    assert set(decision.ranked) == set(names)
+
+    # A block the engine evicts reaches the router through the stream.
+    await store.apply(names[1], [("remove", hashes[1])])
+    for _ in range(200):
+        decision, _ = await router.route(request)
+        if decision.expected_cached_tokens == 16:
+            break
+        await asyncio.sleep(0.01)  # the router's own feed task reads the stream
+    assert decision.ranked[0] == names[1] and decision.expected_cached_tokens == 16
+    await router.close()
+
+
+def test_an_unknown_index_source_is_refused(redis: aioredis.Redis) -> None:
+    with pytest.raises(ValueError, match="valid: local, redis"):
+        Router(redis, "prefix_affinity", PrefixIndex(redis), index_source="memory")
+
+
+async def test_an_engine_is_forgotten_only_after_the_grace_and_resyncs_when_it_publishes(
+        redis: aioredis.Redis, names: list[str]) -> None:
+    store = PrefixIndex(redis)
+    a, b, _ = names
+    hashes = chain(4)
+    await store.apply(a, [("store", h) for h in hashes])
+    feed = LocalIndexFeed(redis, LocalPrefixIndex(100_000), store)
+    await feed.warm_start()
+    assert feed.retain([b], now=100.0) == []  # a's heartbeat is late: kept
+    assert a in feed.retain([b], now=100.0 + FORGET_GRACE_S)  # (with other tests' engines)
+    assert feed.index.blocks_of(a) == set()
+    await store.apply(a, [("remove", hashes[3])])  # it publishes again: re-read whole from Redis
+    await drain(feed)
+    assert feed.index.blocks_of(a) == set(hashes[:3]) and feed.num_resyncs == 1
