@@ -36,7 +36,9 @@ APP, MODEL = "autoscaled", "autoscaled-small"
 TARGET_ONGOING = 2
 BURST_CLIENTS = 4  # twice the target on one replica: Serve wants 2 replicas (its maxReplicas)
 BURST_TOKENS = 16
-LONG_TOKENS = 1500  # long enough to outlast the scale-down decision and the drain's registry grace
+# Long enough to outlast the scale-down after the burst (look-back window + downscale delay + Serve's drain
+# loop, ~3.5 s) at the fastest this machine decodes (~250 tokens/s), within maxModelLen.
+LONG_TOKENS = 1800
 PROMPT = "the replicas follow the load"
 
 
@@ -47,7 +49,7 @@ def autoscaled_engine(model_dir: Path) -> dict[str, object]:
         "speculative": None, "maxModelLen": 2048, "maxNumSeqs": 8, "numGpuBlocksOverride": 256,
         "heartbeatIntervalS": 0.5, "drainTimeoutS": 60,
         "autoscaling": {"minReplicas": 1, "maxReplicas": 2, "targetOngoingRequests": TARGET_ONGOING,
-                        "upscaleDelayS": 0, "downscaleDelayS": 3, "lookBackPeriodS": 2, "metricsIntervalS": 0.5},
+                        "upscaleDelayS": 0, "downscaleDelayS": 2, "lookBackPeriodS": 1, "metricsIntervalS": 0.25},
     }
 
 
@@ -64,6 +66,7 @@ class Stream:
     finish_reasons: list[str] = field(default_factory=list)
     completion_tokens: int = 0
     done: bool = False
+    opened_at: float = field(default_factory=time.monotonic)
     ended_at: float = 0.0
 
     def ok(self, max_tokens: int) -> bool:
@@ -71,8 +74,9 @@ class Stream:
                 and self.completion_tokens == max_tokens)
 
     def describe(self) -> str:
+        took = f"{self.ended_at - self.opened_at:.1f} s" if self.ended_at else "running"
         return (f"engine={self.engine_id} status={self.status} errors={self.errors} done={self.done} "
-                f"finish={self.finish_reasons} tokens={self.completion_tokens}")
+                f"finish={self.finish_reasons} tokens={self.completion_tokens} ({took})")
 
 
 async def stream_completion(client: httpx.AsyncClient, gateway: GatewayProcess, key: str, max_tokens: int,
@@ -220,18 +224,21 @@ async def test_burst_scales_up_gateway_follows_idle_scales_down_and_the_removed_
         # Serve removes one replica; it leaves the registry while its long stream still runs on it.
         await async_wait_until(lambda: _count_is(engine_ids(redis_url), 1), 60,
                                "one replica removed by the autoscaler and out of the registry", every_s=0.2)
+        left_at = time.monotonic()
         (survivor,) = await engine_ids(redis_url)
         (removed,) = {first, second} - {survivor}
         on_removed, _ = long_streams[removed]
         still_open = await open_requests(urls[removed])
         assert on_removed.response_id and any(r.endswith(f"/{on_removed.response_id}") for r in still_open), (
-            f"the long stream on {removed} ended before the replica left the registry: raise LONG_TOKENS "
+            f"the long stream on {removed} ended before the replica left the registry "
+            f"{left_at - on_removed.opened_at:.1f} s after it opened: raise LONG_TOKENS "
             f"({on_removed.describe()}, open there: {still_open})")
 
         # The removed replica's stream, and the survivor's, complete without error.
         await asyncio.gather(*(task for _, task in long_streams.values()))
         failed = [s.describe() for s, _ in long_streams.values() if not s.ok(LONG_TOKENS)]
         assert failed == [], failed
+
         await async_wait_until(lambda: _is(running_replicas(cluster), 1), 60, "Serve at one running replica",
                                every_s=0.5)
         # The gateway routes to what is left.
