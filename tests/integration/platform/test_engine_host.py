@@ -1,4 +1,5 @@
-"""The engine host against a real vLLM engine: FP8 KV, speculative decoding, abort on disconnect."""
+"""The engine host against a real vLLM engine: FP8 KV, speculative decoding, abort on disconnect, vLLM's own
+metrics on /metrics."""
 
 from __future__ import annotations
 
@@ -8,8 +9,10 @@ import httpx
 import orjson
 import psutil
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tessera.engine.host import EngineHost
+from tests.support.dashboard import dashboard_metric_names
 
 pytestmark = pytest.mark.engine
 
@@ -105,3 +108,27 @@ def test_health_and_unknown_route(fp8_engine: EngineHost) -> None:
     assert httpx.get(f"{fp8_engine.url}/nope").status_code == 404
     bad = httpx.post(f"{fp8_engine.url}/generate", json={"request_id": "x"})
     assert bad.status_code == 400 and "prompt_token_ids" in bad.json()["error"]
+
+
+def _vllm_samples(host: EngineHost) -> dict[str, float]:
+    """The replica's vllm:* samples on /metrics, summed over their labels."""
+    totals: dict[str, float] = {}
+    for family in text_string_to_metric_families(httpx.get(f"{host.url}/metrics").text):
+        for sample in family.samples:
+            if sample.name.startswith("vllm:"):
+                totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
+    return totals
+
+
+def test_metrics_carry_vllms_own_series_after_a_request(fp8_engine: EngineHost) -> None:
+    """vLLM's own Prometheus metrics of this replica on its /metrics, beside Tessera's (vllm_metrics.py),
+    including every vllm: metric the Grafana dashboard queries."""
+    before = _vllm_samples(fp8_engine)
+    generate(fp8_engine, max_tokens=8)
+    time.sleep(0.3)  # vLLM records a step's stats after the step's outputs
+    after = _vllm_samples(fp8_engine)
+    assert after["vllm:generation_tokens_total"] - before.get("vllm:generation_tokens_total", 0.0) >= 8
+    assert after["vllm:time_to_first_token_seconds_count"] > before.get("vllm:time_to_first_token_seconds_count", 0)
+    assert "tessera_engine_kv_cache_usage_ratio" in httpx.get(f"{fp8_engine.url}/metrics").text
+    queried = {name for name in dashboard_metric_names() if name.startswith("vllm:")}
+    assert queried and queried <= set(after), sorted(queried - set(after))
