@@ -103,6 +103,14 @@ def test_a_request_the_tenants_rate_can_never_hold_is_400_not_429(gateways: list
     assert fitting.status_code == 200, fitting.text
 
 
+@pytest.mark.parametrize("field, value", [("logprobs", 2), ("echo", True), ("suffix", "end")])
+def test_openai_fields_tessera_does_not_serve_are_400_by_name(client: httpx.Client, tenant: TenantHandle,
+                                                              field: str, value: object) -> None:
+    response = post(client, tenant, completion_body(**{field: value}))
+    assert response.status_code == 400, response.text
+    assert (error_of(response)["code"], error_of(response)["param"]) == ("unsupported_field", field)
+
+
 @pytest.mark.parametrize("raw", [b"{", b"not json", b"[1, 2]", b"", b'{"model": "m",}'])
 def test_malformed_json_is_400(client: httpx.Client, tenant: TenantHandle, raw: bytes) -> None:
     response = post(client, tenant, raw)

@@ -76,7 +76,8 @@ def test_wrong_types_are_400_naming_the_field(chat: bool, body: dict[str, object
 
 
 def test_unknown_fields_are_ignored() -> None:
-    req = parse_request(False, orjson.dumps({"model": "m", "prompt": "x", "logit_bias": {"1": 2}}))
+    # Fields that change nothing in the answer (an answer-changing one is refused: see below).
+    req = parse_request(False, orjson.dumps({"model": "m", "prompt": "x", "metadata": {"team": "a"}, "store": False}))
     assert req.model == "m"
 
 
@@ -156,3 +157,24 @@ def test_left_out_max_tokens_becomes_what_fits_the_limit() -> None:
     chat = parse_request(True, orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "x"}]}))
     assert check_limits(CHAT, chat, tenant(tokens_per_minute=40), MODEL, 10) == 30
     assert check_limits(CHAT, chat, tenant(), MODEL, 10) == 246  # the model's context, as before
+
+
+@pytest.mark.parametrize("field, value", [
+    ("logprobs", True), ("top_logprobs", 5), ("tools", [{"type": "function", "function": {"name": "f"}}]),
+    ("tool_choice", "auto"), ("response_format", {"type": "json_object"}), ("logit_bias", {"50": 10}),
+    ("presence_penalty", 0.5), ("echo", True), ("best_of", 3),
+])
+def test_fields_tessera_does_not_serve_are_refused_by_name(field: str, value: object) -> None:
+    with pytest.raises(APIError) as info:
+        parse_request(True, orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "x"}],
+                                          field: value}))
+    assert (info.value.status, info.value.code, info.value.param) == (400, "unsupported_field", field)
+
+
+@pytest.mark.parametrize("fields", [
+    {"logprobs": False}, {"tools": []}, {"tool_choice": "none"}, {"response_format": {"type": "text"}},
+    {"presence_penalty": 0}, {"logit_bias": None}, {"best_of": 1}, {"parallel_tool_calls": True},
+    {"some_client_extension": 1},
+])
+def test_their_off_values_and_unknown_fields_pass(fields: dict[str, object]) -> None:
+    assert parse_request(False, orjson.dumps({"model": "m", "prompt": "x", **fields})).model == "m"

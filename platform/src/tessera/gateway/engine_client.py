@@ -29,7 +29,14 @@ from tessera.engine.protocol import (
     parse_line,
 )
 from tessera.gateway.errors import APIError
-from tessera.gateway.http_wire import HEAD_TIMEOUT_S, IDLE_TIMEOUT_S, EngineHTTP, EngineUnreachable, StreamResponse
+from tessera.gateway.http_wire import (
+    HEAD_TIMEOUT_S,
+    IDLE_TIMEOUT_S,
+    EngineHTTP,
+    EngineTimeout,
+    EngineUnreachable,
+    StreamResponse,
+)
 
 MAX_ATTEMPTS = 3
 # The longest a request may take from its first engine call to its last line, retries included, seconds.
@@ -84,7 +91,8 @@ class _Attempt:
             try:
                 message = parse_line(line)
             except ProtocolError as exc:
-                raise APIError(502, str(exc), "engine_error") from None
+                raise APIError(502, "The engine replica sent a malformed answer.", "engine_error",
+                               detail=str(exc)) from None
             if isinstance(message, Delta):
                 ids = message.token_ids
                 result.completion_tokens += len(ids)
@@ -150,7 +158,9 @@ class EngineClient:
     async def _relay(self, urls: list[tuple[str, str]], body: GenerateBody, headers: dict[str, str],
                      result: StreamResult, on_deltas: DeltaSink) -> None:
         generated: list[int] = []
-        last_error = "no engine available"
+        # What went wrong, twice: in full for the logs and the span (engine ids, addresses, the engine's own
+        # words), and as the client may read it (neither addresses nor engine output: see public_reason).
+        last_error, last_reason = "no engine available", "none is registered"
         single = body.get("n", 1) == 1
         sent = body
         for attempt, (engine_id, url) in enumerate(urls[:MAX_ATTEMPTS]):
@@ -164,25 +174,35 @@ class EngineClient:
                 async with self.http.post(f"{url}/generate", encode_request(sent), headers) as resp:
                     if resp.status != 200:
                         last_error = f"engine {engine_id} answered {resp.status}: {(await resp.text())[:200]}"
+                        last_reason = f"a replica answered {resp.status}"
                         if resp.status >= 500:
                             continue
-                        raise APIError(502, last_error, "engine_error")
+                        raise APIError(502, "The engine replica refused the request.", "engine_error",
+                                       detail=last_error)
                     answer = _Attempt(resp, result, generated if single else None, on_deltas)
                     resp.relay(answer)
                     failure = await answer.ended
             except (EngineUnreachable, TimeoutError) as exc:
-                last_error = f"engine {engine_id} unreachable: {exc}"
+                last_error, last_reason = f"engine {engine_id} unreachable: {exc}", public_reason(exc)
                 continue
             if answer.done:
                 return  # a connection lost after the closing line loses nothing
             if answer.error is not None:
-                last_error = answer.error
+                last_error, last_reason = f"engine {engine_id}: {answer.error}", "a replica ended the stream early"
                 if answer.retryable:
                     continue
-                raise APIError(502, f"engine {engine_id} ended the stream early: {last_error}", "engine_error")
+                raise APIError(502, "The engine replica ended the stream early.", "engine_error", detail=last_error)
             if failure is not None:
-                last_error = f"engine {engine_id} unreachable: {failure}"
+                last_error, last_reason = f"engine {engine_id} unreachable: {failure}", public_reason(failure)
                 continue
-            raise APIError(502, f"engine {engine_id} ended the stream early: no closing line", "engine_error")
-        raise APIError(503, f"No engine could serve the request ({last_error}); retry shortly.",
-                       "engine_unavailable", headers={"Retry-After": "1"})
+            raise APIError(502, "The engine replica ended the stream early.", "engine_error",
+                           detail=f"engine {engine_id}: no closing line")
+        raise APIError(503, f"No engine replica could serve the request ({last_reason}); retry shortly.",
+                       "engine_unavailable", headers={"Retry-After": "1"}, detail=last_error)
+
+
+def public_reason(exc: BaseException) -> str:
+    """Why a replica failed, as a client may read it: the kind of failure, never an address or errno text."""
+    if isinstance(exc, EngineTimeout | TimeoutError):
+        return f"a replica timed out: {exc}" if isinstance(exc, EngineTimeout) else "a replica timed out"
+    return "a replica could not be reached"

@@ -33,9 +33,15 @@ class APIError(Exception):
     code: str
     param: str | None = None
     headers: dict[str, str] = field(default_factory=dict)
+    # For the logs and the span only (engine ids, addresses, what an engine said), never for the client:
+    # ``body()`` carries ``message``; ``str()``, which spans and logs record, carries both.
+    detail: str = ""
 
     def __post_init__(self) -> None:
         super().__init__(self.message)
+
+    def __str__(self) -> str:
+        return f"{self.message} [{self.detail}]" if self.detail else self.message
 
     @property
     def type(self) -> str:

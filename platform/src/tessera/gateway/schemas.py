@@ -1,11 +1,41 @@
 """The OpenAI request bodies Tessera accepts. Unknown fields are ignored (clients send many), but every
-field Tessera acts on is type-checked, so a wrong type is a 400 naming the field, never a 500."""
+field Tessera acts on is type-checked, so a wrong type is a 400 naming the field, never a 500; and an OpenAI
+field that would change the answer, which Tessera does not serve, is refused by name (``unsupported_field``)
+rather than silently dropped: a client asking for logprobs or tool calls must not get a plain answer that
+looks like one."""
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
+
+
+def _is_unset(value: Any) -> bool:
+    return value is None or value is False or value == 0 or value == [] or value == {} or value == ""
+
+
+# OpenAI request fields that would change what the answer contains, with the values that change nothing
+# (what a client sends for "off": null, false, 0, [], "", or the default named here).
+_INERT_VALUES: dict[str, Any] = {
+    "logprobs": _is_unset, "top_logprobs": _is_unset, "echo": _is_unset, "suffix": _is_unset,
+    "logit_bias": _is_unset, "frequency_penalty": _is_unset, "presence_penalty": _is_unset,
+    "best_of": lambda v: _is_unset(v) or v == 1,
+    "tools": _is_unset, "functions": _is_unset, "parallel_tool_calls": lambda v: True,
+    "tool_choice": lambda v: _is_unset(v) or v == "none",
+    "function_call": lambda v: _is_unset(v) or v == "none",
+    "response_format": lambda v: _is_unset(v) or v == {"type": "text"},
+    "modalities": lambda v: _is_unset(v) or v == ["text"],
+    "audio": _is_unset, "prediction": _is_unset,
+}
+
+
+def unsupported_field(data: dict[str, Any]) -> str | None:
+    """The first field of ``data`` that asks for something Tessera does not serve, or None."""
+    for name, inert in _INERT_VALUES.items():
+        if name in data and not inert(data[name]):
+            return name
+    return None
 
 
 class StreamOptions(BaseModel):

@@ -1,5 +1,5 @@
 """Phase ``parse``: the request body, read within ``max_body_bytes`` (413), decoded and validated against
-the endpoint's schema (400 naming the first invalid field)."""
+the endpoint's schema (400 naming the first invalid field, or an OpenAI field Tessera does not serve)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from pydantic import ValidationError
 
 from tessera.gateway.errors import bad_request, invalid_field
 from tessera.gateway.responses import request_body
+from tessera.gateway.schemas import unsupported_field
 
 if TYPE_CHECKING:
     from tessera.gateway.request.context import RequestContext
@@ -33,6 +34,10 @@ def parse_body(endpoint: Endpoint, raw: bytes) -> OpenAIRequest:
         raise bad_request(f"Request body is not valid JSON: {exc}", "invalid_json") from None
     if not isinstance(data, dict):
         raise bad_request("Request body must be a JSON object.", "invalid_json")
+    unsupported = unsupported_field(data)
+    if unsupported is not None:
+        raise bad_request(f"'{unsupported}' is not supported by this gateway; remove it from the request (the "
+                          "answer would not contain what it asks for).", "unsupported_field", unsupported)
     try:
         return endpoint.parse(data)
     except ValidationError as exc:
