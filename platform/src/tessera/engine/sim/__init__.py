@@ -5,8 +5,8 @@ One concept per module: ``block_pool`` (what is cached and evicted, and the KV e
 (the gateway's block hashes, grown with the output), ``scheduler`` (what each step computes),
 ``step_time`` (how long a step takes), ``kv_wire`` (vLLM's KV-event wire format and publisher),
 ``config`` (a replica's settings), ``engine`` (the scheduler stepped in simulated time), ``server`` (its
-HTTP routes) and ``fleet`` (many replicas in one process; import it from ``tessera.engine.sim.fleet``, it
-pulls the HTTP server and Redis).
+HTTP routes), ``fleet`` (many replicas in one process; import it from ``tessera.engine.sim.fleet``, it
+pulls the HTTP server and Redis) and ``fleet_redis`` (the fleet's registry heartbeat and index feed).
 """
 
 from tessera.engine.sim.block_pool import Block, BlockPool

@@ -1,10 +1,10 @@
 """Many simulated replicas in one process: one asyncio loop, one HTTP port and one KV-event publisher
 each, one shared clock.
 
-Each replica does what a real one's host does (``engine/host.py``): it serves its routes, heartbeats its
-``EngineRecord`` into the registry (``engine/heartbeat.py``, the real loop), feeds the prefix index from
-its own KV events (``engine/index_feed.py``, the real loop, subscribing to the sim's publisher) and, when
-stopped, leaves the registry and clears its index entries.
+The fleet does for each replica what a real one's host does (``engine/host.py``): the replica serves its
+routes; with Redis, its ``EngineRecord`` is heartbeaten into the registry, its own KV events (read from
+its publisher by a subscriber, as the real feed reads vLLM's) feed the prefix index, and on stop it leaves
+the registry and the index — over connections the fleet shares (``fleet_redis.py`` says why).
 """
 
 from __future__ import annotations
@@ -19,11 +19,10 @@ from typing import Any
 import uvicorn
 import zmq
 
-from tessera.engine.heartbeat import deregister, heartbeat_loop
-from tessera.engine.index_feed import index_feed_loop
 from tessera.engine.ports import reserve_port
 from tessera.engine.sim.config import SimEngineConfig
 from tessera.engine.sim.engine import SimClock, SimEngine
+from tessera.engine.sim.fleet_redis import FedEngine, FleetRedis
 from tessera.engine.sim.kv_wire import KVEventPublisher
 from tessera.engine.sim.server import SimEndpoints
 from tessera.registry import EngineRecord, ModelInfo
@@ -43,10 +42,9 @@ class _QuietServer(uvicorn.Server):
 
 class SimReplica:
     def __init__(self, config: SimEngineConfig, clock: SimClock, zmq_context: zmq.Context[Any],
-                 redis_url: str | None, engine_id: str | None = None) -> None:
+                 engine_id: str | None = None) -> None:
         self.config = config
         self.engine_id = engine_id or f"sim-{uuid.uuid4().hex[:10]}"
-        self.redis_url = redis_url
         self.publisher = KVEventPublisher(zmq_context, f"tcp://{config.http_host}:*")
         port = self.publisher.endpoint.rsplit(":", 1)[1]
         self.kv_events_endpoint = f"tcp://{config.advertise_host}:{port}"
@@ -76,18 +74,13 @@ class SimReplica:
         return ModelInfo(name=self.config.served_model_name, tokenizer=self.config.tokenizer,
                          max_model_len=self.config.max_model_len, block_size=self.config.block_size)
 
+    def fed(self) -> FedEngine:
+        return FedEngine(self.engine_id, self.kv_events_endpoint, self.record, self.feed_stats)
+
     async def start(self) -> None:
-        """Serves, steps and (with Redis) heartbeats and feeds the index; returns once listening."""
+        """Serves and steps; returns once listening."""
         self._tasks.append(asyncio.create_task(self.engine.run()))
         self._tasks.append(asyncio.create_task(self._server.serve(sockets=[self._socket])))
-        if self.redis_url:
-            if self.config.feed_index:
-                # As the real host: the feed subscribes (and clears this id's old entries) before the first
-                # heartbeat makes the replica routable.
-                self._tasks.append(asyncio.create_task(index_feed_loop(
-                    self.redis_url, self.engine_id, self.kv_events_endpoint, "", self.feed_stats)))
-            self._tasks.append(asyncio.create_task(heartbeat_loop(
-                self.redis_url, self.config.heartbeat_interval_s, self.model_info(), lambda: True, self.record)))
         while not self._server.started:
             if self._tasks[1].done():
                 self._tasks[1].result()  # raises why the server did not start
@@ -100,8 +93,6 @@ class SimReplica:
                 task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self.publisher.close()
-        if self.redis_url:
-            await deregister(self.redis_url, self.engine_id)
 
 
 class SimFleet:
@@ -111,16 +102,35 @@ class SimFleet:
                  engine_id_prefix: str = "sim") -> None:
         if num_engines < 1:
             raise ValueError("a fleet needs num_engines >= 1")
+        self.config = config
         self.clock = SimClock(config.time_scale)
         self._zmq = zmq.Context()
         run_id = uuid.uuid4().hex[:6]
-        self.replicas = [SimReplica(config, self.clock, self._zmq, redis_url, f"{engine_id_prefix}-{run_id}-{i}")
+        self.replicas = [SimReplica(config, self.clock, self._zmq, f"{engine_id_prefix}-{run_id}-{i}")
                          for i in range(num_engines)]
+        self._redis = (FleetRedis(redis_url, [r.fed() for r in self.replicas], [self.replicas[0].model_info()],
+                                  config.heartbeat_interval_s) if redis_url else None)
+        self._redis_tasks: list[asyncio.Task[None]] = []
 
     async def start(self) -> SimFleet:
+        """Serving once this returns; with Redis, registered within a heartbeat."""
         await asyncio.gather(*(replica.start() for replica in self.replicas))
+        if self._redis is not None:
+            if self.config.feed_index:
+                # As the real host: subscribed and the old entries cleared before a heartbeat makes the
+                # replicas routable.
+                await self._redis.prepare_index()
+                self._redis_tasks.append(asyncio.create_task(self._redis.feed_index()))
+            self._redis_tasks.append(asyncio.create_task(self._redis.heartbeat()))
         return self
 
     async def stop(self) -> None:
+        for task in self._redis_tasks:
+            task.cancel()
+        await asyncio.gather(*self._redis_tasks, return_exceptions=True)
+        if self._redis is not None:
+            await self._redis.deregister()  # out of the registry first, as a draining replica
         await asyncio.gather(*(replica.stop() for replica in self.replicas), return_exceptions=True)
+        if self._redis is not None:
+            await self._redis.close()
         self._zmq.term()
