@@ -16,7 +16,6 @@ handle both clients alike (``NoScriptError`` for NOSCRIPT, ``OutOfMemoryError`` 
 from __future__ import annotations
 
 import asyncio
-import ssl
 from collections import deque
 from typing import Any
 
@@ -25,6 +24,8 @@ from redis.asyncio.connection import SSLConnection, UnixDomainSocketConnection, 
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, OutOfMemoryError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from tessera.redis_tls import tls_context
 
 Command = tuple[str | bytes | int | float, ...]
 
@@ -157,7 +158,7 @@ class RedisWire:
                 if options.get("connection_class") is UnixDomainSocketConnection:
                     _, protocol = await loop.create_unix_connection(_Protocol, options["path"])
                 else:
-                    tls = ssl.create_default_context() if options.get("connection_class") is SSLConnection else None
+                    tls = tls_context(options) if options.get("connection_class") is SSLConnection else None
                     _, protocol = await loop.create_connection(
                         _Protocol, options.get("host", "localhost"), int(options.get("port", 6379)), ssl=tls)
                 await self._set_up(protocol)
