@@ -64,3 +64,42 @@ async def test_a_finished_stream_ends_quietly_with_its_last_deltas_held_for_the_
     got, result, error = await _relay("length")
     assert error is None and result.finish == {0: "length"}
     assert got == [([Delta(0, "partial", [5])], True)]
+
+
+async def _dying_engine(lines: list[bytes], calls: list[int]) -> asyncio.AbstractServer:
+    """Answers 200, writes ``lines`` as a chunked body, then drops the connection mid-stream."""
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        calls.append(1)
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = next(int(h.split(b":", 1)[1]) for h in head.split(b"\r\n") if h.lower().startswith(b"content-length"))
+        await reader.readexactly(length)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/x-ndjson\r\ntransfer-encoding: chunked\r\n\r\n")
+        for line in lines:
+            writer.write(b"%x\r\n%s\r\n" % (len(line), line))
+        await writer.drain()
+        writer.transport.abort()
+
+    return await asyncio.start_server(answer, "127.0.0.1", free_port())
+
+
+@pytest.mark.asyncio
+async def test_n_above_one_is_not_restarted_elsewhere_after_its_answer_began() -> None:
+    first_calls: list[int] = []
+    second_calls: list[int] = []
+    started = [delta_line(0, "a", [5]) + b"\n", delta_line(1, "b", [6]) + b"\n"]
+    first = await _dying_engine(started, first_calls)
+    second = await _dying_engine(started, second_calls)
+    urls = [(f"e{i}", f"http://127.0.0.1:{s.sockets[0].getsockname()[1]}") for i, s in enumerate((first, second))]
+    result, got = StreamResult(), []
+    client = EngineClient()
+    try:
+        with pytest.raises(APIError) as info:
+            await client.relay(urls, {"request_id": "t/r1", "prompt_token_ids": [1], "max_tokens": 4, "n": 2},
+                               {}, result, lambda deltas, last: got.append(deltas))
+    finally:
+        await client.close()
+        first.close()
+        second.close()
+    assert info.value.status == 502 and "n > 1 cannot be continued" in info.value.message
+    assert second_calls == [], "the choices were started again on another replica"
+    assert result.completion_tokens == 2  # billed for what the first replica made, once

@@ -165,8 +165,12 @@ class EngineClient:
         sent = body
         for attempt, (engine_id, url) in enumerate(urls[:MAX_ATTEMPTS]):
             if attempt:
-                if generated and not single:
-                    break  # continuation is defined for one sequence only
+                if not single and result.completion_tokens:
+                    # Continuation is defined for one sequence only: starting n > 1 choices again elsewhere
+                    # would stream their beginnings twice and bill them twice. The client retries, knowingly.
+                    raise APIError(502, "The engine replica failed after the answer started; a request with "
+                                   "n > 1 cannot be continued elsewhere. Retry the request.", "engine_error",
+                                   detail=last_error)
                 sent = continuation(body, generated, attempt)
             result.engines_tried.append(engine_id)
             result.retries = attempt
