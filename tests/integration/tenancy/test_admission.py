@@ -172,6 +172,19 @@ async def test_finish_counts_once_however_often_it_is_retried(redis_client: aior
     await assert_every_key_has_a_ttl(redis_client, tenant)
 
 
+async def test_the_charge_never_exceeds_the_reservation(redis_client: aioredis.Redis) -> None:
+    tenant, policy = tenant_name(), TenantPolicy(token_budget=1000, budget_period="day", tokens_per_minute=10_000)
+    admission = Admission(redis_client)
+    lease = await admission.admit(tenant, policy, 100)  # prompt 10 + max_tokens 90
+    assert isinstance(lease, Lease)
+    assert await admission.finish(lease, 10, 180)  # a fault upstream reported twice what could be made
+    usage = await admission.usage(tenant, "day")
+    assert (usage["prompt_tokens"], usage["completion_tokens"]) == (10, 90)
+    budget_key = next(k for k in lease.keys if ":budget:" in k)
+    assert int(await redis_client.get(budget_key)) == 100
+    assert int(await redis_client.hget(f"tessera:rl:{tenant}:tpm-tokens", "_total")) == 100
+
+
 async def test_every_key_written_has_a_ttl_after_admit_renew_and_finish(redis_client: aioredis.Redis) -> None:
     tenant = tenant_name()
     policy = TenantPolicy(requests_per_minute=10, tokens_per_minute=10_000, max_concurrent_requests=3,
