@@ -12,7 +12,8 @@ MODEL ?=
 PYTEST_ARGS ?=
 
 .PHONY: install run test lint unit integration e2e bench bench-gateway bench-gateway-hops bench-admission bench-routing \
-        bench-kvcontrol bench-loadgen bench-cli bench-stack bench-wires bench-gateway-cpu bench-gateway-ab helm-check clean
+        bench-kvcontrol bench-loadgen bench-cli bench-stack bench-wires bench-gateway-cpu bench-gateway-ab bench-prefix-index \
+        helm-check clean
 
 install: $(STAMP)
 
@@ -62,6 +63,10 @@ bench-admission: install
 
 bench-routing: install
 	$(BIN)/python bench/bench_routing.py
+
+# The gateway's in-process prefix index against issue #17's goals (bench/results/prefix_index.json).
+bench-prefix-index: install
+	$(BIN)/python bench/bench_prefix_index.py
 
 bench-kvcontrol: install
 	$(BIN)/python bench/bench_kvcontrol.py

@@ -57,6 +57,7 @@ class LocalIndexFeed:
         self._absent_since: dict[str, float] = {}  # engine_id -> when a registry read first missed it
         self._last_id: bytes | str = "0-0"
         self.ready = False
+        self._stopping = False
         self.lags_s: deque[float] = deque(maxlen=LAG_SAMPLES)
         self.num_entries = 0
         self.num_ops = 0
@@ -125,6 +126,11 @@ class LocalIndexFeed:
             del self._absent_since[engine_id]
         return gone
 
+    def stop(self) -> None:
+        """Ends ``run`` after its current read (within ``READ_BLOCK_MS``). NOTE: preferred to cancelling the
+        task: redis-py can leave a cancelled blocking XREAD waiting on its connection for good."""
+        self._stopping = True
+
     def lag_p99_s(self) -> float | None:
         """Event-to-visible lag p99 over the recent entries: engine publication to applied here, seconds."""
         if not self.lags_s:
@@ -133,15 +139,15 @@ class LocalIndexFeed:
         return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
 
     async def run(self) -> None:
-        """Warm start, then follow the stream until cancelled; Redis errors are retried, never fatal (the
+        """Warm start, then follow the stream until ``stop``; Redis errors are retried, never fatal (the
         router falls back to the Redis lookup until the warm start has loaded)."""
-        while not self.ready:
+        while not self.ready and not self._stopping:
             try:
                 await self.warm_start()
             except (RedisError, OSError) as exc:
                 logger.warning("prefix index warm start failed, retrying: %s", exc)
                 await asyncio.sleep(RETRY_S)
-        while True:
+        while not self._stopping:
             try:
                 await self.poll()
             except (RedisError, OSError) as exc:

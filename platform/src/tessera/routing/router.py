@@ -175,10 +175,11 @@ class Router:
         return len(self._engines)
 
     async def close(self) -> None:
-        await self._refresher.close()
-        if self._feed_task is not None:
-            self._feed_task.cancel()
+        # The feed first: its stream read holds a pooled connection the refresher's last read may wait for.
+        if self._feed is not None and self._feed_task is not None:
+            self._feed.stop()
             await asyncio.gather(self._feed_task, return_exceptions=True)
+        await self._refresher.close()
         if self._sweep_task is not None:
             self._sweep_task.cancel()
             await asyncio.gather(self._sweep_task, return_exceptions=True)

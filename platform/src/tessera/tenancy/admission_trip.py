@@ -2,8 +2,9 @@
 
 One write carries, in order: the admission script (``EVALSHA``, see admission.py), ``EXISTS`` of the
 tenant's demotion flag (demotion.py), and optionally one more command that rides along (the gateway sends
-the route's prefix lookup here, so an admitted request needs no round trip of its own to route). Over the
-gateway's lean connection (``redis_wire.RedisWire``) that is the one Redis round trip before the engine call.
+the route's prefix lookup here when it routes on the Redis index, so an admitted request needs no round trip
+of its own to route; with its local index nothing rides along). Over the gateway's lean connection
+(``redis_wire.RedisWire``) that is the one Redis round trip before the engine call.
 
 A Redis that lost its scripts (restarted, flushed) answers NOSCRIPT: that script did not run, so the
 parser admits once more with ``Admission.admit``, which loads the script (admitted exactly once); the

@@ -1,11 +1,13 @@
 """Phase ``admit``: shed under KV pressure (503), then admission in one Redis round trip (429 when a limit
 is reached) that also brings the tenant's demotion flag and the route's prefix lookup.
 
-Routing waits for admission's verdict, but its prefix lookup rides in admission's round trip
-(``tenancy/admission_trip.py``): a rejected request costs no routing work beyond that, an admitted one saves
-a round trip. So the route's plan (the cached registry, no Redis call as a rule) is made here, before the
-trip. The lookup is left out for a tenant this process rejected within ``REJECTED_HINT_S`` (a flood of
-over-limit requests then costs Redis no lookups); the route then does its own.
+Routing waits for admission's verdict. With the gateway's local prefix index (``TESSERA_PREFIX_INDEX=local``)
+the plan carries no lookup and the round trip is admission and the demotion flag only; with the Redis index
+the prefix lookup rides in admission's round trip (``tenancy/admission_trip.py``): a rejected request costs no
+routing work beyond that, an admitted one saves a round trip. So the route's plan (the cached registry, no
+Redis call as a rule) is made here, before the trip. The lookup is left out for a tenant this process rejected
+within ``REJECTED_HINT_S`` (a flood of over-limit requests then costs Redis no lookups); the route then does
+its own.
 
 While the request runs, its concurrency lease is renewed every third of its TTL (``LeaseKeeper``).
 """

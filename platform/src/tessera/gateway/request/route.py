@@ -1,10 +1,10 @@
 """Phase ``route``: which engine replicas serve the request, best first (503 when none does).
 
-The route's inputs (``route_request``) are made before admission, whose round trip carries the prefix
-lookup (see admit.py); this phase then decides without Redis (``Router.decide``, the pure policy) when the
-lookup came along, and otherwise routes with its own round trip. Redis unreachable: the last known route
-of the model when failing open, else 503 (``FailOpen``).
-"""
+The route's inputs (``route_request``) are made before admission. With the local prefix index the plan needs
+no lookup and ``Router.decide`` walks the chain in process; with the Redis index admission's round trip
+carries the lookup (see admit.py). Either way this phase then decides without Redis (``Router.decide``, the
+pure policy), and otherwise (no plan, or the lookup did not come) routes with its own round trip. Redis
+unreachable: the last known route of the model when failing open, else 503 (``FailOpen``). """
 
 from __future__ import annotations
 

@@ -1,0 +1,238 @@
+"""The gateway worker's in-process prefix index (routing/local_index.py, local_feed.py) against issue #17's
+goals: lookup of a 1,000-token prompt's chain, the whole ``Router`` decision at 64 engines / 100,000
+blocks and 1,000 engines / 1,000,000 blocks, ingest in block events/s, bytes per indexed block, and the
+event-to-visible lag through Redis's event stream. Writes bench/results/prefix_index.json and prints a
+table with the goals. ``make bench-prefix-index``.
+
+Setup: block size 16 (vLLM's default; a 1,000-token prompt is a 62-block chain); the index holds prompt
+prefixes of 64 blocks, each cached on one or two engines at random; half the routed requests hit a stored
+prefix (all of it, or its first 8, 16 or 32 blocks, plus new blocks), half miss. The Router reads a real
+registry (embedded Redis) and answers lookups from its local index: it is the gateway's own code path
+(``Router.route`` = plan + decide), minus admission, which costs the same with either index.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import json
+import random
+import sys
+import time
+import tracemalloc
+from pathlib import Path
+from typing import Any
+
+from tessera.redis_conn import EmbeddedRedis, connect
+from tessera.registry import EngineRecord, EngineRegistry
+from tessera.routing.local_feed import LocalIndexFeed
+from tessera.routing.local_index import LocalPrefixIndex
+from tessera.routing.prefix_index import PrefixIndex, pack_hashes, unpack_hashes
+from tessera.routing.router import Router
+from tessera.routing.snapshot import RouteRequest
+
+BLOCK = 16
+CHAIN_BLOCKS = 64
+PROMPT_TOKENS = 1000
+GOALS = {"lookup_p99_us": 20.0, "route_p99_us_64": 50.0, "route_p99_us_1000": 200.0, "ingest_events_per_s": 200_000}
+RESULTS = Path(__file__).parent / "results" / "prefix_index.json"
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))]
+
+
+def pct(values: list[float]) -> dict[str, float]:
+    return {"p50_us": percentile(values, 50), "p99_us": percentile(values, 99)}
+
+
+def fleet(rng: random.Random, num_engines: int, num_blocks: int) -> tuple[list[str], list[tuple[int, ...]],
+                                                                           dict[str, list[int]]]:
+    engine_ids = [f"bench-pi-{num_engines}-{i:04d}" for i in range(num_engines)]
+    chains = [tuple(rng.getrandbits(64) for _ in range(CHAIN_BLOCKS)) for _ in range(num_blocks // CHAIN_BLOCKS)]
+    held: dict[str, list[int]] = {e: [] for e in engine_ids}
+    for chain in chains:
+        for engine_id in rng.sample(engine_ids, rng.choice((1, 1, 2))):
+            held[engine_id] += chain
+    return engine_ids, chains, held
+
+
+def fill(index: LocalPrefixIndex, held: dict[str, list[int]]) -> None:
+    for engine_id, hashes in held.items():
+        for i in range(0, len(hashes), 4096):
+            part = hashes[i:i + 4096]
+            index.apply(engine_id, "s" * len(part), part)
+
+
+def bytes_per_block(num_engines: int, num_blocks: int) -> dict[str, float]:
+    rng = random.Random(num_engines)
+    _, _, held = fleet(rng, num_engines, num_blocks)
+    gc.collect()
+    tracemalloc.start()
+    index = LocalPrefixIndex(num_blocks * 2)
+    fill(index, held)
+    size, _ = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    return {"num_engines": num_engines, "num_blocks": index.num_blocks, "bytes": size,
+            "bytes_per_block": size / index.num_blocks}
+
+
+def measure_ingest() -> dict[str, float]:
+    """Block events/s through the feed's per-entry work: unpack the stream's hashes, apply in order. Batches
+    of 16 events from 64 engines, 3 stores to 1 remove, into an index of 100,000 blocks."""
+    rng = random.Random(7)
+    index = LocalPrefixIndex(200_000)
+    engine_ids, _, held = fleet(rng, 64, 100_000)
+    fill(index, held)
+    batches = []
+    for _ in range(20_000):
+        engine_id = rng.choice(engine_ids)
+        ops = "".join(rng.choice("sssr") for _ in range(16))
+        hashes = [rng.getrandbits(64) if op == "s" else rng.choice(held[engine_id]) for op in ops]
+        batches.append((engine_id, ops, pack_hashes(hashes)))
+    t = time.perf_counter()
+    for engine_id, ops, packed in batches:
+        index.apply(engine_id, ops, unpack_hashes(packed))
+    elapsed = time.perf_counter() - t
+    return {"events": 16 * len(batches), "seconds": elapsed, "events_per_s": 16 * len(batches) / elapsed}
+
+
+def measure_lookup(index: LocalPrefixIndex, engine_ids: list[str], chains: list[tuple[int, ...]],
+                   rng: random.Random) -> dict[str, float]:
+    """A 1,000-token prompt whose whole chain (62 blocks) is cached: the longest walk."""
+    live = index.live_mask(engine_ids)
+    num = PROMPT_TOKENS // BLOCK
+    samples = []
+    for _ in range(20_000):
+        chain = rng.choice(chains)[:num]
+        t = time.perf_counter_ns()
+        index.longest_prefixes(chain, live)
+        samples.append((time.perf_counter_ns() - t) / 1e3)
+    return pct(samples)
+
+
+async def measure_route(redis_url: str, num_engines: int, num_blocks: int) -> dict[str, Any]:
+    rng = random.Random(num_engines * 31)
+    engine_ids, chains, held = fleet(rng, num_engines, num_blocks)
+    redis = connect(redis_url, timeout_s=5.0)
+    registry = EngineRegistry(redis)
+    model = f"bench-pi-{num_engines}"
+    records = [EngineRecord(e, f"http://10.0.{i // 250}.{i % 250}:8000", model, BLOCK, 20_000, 4096,
+                            num_running=rng.randrange(8), num_waiting=rng.randrange(3),
+                            kv_cache_usage=rng.random()) for i, e in enumerate(engine_ids)]
+
+    async def heartbeat() -> None:
+        for record in records:
+            await registry.heartbeat(record)
+
+    await heartbeat()
+    router = Router(redis, "prefix_affinity", PrefixIndex(redis), index_source="local",
+                    local_index_max_blocks=2 * num_blocks)
+    await router.start_local_index()
+    feed = router.local_feed
+    assert feed is not None
+    fill(feed.index, held)
+    lookup = measure_lookup(feed.index, engine_ids, chains, rng)
+
+    def request() -> RouteRequest:
+        if rng.random() < 0.5:
+            chain = rng.choice(chains)[:rng.choice((8, 16, 32, 62))] + tuple(rng.getrandbits(64) for _ in range(4))
+        else:
+            chain = tuple(rng.getrandbits(64) for _ in range(62))
+        return RouteRequest("t", model, len(chain) * BLOCK + 3, chain)
+
+    for _ in range(200):
+        await router.route(request())
+    route_us: list[float] = []
+    hits = 0
+    for _ in range(6):
+        await heartbeat()
+        await router.num_live_engines()  # a fresh registry copy, outside the timing
+        for _ in range(500):
+            req = request()
+            t = time.perf_counter_ns()
+            decision, _ = await router.route(req)
+            route_us.append((time.perf_counter_ns() - t) / 1e3)
+            hits += decision.expected_cached_tokens > 0
+    await router.close()
+    for engine_id in engine_ids:
+        await registry.deregister(engine_id)
+    await redis.aclose()
+    return {"num_engines": num_engines, "num_blocks": feed.index.num_blocks, "route": pct(route_us),
+            "credited_share": hits / len(route_us), "lookup_1000_tokens": lookup}
+
+
+async def measure_lag(redis_url: str) -> dict[str, Any]:
+    """Engines' feeders write batches to Redis (as ``indexer.feed_index`` does, stamped with the publication
+    time); a gateway's feed task follows the stream. Lag = publication to applied in the local index."""
+    redis = connect(redis_url, timeout_s=5.0)
+    store = PrefixIndex(redis)
+    feed = LocalIndexFeed(redis, LocalPrefixIndex(1_000_000), store)
+    task = asyncio.get_running_loop().create_task(feed.run())
+    while not feed.ready:
+        await asyncio.sleep(0.005)
+    rng = random.Random(3)
+    engine_ids = [f"bench-lag-{i:02d}" for i in range(16)]
+    num_batches = 2000
+    t0 = time.perf_counter()
+    for i in range(num_batches):  # ~1,000 batches/s of 16 blocks, the engines' writes interleaved
+        ops = [("store", rng.getrandbits(64)) for _ in range(16)]
+        await store.apply(engine_ids[i % len(engine_ids)], ops, time.time())
+        await asyncio.sleep(max(0.0, t0 + (i + 1) / 1000 - time.perf_counter()))
+    while feed.num_entries < num_batches:
+        await asyncio.sleep(0.01)
+    lags = sorted(feed.lags_s)
+    feed.stop()
+    await task
+    for engine_id in engine_ids:
+        await store.clear_engine(engine_id)
+    await redis.aclose()
+    return {"num_batches": num_batches, "lag_p50_ms": 1e3 * percentile(lags, 50),
+            "lag_p99_ms": 1e3 * percentile(lags, 99), "resyncs": feed.num_resyncs}
+
+
+def print_table(result: dict[str, Any]) -> None:
+    r64, r1k = result["route_64"], result["route_1000"]
+    rows = [
+        ("lookup, 1,000-token chain (62 blocks, all cached), 1,000 engines / 1M blocks",
+         f"p50 {r1k['lookup_1000_tokens']['p50_us']:.1f} / p99 {r1k['lookup_1000_tokens']['p99_us']:.1f} us",
+         f"<= {GOALS['lookup_p99_us']:.0f} us", r1k["lookup_1000_tokens"]["p99_us"] <= GOALS["lookup_p99_us"]),
+        ("whole Router decision, 64 engines / 100k blocks",
+         f"p50 {r64['route']['p50_us']:.1f} / p99 {r64['route']['p99_us']:.1f} us",
+         f"<= {GOALS['route_p99_us_64']:.0f} us p99", r64["route"]["p99_us"] <= GOALS["route_p99_us_64"]),
+        ("whole Router decision, 1,000 engines / 1M blocks",
+         f"p50 {r1k['route']['p50_us']:.1f} / p99 {r1k['route']['p99_us']:.1f} us",
+         f"<= {GOALS['route_p99_us_1000']:.0f} us p99", r1k["route"]["p99_us"] <= GOALS["route_p99_us_1000"]),
+        ("ingest (unpack + apply), block events/s", f"{result['ingest']['events_per_s']:,.0f}",
+         f">= {GOALS['ingest_events_per_s']:,}", result["ingest"]["events_per_s"] >= GOALS["ingest_events_per_s"]),
+        ("event-to-visible lag through the stream", f"p50 {result['lag']['lag_p50_ms']:.2f} / "
+         f"p99 {result['lag']['lag_p99_ms']:.2f} ms", "reported", None),
+    ]
+    rows += [(f"bytes per indexed block, {m['num_engines']} engines / {m['num_blocks']:,} blocks",
+              f"{m['bytes_per_block']:.0f} B ({m['bytes'] / 2**20:.0f} MiB)", "reported", None)
+             for m in result["memory"]]
+    print(f"\n{'measure':<80}{'result':<30}{'goal':<18}met")
+    print("-" * 132)
+    for name, value, goal, met in rows:
+        print(f"{name:<80}{value:<30}{goal:<18}{'' if met is None else ('yes' if met else 'NO')}")
+
+
+async def main() -> None:
+    server = EmbeddedRedis().start()
+    try:
+        result: dict[str, Any] = {"python": sys.version.split()[0]}
+        result["ingest"] = measure_ingest()
+        result["memory"] = [bytes_per_block(64, 100_000), bytes_per_block(1000, 1_000_000)]
+        result["route_64"] = await measure_route(server.url, 64, 100_000)
+        result["route_1000"] = await measure_route(server.url, 1000, 1_000_000)
+        result["lag"] = await measure_lag(server.url)
+    finally:
+        server.stop()
+    RESULTS.parent.mkdir(exist_ok=True)
+    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
+    print_table(result)
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
