@@ -15,6 +15,7 @@ import pytest
 import uvicorn
 
 from tessera.gateway.http_wire import EngineHTTP, EngineTimeout, EngineUnreachable
+from tests.support.poll import async_wait_until
 
 
 class StreamingApp:
@@ -109,10 +110,7 @@ async def test_closing_early_reaches_the_server_as_a_disconnect(server: tuple[St
         async for line in resp.lines():
             if orjson.loads(line)["i"] == 2:
                 break
-    for _ in range(100):
-        if app.disconnects:
-            break
-        await asyncio.sleep(0.02)
+    await async_wait_until(lambda: app.disconnects, 2.0, "the server seeing the disconnect")
     assert app.disconnects == 1
     await http.close()
 
@@ -254,10 +252,7 @@ async def test_leaving_a_relay_early_reaches_the_server_as_a_disconnect(server: 
         resp.relay(sink)
         while len(sink.lines) < 2:
             await asyncio.sleep(0.01)
-    for _ in range(100):
-        if app.disconnects:
-            break
-        await asyncio.sleep(0.02)
+    await async_wait_until(lambda: app.disconnects, 2.0, "the server seeing the disconnect")
     assert app.disconnects == 1 and not sink.ended.done()  # nothing reaches a relay after it was left
     await http.close()
 
@@ -269,10 +264,7 @@ async def test_a_replica_that_sends_no_head_times_out_and_sees_the_caller_go(
     with pytest.raises(EngineTimeout, match=r"no response head within 0\.3 s"):
         async with http.post(f"{base}/hang", b"{}", {}):
             pass
-    for _ in range(100):
-        if app.disconnects:
-            break
-        await asyncio.sleep(0.02)
+    await async_wait_until(lambda: app.disconnects, 2.0, "the server seeing the disconnect")
     assert app.disconnects == 1  # the connection closed: a real replica aborts the request
     await http.close()
 
@@ -287,10 +279,7 @@ async def test_a_stream_that_stalls_fails_the_relay_and_closes_the_connection(
         failure = await asyncio.wait_for(sink.ended, 3)
     assert isinstance(failure, EngineTimeout) and "sent nothing for 0.2 s" in str(failure)
     assert sink.lines == [{"i": 0}]
-    for _ in range(100):
-        if app.disconnects:
-            break
-        await asyncio.sleep(0.02)
+    await async_wait_until(lambda: app.disconnects, 2.0, "the server seeing the disconnect")
     assert app.disconnects == 1
     await http.close()
 
