@@ -25,7 +25,7 @@ import pytest
 
 from tessera.redis_conn import EmbeddedRedis
 from tessera.telemetry.spanfile import load_spans
-from tests.support.gateways import GatewayProcess, spawn_gateway
+from tests.support.gateways import GatewayProcess, running_gateways
 from tests.support.poll import async_wait_until
 from tests.support.ray_cluster import ClusterDriver, live_engines
 from tests.support.routing_stack import issue_tenant_key
@@ -183,12 +183,8 @@ def gateway(redis_server: EmbeddedRedis, tmp_path: Path) -> Iterator[GatewayProc
     # on another one, and the client would not notice.
     env = {"TESSERA_ROUTING_POLICY": "round_robin", "TESSERA_REDIS_TIMEOUT_S": "2.0",
            "TESSERA_TRACE_EXPORTER": "jsonl", "TESSERA_TRACE_DIR": str(tmp_path / "traces")}
-    process = spawn_gateway(redis_server.url, tmp_path, env)
-    try:
-        process.wait_healthy()
+    with running_gateways(1, redis_server.url, tmp_path, env) as (process,):
         yield process
-    finally:
-        process.stop()
 
 
 async def test_burst_scales_up_gateway_follows_idle_scales_down_and_the_removed_replica_drains(

@@ -16,7 +16,7 @@ import pytest
 
 from tessera.redis_conn import EmbeddedRedis
 from tests.support.fake_engine import FakeEngine, running_fake_engine
-from tests.support.gateways import GatewayProcess, spawn_gateway
+from tests.support.gateways import GatewayProcess, running_gateways
 from tests.support.poll import wait_until
 from tests.support.tenancy import GATEWAY_ENV, TenantHandle, admin_headers, create_tenant
 
@@ -34,12 +34,8 @@ def slow_engine(redis_server: EmbeddedRedis, small_model_dir: Path, request: pyt
 
 @pytest.fixture
 def gateway(redis_server: EmbeddedRedis, tmp_path: Path) -> Iterator[GatewayProcess]:
-    process = spawn_gateway(redis_server.url, tmp_path, TIMEOUT_ENV)
-    try:
-        process.wait_healthy()
+    with running_gateways(1, redis_server.url, tmp_path, TIMEOUT_ENV) as (process,):
         yield process
-    finally:
-        process.stop()
 
 
 def _one_at_a_time(gateway: GatewayProcess) -> TenantHandle:
