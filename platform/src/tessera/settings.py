@@ -95,8 +95,8 @@ class TesseraSettings(BaseSettings):
     )
     local_index_max_blocks: int = Field(
         default=2_000_000, ge=1,
-        description="Cap of the local prefix index, blocks (the oldest-stored are evicted past it; about 200 bytes "
-        "a block, see docs/routing.md).",
+        description="Cap of the local prefix index, blocks (the oldest-stored are evicted past it; about 120 bytes "
+        "a block at 1,000 engines, see docs/routing.md).",
     )
     trace_exporter: str = Field(
         default="jsonl", description="Span exporter: 'jsonl', 'otlp-http', 'otlp-grpc' or 'none'."

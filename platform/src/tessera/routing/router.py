@@ -45,7 +45,8 @@ INDEX_POLICIES = frozenset({"prefix_affinity"})
 # Where the prefix lookup is answered: "local", this process's LocalPrefixIndex (no Redis call; fed by
 # local_feed.py), or "redis", the Lua lookup that rides in admission's round trip (the fallback).
 INDEX_SOURCES = ("local", "redis")
-# The local index's default cap, blocks (see local_index.py for the eviction order; ~200 bytes a block).
+# The local index's default cap, blocks (see local_index.py for the eviction order; ~120 bytes a block at
+# 1,000 engines, docs/routing.md).
 LOCAL_INDEX_MAX_BLOCKS = 2_000_000
 
 
