@@ -66,7 +66,8 @@ class Gateway:
         self.admission = Admission(self.redis, settings.lease_ttl_s, self.wire)
         self.router = Router(self.redis, settings.routing_policy, PrefixIndex(self.redis),
                              refresh_s=settings.registry_refresh_s, max_age_s=settings.registry_max_age_s,
-                             wire=self.wire)
+                             wire=self.wire, index_source=settings.prefix_index,
+                             local_index_max_blocks=settings.local_index_max_blocks)
         self.engines = EngineClient(settings.engine_head_timeout_s, settings.engine_idle_timeout_s,
                                     settings.engine_total_timeout_s)
         self.metrics = GatewayMetrics()
