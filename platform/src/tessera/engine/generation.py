@@ -35,7 +35,12 @@ async def traced_generation(engine: Any, engine_id: str, request: GenerateReques
     tracer = trace.get_tracer("tessera.engine")
     with tracer.start_as_current_span("engine.generate", context=extract(carrier), kind=trace.SpanKind.SERVER,
                                       attributes={"tessera.engine": engine_id,
-                                                  "tessera.request_id": request.request_id,
+                                                  # The client's id, as on the gateway's spans (the
+                                                  # gateway sends it as x-request-id); the engine's own
+                                                  # id for the request beside it.
+                                                  "tessera.request_id": carrier.get("x-request-id")
+                                                  or request.request_id,
+                                                  "tessera.engine_request_id": request.request_id,
                                                   "tessera.tenant": entry.tenant,
                                                   "tessera.priority": request.priority,
                                                   "gen_ai.request.max_tokens": request.max_tokens}) as span:

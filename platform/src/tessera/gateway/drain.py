@@ -151,7 +151,10 @@ class GatewayDrain:
         return self._cut.pop(task, None)
 
     async def cut_at_deadline(self) -> None:
-        await asyncio.sleep(self.seconds_to_deadline())
+        # uvloop's timers have millisecond resolution and may fire that much early: sleep until the deadline
+        # has really passed (``cut`` refuses to cut before it).
+        while (left := self.seconds_to_deadline()) > 0.0:
+            await asyncio.sleep(left)
         num_cut = self.cut()
         if num_cut:
             logger.warning("drain deadline (%.0f s) passed: %d requests cut", self.timeout_s, num_cut)
