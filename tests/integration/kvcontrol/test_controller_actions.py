@@ -321,7 +321,7 @@ async def test_abort_is_retried_elsewhere_once_billed_once_streamed_and_traced(a
     abort = next(s for s in spans if s.name == "kvcontrol.abort")
     assert abort.parent_span_id == first.span_id and (trace_id, first.span_id) in abort.links
     assert abort.attr("tessera.tenant") == tenant and abort.attr("tessera.abort.result") == "aborted"
-    assert abort.attr("tessera.request_id") == first.attr("tessera.request_id")
+    assert abort.attr("tessera.engine_request_id") == first.attr("tessera.engine_request_id")
     assert first.attr("tessera.priority") == PRIORITY_VALUES["low"]
     assert {"tessera-gateway", "tessera-engine", "tessera-kvcontrol"} <= {s.service for s in spans}
     gateway = next(s for s in spans if s.name == "gateway.request")

@@ -362,7 +362,7 @@ class EngineControlLoop:
         elif isinstance(action, Abort):
             request = action.request
             tenant = request.tenant
-            attributes.update({"tessera.request_id": request.request_id, "tessera.priority": request.priority,
+            attributes.update({"tessera.engine_request_id": request.request_id, "tessera.priority": request.priority,
                                "tessera.kv.blocks": snapshot.num_gpu_blocks - snapshot.num_free_blocks})
             traceparents = [request.traceparent]
             context = parent_context(request.traceparent) or Context()

@@ -9,7 +9,8 @@ Attribute names (read by ``tessera traces analyze``):
   tessera.kv.free_blocks_after    free blocks at the first poll after it (the span ends there)
   tessera.kv.block_size           tokens per block
   tessera.kv.evicted_by           owners of the blocks stored right after the eviction (comma-separated)
-  tessera.request_id              the aborted request (abort)
+  tessera.engine_request_id       the aborted request, by the engine's id for it (abort; the client's id,
+                                  tessera.request_id, is on the engine.generate span it parents under)
 
 An eviction span carries one ``evicted_prefix`` event per chain it touched: ``tessera.kv.prefix_root``
 (the chain's first block hash, 16 hex digits, as the gateway's ``route`` span records it),
