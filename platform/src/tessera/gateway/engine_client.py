@@ -207,6 +207,8 @@ class EngineClient:
 
 def public_reason(exc: BaseException) -> str:
     """Why a replica failed, as a client may read it: the kind of failure, never an address or errno text."""
-    if isinstance(exc, EngineTimeout | TimeoutError):
-        return f"a replica timed out: {exc}" if isinstance(exc, EngineTimeout) else "a replica timed out"
+    if isinstance(exc, EngineTimeout):  # its message names only the limit that passed
+        return f"a replica timed out: {exc}"
+    if isinstance(exc, TimeoutError):
+        return "a replica timed out"
     return "a replica could not be reached"

@@ -12,7 +12,8 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
 
 
 def _is_unset(value: Any) -> bool:
-    return value is None or value is False or value == 0 or value == [] or value == {} or value == ""
+    # null, false, 0, [], {}, "": what clients send for "off" (False == 0 in Python).
+    return value is None or value == 0 or value in ([], {}, "")
 
 
 # OpenAI request fields that would change what the answer contains, with the values that change nothing
