@@ -39,6 +39,10 @@ BURST_TOKENS = 16
 # Long enough to outlast the scale-down after the burst (look-back window + downscale delay + Serve's drain
 # loop, ~3.5 s) at the fastest this machine decodes (~250 tokens/s), within maxModelLen.
 LONG_TOKENS = 1800
+# The removed replica's drain ends as soon as its stream does; the deadline only bounds a stuck one. On a
+# loaded machine two engines share the cores and 1,800 tokens took over a minute (a 60 s deadline cut the
+# stream there, and the gateway continued it elsewhere), so the bound is far above any decode speed here.
+DRAIN_TIMEOUT_S = 900
 PROMPT = "the replicas follow the load"
 
 
@@ -47,7 +51,7 @@ def autoscaled_engine(model_dir: Path) -> dict[str, object]:
     return {
         "model": str(model_dir), "servedModelName": MODEL, "accelerator": "cpu", "kvEvents": {"enabled": False},
         "speculative": None, "maxModelLen": 2048, "maxNumSeqs": 8, "numGpuBlocksOverride": 256,
-        "heartbeatIntervalS": 0.5, "drainTimeoutS": 60,
+        "heartbeatIntervalS": 0.5, "drainTimeoutS": DRAIN_TIMEOUT_S,
         "autoscaling": {"minReplicas": 1, "maxReplicas": 2, "targetOngoingRequests": TARGET_ONGOING,
                         "upscaleDelayS": 0, "downscaleDelayS": 2, "lookBackPeriodS": 1, "metricsIntervalS": 0.25},
     }
