@@ -177,11 +177,13 @@ def test_layer_rules(importer: str, forbidden: tuple[str, ...]) -> None:
 
 # What each package may import from the others (docs/architecture.md draws the same table). The base
 # modules import nothing of Tessera's; a new arrow is a design decision: add it here and to the doc.
-BASE = ("tessera.asgi", "tessera.redis_conn", "tessera.redis_wire", "tessera.redis_tls", "tessera.refresher",
-        "tessera.registry", "tessera.settings", "tessera.engine.protocol")
+BASE = ("tessera.asgi", "tessera.redis_conn", "tessera.redis_wire", "tessera.redis_tls", "tessera.redis_sentinel",
+        "tessera.refresher", "tessera.registry", "tessera.settings", "tessera.engine.protocol")
 MAY_IMPORT: dict[str, tuple[str, ...]] = {
     **{base: () for base in BASE},
-    "tessera.redis_wire": ("tessera.redis_tls",),  # a rediss:// URL's TLS options, as redis-py reads them
+    # a rediss:// URL's TLS options, as redis-py reads them; a redis+sentinel:// URL and its primary
+    "tessera.redis_wire": ("tessera.redis_tls", "tessera.redis_sentinel"),
+    "tessera.redis_conn": ("tessera.redis_sentinel",),  # a redis+sentinel:// URL
     "tessera.registry": ("tessera.redis_wire",),  # gateways read the registry over the lean connection
     "tessera.telemetry": (),
     "tessera.tenancy": ("tessera.redis_wire",),

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
+from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 from redis.backoff import NoBackoff
 from redis.exceptions import ResponseError
+
+from tessera.redis_sentinel import SentinelConfig, is_sentinel_url, parse_sentinel_url
 
 # How the embedded server keeps a data directory: the chart's bundled server's settings (appendonly,
 # everysec), so `tessera up` and the durability tests see the same guarantee as a cluster: every write is in
@@ -75,20 +79,49 @@ POOL_SIZE = 64
 
 def connect(url: str, timeout_s: float = 1.0, pool_size: int = POOL_SIZE) -> aioredis.Redis:
     """An asyncio client. Timeouts are short: the request path must fail fast when Redis is down. Waiting
-    for a free pooled connection is bounded by the same timeout."""
-    pool = aioredis.BlockingConnectionPool.from_url(
-        url,
-        max_connections=pool_size,
-        timeout=timeout_s,
-        socket_timeout=timeout_s,
-        socket_connect_timeout=timeout_s,
-        health_check_interval=0,
-        retry_on_timeout=False,
+    for a free pooled connection is bounded by the same timeout. A ``redis+sentinel://`` URL
+    (``redis_sentinel.py``) gives a client of the primary the Sentinels name, following failover."""
+    options: dict[str, Any] = {
+        "max_connections": pool_size,
+        "timeout": timeout_s,
+        "socket_timeout": timeout_s,
+        "socket_connect_timeout": timeout_s,
+        "health_check_interval": 0,
+        "retry_on_timeout": False,
         # No retries: redis-py's default backoff would turn "Redis is down" into seconds of waiting,
         # and the gateway must answer 503 (or fail open) within a few hundred milliseconds.
-        retry=Retry(NoBackoff(), 0),
-    )
+        "retry": Retry(NoBackoff(), 0),
+    }
+    if is_sentinel_url(url):
+        return _connect_sentinel(parse_sentinel_url(url), options)
+    pool = aioredis.BlockingConnectionPool.from_url(url, **options)
     return aioredis.Redis(connection_pool=pool)
+
+
+class _BlockingSentinelPool(SentinelConnectionPool, aioredis.BlockingConnectionPool):
+    """redis-py's Sentinel pool (it asks the Sentinels for the primary on every new connection, and a
+    READONLY reply, from a primary demoted since, drops the connection), bounded and waiting as ``connect``'s
+    pool is."""
+
+
+class _SentinelClient(aioredis.Redis):
+    """A client of the Sentinels' primary that also closes its connections to the Sentinels."""
+
+    sentinels: Sentinel
+
+    async def aclose(self, close_connection_pool: bool | None = None) -> None:
+        await super().aclose(close_connection_pool)
+        await self.sentinels.aclose()
+
+
+def _connect_sentinel(config: SentinelConfig, options: dict[str, Any]) -> aioredis.Redis:
+    sentinel_options = {k: options[k] for k in ("socket_timeout", "socket_connect_timeout", "retry")}
+    sentinel = Sentinel(list(config.sentinels), sentinel_kwargs={**sentinel_options, **config.sentinel_auth()})
+    client = sentinel.master_for(config.primary_name, redis_class=_SentinelClient,
+                                 connection_pool_class=_BlockingSentinelPool, db=config.db,
+                                 **config.data_server_auth(), **options)
+    client.sentinels = sentinel
+    return client
 
 
 # Tessera's Redis must never evict (docs/kubernetes.md "Durability"): allkeys-* policies drop tenants and key

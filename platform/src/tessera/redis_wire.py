@@ -11,6 +11,16 @@ lost connection fails every pending call and drops the connection, since a late 
 handed to the next caller; the next call reconnects. Errors are redis-py's own exception types, so callers
 handle both clients alike (``NoScriptError`` for NOSCRIPT, ``OutOfMemoryError`` for a server at maxmemory,
 ``ResponseError`` for the other error replies).
+
+Failover. With a ``redis+sentinel://`` URL each new connection first asks the Sentinels for the primary
+(``redis_sentinel.SentinelResolver``) and checks ``ROLE`` with its AUTH/SELECT before any command is sent: a
+server that is not (or no longer) the primary is refused as a failed connection. A ``READONLY`` reply (the
+server was demoted under an open connection) fails the whole call and every pending one with
+``ConnectionError`` and drops the connection, so the next call asks the Sentinels again; with a plain URL the
+next call connects again (a DNS name that follows the primary then resolves anew). Nothing is retried here:
+a call whose reply was lost may have run (an admission script that was applied), and only its caller can
+tell whether running it twice is safe (the gateway answers 503: docs/kubernetes.md "Redis high
+availability").
 """
 
 from __future__ import annotations
@@ -25,6 +35,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, OutOfMemoryError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from tessera.redis_sentinel import SentinelResolver, is_sentinel_url, parse_sentinel_url
 from tessera.redis_tls import tls_context
 
 Command = tuple[str | bytes | int | float, ...]
@@ -77,6 +88,9 @@ class _Protocol(asyncio.Protocol):
             reply = self.reader.gets()
             if reply is False:
                 return
+            if isinstance(reply, hiredis.ReplyError) and str(reply).startswith("READONLY"):
+                self.demoted(str(reply))
+                return
             call = self.waiting[0]
             call.replies.append(as_redis_error(reply) if isinstance(reply, hiredis.ReplyError) else reply)
             call.remaining -= 1
@@ -88,6 +102,13 @@ class _Protocol(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = RedisConnectionError(f"connection to Redis lost: {exc or 'closed by the server'}")
         self.fail_all(self.lost)
+
+    def demoted(self, message: str) -> None:
+        """The server became a replica (a failover demoted it): this connection is done for writes."""
+        self.lost = RedisConnectionError(f"Redis is no longer the primary: {message}")
+        self.fail_all(self.lost)
+        if self.transport is not None:
+            self.transport.abort()
 
     def fail_all(self, exc: BaseException) -> None:
         while self.waiting:
@@ -102,7 +123,13 @@ class RedisWire:
     trouble and timeouts raise redis-py's ``ConnectionError`` / ``TimeoutError``."""
 
     def __init__(self, url: str, timeout_s: float) -> None:
-        self._options = parse_url(url)
+        self._resolver: SentinelResolver | None = None
+        if is_sentinel_url(url):
+            config = parse_sentinel_url(url)
+            self._resolver = SentinelResolver(config, timeout_s)
+            self._options: dict[str, Any] = {"db": config.db, **config.data_server_auth()}
+        else:
+            self._options = dict(parse_url(url))
         self._timeout_s = timeout_s
         self._protocol: _Protocol | None = None
         self._connecting: asyncio.Lock | None = None
@@ -153,9 +180,13 @@ class RedisWire:
         loop = asyncio.get_running_loop()
         options = self._options
         protocol: _Protocol | None = None
+        # The Sentinels each get their own timeout (a dead one must not use up the connection's).
+        primary = None if self._resolver is None else await self._resolver.primary_address()
         try:
             async with asyncio.timeout(self._timeout_s):
-                if options.get("connection_class") is UnixDomainSocketConnection:
+                if primary is not None:
+                    _, protocol = await loop.create_connection(_Protocol, *primary)
+                elif options.get("connection_class") is UnixDomainSocketConnection:
                     _, protocol = await loop.create_unix_connection(_Protocol, options["path"])
                 else:
                     tls = tls_context(options) if options.get("connection_class") is SSLConnection else None
@@ -173,7 +204,8 @@ class RedisWire:
             raise
 
     async def _set_up(self, protocol: _Protocol) -> None:
-        """AUTH and SELECT as the URL asks (the same URL the redis-py clients use)."""
+        """AUTH and SELECT as the URL asks (the same URL the redis-py clients use); behind Sentinels also
+        ROLE, since a Sentinel may still name a primary that a failover has just demoted."""
         options = self._options
         setup: list[Command] = []
         if options.get("password"):
@@ -181,15 +213,21 @@ class RedisWire:
             setup.append(("AUTH", user, options["password"]) if user else ("AUTH", options["password"]))
         if int(options.get("db", 0)):
             setup.append(("SELECT", int(options["db"])))
+        if self._resolver is not None:
+            setup.append(("ROLE",))
         if not setup:
             return
         future: asyncio.Future[list[Any]] = asyncio.get_running_loop().create_future()
         protocol.waiting.append(_Call(future, len(setup)))
         assert protocol.transport is not None
         protocol.transport.write(pack_commands(setup))
-        for reply in await future:
+        replies = await future
+        for reply in replies:
             if isinstance(reply, Exception):
                 raise RedisConnectionError(f"Redis refused the connection set-up: {reply}")
+        if self._resolver is not None and replies[-1][0] != b"master":
+            raise RedisConnectionError(f"the server the Sentinels name for {self._resolver.config.primary_name!r} "
+                                       f"is a {replies[-1][0].decode()}, not the primary (a failover in progress)")
 
 
 async def run_script(wire: RedisWire | None, script: Any, keys: list[Any], args: list[Any]) -> Any:
