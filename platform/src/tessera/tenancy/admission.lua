@@ -6,7 +6,11 @@
 -- KEYS[3] tpm tokens HASH  lease_id -> tokens charged (reserved, then actual); field "_total" = sum
 -- KEYS[4] leases     ZSET  lease_id -> lease expiry (s)          concurrency; expired leases are freed
 -- KEYS[5] budget     STRING tokens charged this budget period
+-- KEYS[6] open       ZSET  "<tenant>:<lease_id>" -> settle-by time (s): the settler's to-do list (settlement.py)
+-- KEYS[7] tickets    HASH  "<tenant>:<lease_id>" -> "reserved prompt admitted_at budget_key engine_request_id"
+-- KEYS[8] done marker of this lease (finish.lua): set by a void that came first, so the admission is refused
 -- ARGV: rpm_limit tpm_limit conc_limit budget_limit reserve_tokens lease_id lease_ttl_s budget_ttl_s
+--       prompt_tokens engine_request_id ticket_member ticket_retention_s
 --       (a limit of 0 means unlimited; lease_ttl_s may be fractional)
 -- Returns {1, now_ms} when admitted, or {0, limit_name, retry_after_ms, current, limit} when rejected.
 local t = redis.call('TIME')
@@ -16,6 +20,8 @@ local conc_limit, budget_limit = tonumber(ARGV[3]), tonumber(ARGV[4])
 local reserve, lease_id = tonumber(ARGV[5]), ARGV[6]
 local lease_ttl, budget_ttl = tonumber(ARGV[7]), tonumber(ARGV[8])
 local window = 60
+-- The gateway gave this admission up (its reply was lost) and voided it before it ran: never admit it now.
+if redis.call('EXISTS', KEYS[8]) == 1 then return {0, 'voided', 0, 0, 0} end
 
 -- Expire the sliding windows and dead leases first.
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - window)
@@ -71,4 +77,10 @@ redis.call('ZADD', KEYS[4], now + lease_ttl, lease_id)
 redis.call('EXPIRE', KEYS[4], math.ceil(lease_ttl) + 1)
 redis.call('INCRBY', KEYS[5], reserve)
 if redis.call('TTL', KEYS[5]) < 0 then redis.call('EXPIRE', KEYS[5], budget_ttl) end
+-- The ticket: what the settler needs to bill this request if its gateway never finishes it.
+local member, retention = ARGV[11], tonumber(ARGV[12])
+redis.call('HSET', KEYS[7], member, string.format('%d %d %.3f %s %s', reserve, tonumber(ARGV[9]), now, KEYS[5], ARGV[10]))
+redis.call('EXPIRE', KEYS[7], retention)
+redis.call('ZADD', KEYS[6], now + lease_ttl, member)
+redis.call('EXPIRE', KEYS[6], retention)
 return {1, math.floor(now * 1000)}

@@ -7,12 +7,14 @@ Invariants (tested exactly in tests/integration/tenancy/test_admission.py):
   usage by ``finish``; a failed request is charged what it really consumed (possibly 0). Since actual
   usage never exceeds the reservation, the charged total never exceeds the limit.
 - Every key written has a TTL: a gateway that dies mid-request leaks nothing past the lease TTL.
-- ``finish`` counts a lease once, however often it is retried.
+- ``finish`` counts a lease once, however often it is retried, and once only between its gateway's finish,
+  the settler's (settlement.py: the gateway died) and a void (the admission's reply was lost).
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 import secrets
 from dataclasses import dataclass
@@ -24,10 +26,20 @@ import redis.asyncio as aioredis
 from tessera.redis_wire import RedisWire, run_script
 from tessera.tenancy.periods import PERIODS, USAGE_RETENTION_S, check_period, period_window
 from tessera.tenancy.policy import TenantPolicy
+from tessera.tenancy.settlement import Charge, SettleKind, Ticket, parse_ticket, ticket_member
+
+logger = logging.getLogger(__name__)
 
 LEASE_TTL_S = 30.0
 # A finished lease's marker outlives every retry of its finish (see ``billing.FinishQueue``).
 FINISH_MARKER_TTL_S = 600
+# A lease the settler billed keeps its marker longer: its gateway may come back (partitioned, or restarted
+# with a journal of unrecorded finishes) much later, and must not bill it again. Few leases are settled.
+SETTLED_MARKER_TTL_S = 7 * 86400
+# The open-ticket set and the tickets hash (admission.lua) expire once no admission has touched them this long.
+TICKET_RETENTION_S = 7 * 86400
+OPEN_TICKETS_KEY = "tessera:billing:open"
+TICKETS_KEY = "tessera:billing:tickets"
 
 
 # Lease ids: a random prefix per Admission and a counter, unique across gateway processes without an
@@ -75,6 +87,10 @@ class Lease:
     reserved_tokens: int
     keys: tuple[str, ...]
     detached: bool = False
+
+    @property
+    def ticket(self) -> str:
+        return ticket_member(self.tenant, self.lease_id)
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,16 +159,20 @@ class Admission:
     def _lease_id(self) -> str:
         return f"{self._id_prefix}{next(self._id_counter):x}"
 
-    async def admit(self, tenant: str, policy: TenantPolicy, reserve_tokens: int) -> Lease | Rejection:
-        call = self.prepare(tenant, policy, reserve_tokens)
+    async def admit(self, tenant: str, policy: TenantPolicy, reserve_tokens: int, prompt_tokens: int = 0,
+                    engine_request_id: str = "") -> Lease | Rejection:
+        call = self.prepare(tenant, policy, reserve_tokens, prompt_tokens, engine_request_id)
         return call.outcome(await self._admit(keys=call.keys, args=call.args))
 
-    def prepare(self, tenant: str, policy: TenantPolicy, reserve_tokens: int) -> AdmitCall:
+    def prepare(self, tenant: str, policy: TenantPolicy, reserve_tokens: int, prompt_tokens: int = 0,
+                engine_request_id: str = "") -> AdmitCall:
         """The admission as a script call, for a caller that sends it in one round trip with other commands
-        (``admission_trip.build_trip`` and ``parse_trip``, which falls back to ``admit`` on NOSCRIPT)."""
+        (``admission_trip.build_trip`` and ``parse_trip``, which falls back to ``admit`` on NOSCRIPT).
+        ``prompt_tokens`` and ``engine_request_id`` go on the request's ticket (settlement.py): the settler
+        finds the engine's record by that id if the gateway dies."""
         period_id, budget_ttl = self._window(policy.budget_period, datetime.now(UTC))
-        keys = limiter_keys(tenant, period_id)
         lease_id = self._lease_id()
+        keys = [*limiter_keys(tenant, period_id), OPEN_TICKETS_KEY, TICKETS_KEY, finish_marker_key(tenant, lease_id)]
         args: list[str | int | float] = [
             policy.requests_per_minute or 0,
             policy.tokens_per_minute or 0,
@@ -162,8 +182,12 @@ class Admission:
             lease_id,
             self.lease_ttl_s,
             budget_ttl,
+            prompt_tokens,
+            engine_request_id,
+            ticket_member(tenant, lease_id),
+            TICKET_RETENTION_S,
         ]
-        return AdmitCall(Lease(lease_id, tenant, reserve_tokens, tuple(keys)), keys, args)
+        return AdmitCall(Lease(lease_id, tenant, reserve_tokens, tuple(keys[:5])), keys, args)
 
     @property
     def admit_sha(self) -> str:
@@ -176,18 +200,59 @@ class Admission:
 
     async def renew(self, lease: Lease) -> bool:
         """Extends the lease by the TTL; False when it is already gone."""
-        return bool(await self._renew(keys=[lease.keys[3]], args=[lease.lease_id, self.lease_ttl_s]))
+        return bool(await self._renew(keys=[lease.keys[3], OPEN_TICKETS_KEY],
+                                      args=[lease.lease_id, self.lease_ttl_s, lease.ticket]))
 
     async def finish(self, lease: Lease, prompt_tokens: int, completion_tokens: int,
                      now: datetime | None = None) -> bool:
-        """Charges actual usage, frees the lease, adds to the usage of each period; False if already done."""
-        when = now or datetime.now(UTC)
+        """Charges actual usage, frees the lease, adds to the usage of each period; False if already done
+        (by this gateway, or by the settler after the lease expired)."""
+        return await self._bill(lease, Charge(SettleKind.GATEWAY, prompt_tokens, completion_tokens),
+                                now or datetime.now(UTC), FINISH_MARKER_TTL_S)
+
+    async def void(self, lease: Lease) -> bool:
+        """Undoes an admission whose reply was lost (the client got an error): its reservation, lease and
+        ticket go, nothing is billed; if the admission has not run yet, it never will. False if the lease was
+        billed already."""
+        return await self._bill(lease, Charge(SettleKind.VOID, 0, 0), datetime.now(UTC), FINISH_MARKER_TTL_S)
+
+    async def settle(self, ticket: Ticket, charge: Charge, when: datetime) -> bool:
+        """Bills an expired ticket (the settler); False when its gateway or another settler billed it first.
+        ``when``: the usage periods it counts in."""
+        keys = (*limiter_keys(ticket.tenant, "")[:4], ticket.budget_key)
+        lease = Lease(ticket.lease_id, ticket.tenant, ticket.reserved_tokens, keys)
+        return await self._bill(lease, charge, when, SETTLED_MARKER_TTL_S)
+
+    async def _bill(self, lease: Lease, charge: Charge, when: datetime, marker_ttl_s: int) -> bool:
         usage_keys = [usage_key(lease.tenant, self._window(p, when)[0]) for p in PERIODS]
-        keys = [*lease.keys, *usage_keys, finish_marker_key(lease.tenant, lease.lease_id)]
-        args: list[str | int] = [lease.lease_id, lease.reserved_tokens, prompt_tokens + completion_tokens,
-                                 prompt_tokens, completion_tokens, *(USAGE_RETENTION_S[p] for p in PERIODS),
-                                 FINISH_MARKER_TTL_S]
+        keys = [*lease.keys, *usage_keys, finish_marker_key(lease.tenant, lease.lease_id), OPEN_TICKETS_KEY,
+                TICKETS_KEY]
+        args: list[str | int] = [lease.lease_id, lease.reserved_tokens, charge.total_tokens, charge.prompt_tokens,
+                                 charge.completion_tokens, *(USAGE_RETENTION_S[p] for p in PERIODS), marker_ttl_s,
+                                 charge.kind.value, lease.ticket]
         return bool(await run_script(self._wire, self._finish, keys, args))
+
+    async def due_tickets(self, grace_s: float, limit: int) -> list[Ticket]:
+        """At most ``limit`` open tickets ``grace_s`` past their settle-by time (Redis's clock), oldest first;
+        a malformed one is dropped from the set and logged."""
+        now_s, now_us = await self._redis.time()
+        members = await self._redis.zrangebyscore(OPEN_TICKETS_KEY, "-inf", now_s + now_us / 1e6 - grace_s,
+                                                  start=0, num=limit)
+        if not members:
+            return []
+        names = [m.decode() if isinstance(m, bytes) else str(m) for m in members]
+        values = await self._redis.hmget(TICKETS_KEY, names)
+        tickets = []
+        for name, value in zip(names, values, strict=True):
+            try:
+                if value is None:
+                    raise ValueError(f"ticket {name!r} has no value")
+                tickets.append(parse_ticket(name, value.decode() if isinstance(value, bytes) else str(value)))
+            except ValueError as exc:
+                # A ticket without its record cannot be billed: leaving it would make every pass find it.
+                logger.error("open ticket dropped unbilled: %s", exc)
+                await self._redis.zrem(OPEN_TICKETS_KEY, name)
+        return tickets
 
     async def usage(self, tenant: str, period: str, when: datetime | None = None) -> dict[str, int | str]:
         """Requests and tokens of the tenant in the period containing ``when`` (default: now)."""

@@ -32,6 +32,8 @@ class AdmissionTrip:
     policy: TenantPolicy
     call: AdmitCall
     commands: list[Command]
+    prompt_tokens: int = 0
+    engine_request_id: str = ""
 
     @property
     def carries_extra(self) -> bool:
@@ -49,13 +51,14 @@ class TripReply:
 
 
 def build_trip(admission: Admission, tenant: str, policy: TenantPolicy, reserve_tokens: int,
-               extra: Command | None = None) -> AdmissionTrip:
-    call = admission.prepare(tenant, policy, reserve_tokens)
+               extra: Command | None = None, prompt_tokens: int = 0, engine_request_id: str = "") -> AdmissionTrip:
+    """``prompt_tokens`` and ``engine_request_id`` go on the request's ticket (admission.py ``prepare``)."""
+    call = admission.prepare(tenant, policy, reserve_tokens, prompt_tokens, engine_request_id)
     commands: list[Command] = [("EVALSHA", admission.admit_sha, len(call.keys), *call.keys, *call.args),
                                ("EXISTS", demoted_key(tenant))]
     if extra is not None:
         commands.append(extra)
-    return AdmissionTrip(tenant, policy, call, commands)
+    return AdmissionTrip(tenant, policy, call, commands, prompt_tokens, engine_request_id)
 
 
 async def parse_trip(admission: Admission, trip: AdmissionTrip, replies: list[Any]) -> TripReply:
@@ -64,7 +67,8 @@ async def parse_trip(admission: Admission, trip: AdmissionTrip, replies: list[An
     NOSCRIPT, which admits once with the standalone call."""
     verdict, demoted = replies[0], replies[1]
     if isinstance(verdict, NoScriptError):
-        decision = await admission.admit(trip.tenant, trip.policy, trip.call.lease.reserved_tokens)
+        decision = await admission.admit(trip.tenant, trip.policy, trip.call.lease.reserved_tokens,
+                                         trip.prompt_tokens, trip.engine_request_id)
     elif isinstance(verdict, Exception):
         raise verdict
     else:

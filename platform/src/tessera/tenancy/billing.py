@@ -5,6 +5,11 @@ the engine failed. When Redis does not answer (or is full: OOM under noeviction)
 retried in the background with backoff; ``finish.lua`` is idempotent per lease, so a retry after a lost
 reply does not count twice. A parked finish still holds its concurrency lease and its TPM reservation in
 Redis until then, which errs on the side of the limits (the lease also expires by itself).
+
+A parked finish is also written to a ``FinishJournal`` (gateway/finish_journal.py: a file in the gateway's
+data dir), so neither a SIGKILL nor the end of the shutdown grace loses it: the next start replays it
+(``restore``). A recorded one is marked done in the journal, so a replay never bills it twice even after its
+done marker expired. ``void`` parks the undoing of an admission whose reply was lost the same way.
 """
 
 from __future__ import annotations
@@ -15,10 +20,12 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from typing import Protocol
 
 from redis.exceptions import OutOfMemoryError
 
-from tessera.tenancy.admission import Admission, Lease
+from tessera.tenancy.admission import SETTLED_MARKER_TTL_S, Admission, Lease
+from tessera.tenancy.settlement import SettleKind
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +41,32 @@ class PendingFinish:
     prompt_tokens: int
     completion_tokens: int
     finished_at: datetime
+    kind: SettleKind = SettleKind.GATEWAY  # or VOID: undo a lost admission
+
+
+class FinishJournal(Protocol):
+    """Where parked finishes survive the process (gateway/finish_journal.py)."""
+
+    def append(self, pending: PendingFinish) -> bool:
+        """Keeps ``pending`` (written before this returns); False when the journal is full."""
+        ...
+
+    def recorded(self, pending: PendingFinish) -> None:
+        """``pending`` reached Redis: a replay must skip it."""
+        ...
+
+    def compact(self, remaining: list[PendingFinish]) -> None:
+        """Only ``remaining`` still waits: the journal may forget the rest."""
+        ...
+
+    def close(self) -> None: ...
+
+
+def replayable(pending: PendingFinish, now: datetime) -> bool:
+    """Whether a journaled finish may still be sent. A lease admitted through Redis that waited longer than a
+    settled lease's marker lives was billed by the settler long ago (its gateway was gone that long), and its
+    marker may be gone: sending it could bill twice. A detached (fail-open) lease has no settler: always."""
+    return pending.lease.detached or (now - pending.finished_at).total_seconds() < SETTLED_MARKER_TTL_S
 
 
 def _waits(exc: BaseException, is_transient: Callable[[BaseException], bool]) -> bool:
@@ -46,9 +79,11 @@ class FinishQueue:
     """Finishes leases now, or later when Redis is unreachable or full; ``is_transient`` says which other
     errors wait."""
 
-    def __init__(self, admission: Admission, is_transient: Callable[[BaseException], bool]) -> None:
+    def __init__(self, admission: Admission, is_transient: Callable[[BaseException], bool],
+                 journal: FinishJournal | None = None) -> None:
         self._admission = admission
         self._is_transient = is_transient
+        self._journal = journal
         self._parked: deque[PendingFinish] = deque()
         self._task: asyncio.Task[None] | None = None
 
@@ -65,24 +100,50 @@ class FinishQueue:
                 raise
             self._park(pending)
 
-    def _park(self, pending: PendingFinish) -> None:
+    def void(self, lease: Lease) -> None:
+        """Undoes, as soon as Redis answers, an admission whose reply never came (the client got an error):
+        if the script ran, its reservation and lease are freed and nothing is billed (finish.lua). Parked at
+        once: Redis has just failed to answer."""
+        if not lease.detached:
+            self._park(PendingFinish(lease, 0, 0, datetime.now(UTC), SettleKind.VOID))
+
+    def restore(self, pending: list[PendingFinish]) -> None:
+        """Parks the finishes a journal kept from an earlier process (already in this one's journal)."""
+        now = datetime.now(UTC)
+        for item in pending:
+            if replayable(item, now):
+                self._park(item, journaled=True)
+            else:
+                logger.error("journaled finish of lease %s (tenant %s) from %s dropped: the settler billed it "
+                             "long ago", item.lease.lease_id, item.lease.tenant, item.finished_at.isoformat())
+
+    def _park(self, pending: PendingFinish, journaled: bool = False) -> None:
         if len(self._parked) >= MAX_PARKED:
             lost = self._parked.popleft()
             logger.error("usage of lease %s (tenant %s) dropped: %d finishes parked", lost.lease.lease_id,
                          lost.lease.tenant, MAX_PARKED)
+        if not journaled and self._journal is not None and not self._journal.append(pending):
+            logger.error("finish of lease %s (tenant %s) kept in memory only: the journal is full",
+                         pending.lease.lease_id, pending.lease.tenant)
         self._parked.append(pending)
         if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(self._drain())
+
+    async def _send(self, item: PendingFinish) -> None:
+        if item.kind is SettleKind.VOID:
+            await self._admission.void(item.lease)
+        else:
+            await self._admission.finish(item.lease, item.prompt_tokens, item.completion_tokens, item.finished_at)
 
     async def _drain(self) -> None:
         delay = RETRY_INITIAL_S
         while self._parked:
             await asyncio.sleep(delay)
+            num_sent = 0
             while self._parked:
                 item = self._parked[0]
                 try:
-                    await self._admission.finish(item.lease, item.prompt_tokens, item.completion_tokens,
-                                                 item.finished_at)
+                    await self._send(item)
                 except Exception as exc:
                     if not _waits(exc, self._is_transient):
                         logger.exception("usage of lease %s could not be recorded", item.lease.lease_id)
@@ -91,7 +152,12 @@ class FinishQueue:
                     delay = min(RETRY_MAX_S, delay * 2)
                     break
                 self._parked.popleft()
+                num_sent += 1
+                if self._journal is not None:
+                    self._journal.recorded(item)
                 delay = RETRY_INITIAL_S
+            if num_sent and self._journal is not None:
+                self._journal.compact(list(self._parked))
 
     async def close(self, timeout_s: float = 2.0) -> None:
         """Gives parked finishes one last chance (gateway shutdown); logs what could not be recorded."""
@@ -100,6 +166,9 @@ class FinishQueue:
                 await asyncio.wait_for(asyncio.shield(self._task), timeout_s)
             except TimeoutError:
                 self._task.cancel()
+        kept = "kept in the journal for the next start" if self._journal is not None else "not recorded"
         for item in self._parked:
-            logger.error("usage of lease %s (tenant %s: %d prompt + %d completion tokens) not recorded",
-                         item.lease.lease_id, item.lease.tenant, item.prompt_tokens, item.completion_tokens)
+            logger.error("usage of lease %s (tenant %s: %d prompt + %d completion tokens) %s",
+                         item.lease.lease_id, item.lease.tenant, item.prompt_tokens, item.completion_tokens, kept)
+        if self._journal is not None:
+            self._journal.close()
