@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import orjson
+from redis.exceptions import RedisError
 
 from tessera.engine.protocol import RequestStats, delta_line, done_line
 from tessera.redis_conn import connect
@@ -84,8 +85,11 @@ def running_fake_engine(redis_url: str, model: str, tokenizer_dir: Path, line_ga
         record = EngineRecord(f"fake-{server.sockets[0].getsockname()[1]}", engine.url, model, 16, 4096, 4096)
         try:
             while not stop.is_set():
-                await registry.heartbeat(record)
-                started.set()
+                try:
+                    await registry.heartbeat(record)
+                    started.set()
+                except RedisError:  # an outage or a failover: the next beat tries again, as a replica's does
+                    pass
                 try:
                     await asyncio.wait_for(stop.wait(), HEARTBEAT_S)
                 except TimeoutError:
