@@ -32,15 +32,22 @@ HEALTH_TIMEOUT_S = 90.0
 
 @dataclass
 class GatewayProcess:
-    """One gateway process (``workers`` uvicorn workers) listening on ``port``."""
+    """One gateway process (``workers`` uvicorn workers) listening on ``port``, its metrics on ``metrics_port``."""
 
     port: int
     process: subprocess.Popen[bytes]
     log_path: Path
+    metrics_port: int | None = None
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def metrics_url(self) -> str:
+        """Where its /metrics is served (apart from the API)."""
+        assert self.metrics_port is not None, "started without a metrics port"
+        return f"http://127.0.0.1:{self.metrics_port}/metrics"
 
     @property
     def pid(self) -> int:
@@ -90,13 +97,15 @@ def spawn_gateway(redis_url: str, log_dir: Path, env: Mapping[str, str] | None =
                   port: int | None = None) -> GatewayProcess:
     """Starts one gateway process; call ``wait_healthy()`` before using it."""
     port = port or free_port()
+    metrics_port = free_port()
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"gateway-{port}.log"
     full_env = {**os.environ, "TESSERA_REDIS_URL": redis_url, "TESSERA_TRACE_EXPORTER": "none", **(env or {})}
-    cmd = GatewayLaunch(port=port, workers=workers, metrics_dir=log_dir / f"gateway-{port}-metrics").command()
+    cmd = GatewayLaunch(port=port, workers=workers, metrics_dir=log_dir / f"gateway-{port}-metrics",
+                        metrics_port=metrics_port).command()
     with open(log_path, "ab") as log:
         process = subprocess.Popen(cmd, env=full_env, stdout=log, stderr=subprocess.STDOUT, process_group=0)
-    return GatewayProcess(port, process, log_path)
+    return GatewayProcess(port, process, log_path, metrics_port)
 
 
 def start_gateways(num: int, redis_url: str, log_dir: Path, env: Mapping[str, str] | None = None,

@@ -86,6 +86,30 @@ class TesseraSettings(BaseSettings):
         "error event), the engine request aborted and the tenant's lease released.",
     )
     max_body_bytes: int = Field(default=1_048_576, description="Largest accepted request body, bytes (413 above).")
+    max_url_bytes: int = Field(
+        default=8192, ge=256,
+        description="Largest request target (path and query) a gateway reads, bytes: 414 above, connection closed.",
+    )
+    max_header_bytes: int = Field(
+        default=32_768, ge=1024,
+        description="Largest total of a request's header lines a gateway reads, bytes (names, values, separators): "
+        "431 above, connection closed.",
+    )
+    header_timeout_s: float = Field(
+        default=10.0, gt=0.0,
+        description="A connection whose request head (request line and headers) is not complete this long after "
+        "it opened, or after the head's first bytes on a kept-alive connection, gets 408 and is closed, seconds.",
+    )
+    max_connections_per_worker: int = Field(
+        default=2048, ge=1,
+        description="Open connections one gateway worker serves; a request on a connection beyond them gets 503 "
+        "too_many_connections with Retry-After and the connection closes (/health is answered all the same).",
+    )
+    max_in_flight_per_worker: int = Field(
+        default=1024, ge=1,
+        description="Requests one gateway worker runs at once; one more gets 503 too_many_requests_in_flight with "
+        "Retry-After (/health is answered all the same).",
+    )
     routing_policy: str = Field(default="prefix_affinity", description="Routing policy name (see tessera.routing).")
     prefix_index: Literal["local", "redis"] = Field(
         default="redis",

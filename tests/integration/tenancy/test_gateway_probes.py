@@ -1,6 +1,6 @@
 """Gateway probes and metrics: liveness (/health) answers while the process serves; readiness (/ready) only
 while Redis answers and an engine is registered, 503 naming what is missing otherwise; /metrics sums the
-worker processes."""
+worker processes, on the metrics port only."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ def test_metrics_are_summed_across_worker_processes(tenancy_redis: RestartableRe
                                   timeout=60)
             assert response.status_code == 200
         for _ in range(10):
-            text = httpx.get(f"{gateway.url}/metrics", timeout=10).text
+            text = httpx.get(gateway.metrics_url, timeout=10).text
             counted = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                        if line.startswith("tessera_gateway_requests_total{") and f'"{tenant.name}"' in line]
             assert counted == [num_requests], text[:2000]

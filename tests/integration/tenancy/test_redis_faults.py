@@ -39,7 +39,7 @@ def fail_open_gateway(tenancy_redis: RestartableRedis, tenancy_engine: EngineHos
 
 
 def fail_open_count(gateway: GatewayProcess, tenant: TenantHandle) -> float:
-    for line in httpx.get(f"{gateway.url}/metrics", timeout=10).text.splitlines():
+    for line in httpx.get(gateway.metrics_url, timeout=10).text.splitlines():
         if line.startswith("tessera_gateway_fail_open_total{") and f'tenant="{tenant.name}"' in line:
             return float(line.rsplit(" ", 1)[1])
     return 0.0

@@ -15,7 +15,7 @@ from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.propagate import extract, get_global_textmap
 
-from tessera.asgi import Receive, Scope, Send, header_map, send_response
+from tessera.asgi import Receive, Scope, Send, header_map
 from tessera.gateway.admin import AdminAPI, usage_report
 from tessera.gateway.auth import Authenticator
 from tessera.gateway.drain import DRAIN_STATE_KEY, SETTLE_GRACE_S, GatewayDrain, answer_cut, draining_error
@@ -135,9 +135,6 @@ class Gateway:
                 await respond(send, 200, {"status": "ok"}, request_id)
             elif path == "/ready":
                 await self._ready(send, request_id)
-            elif path == "/metrics":
-                body, content_type = self.metrics.render()
-                await send_response(send, 200, body, [(b"content-type", content_type.encode())])
             elif path == "/openapi.json":
                 await respond(send, 200, openapi_document(), request_id)
             elif path.startswith("/admin/"):
@@ -220,7 +217,8 @@ class Gateway:
 
 
 def create_app() -> Gateway:
-    """uvicorn factory; start it with ``tessera gateway`` (gateway/launch.py), which sums workers' metrics."""
+    """uvicorn factory; start it with ``tessera gateway`` (gateway/launch.py), which serves the workers' summed
+    metrics on a port of their own (gateway/metrics.py): ``/metrics`` is not a route of the API."""
     return Gateway(load_settings())
 
 

@@ -2,17 +2,23 @@
 
 uvicorn runs ``create_app`` in ``workers`` processes. Their Prometheus metrics are summed across the
 processes: each worker writes its samples to files in ``metrics_dir`` (prometheus_client's multiprocess
-mode, chosen by ``PROMETHEUS_MULTIPROC_DIR`` before any worker imports it) and ``/metrics`` on any worker
-reads them all. The directory is emptied here, before the workers start, because samples left by an earlier
-run (a restarted container keeps its emptyDir) would be added to this run's.
+mode, chosen by ``PROMETHEUS_MULTIPROC_DIR`` before any worker imports it) and ``/metrics`` on the metrics
+port (``metrics_port``, apart from the API: the series name tenants) reads them all, whichever worker
+answers. The directory is emptied here, before the workers start, because samples left by an earlier run (a
+restarted container keeps its emptyDir) would be added to this run's.
 
-Each worker runs ``lean_server.LeanServer``: uvicorn's ``Server`` with a 1 s housekeeping tick, not 0.1 s.
+Each worker runs ``lean_server.LeanServer``: uvicorn's ``Server`` with a 1 s housekeeping tick, not 0.1 s, and
+each connection ``connection_limits.LimitedHttpToolsProtocol``: uvicorn's httptools protocol within the
+``TESSERA_MAX_URL_BYTES``, ``TESSERA_MAX_HEADER_BYTES``, ``TESSERA_HEADER_TIMEOUT_S``,
+``TESSERA_MAX_CONNECTIONS_PER_WORKER`` and ``TESSERA_MAX_IN_FLIGHT_PER_WORKER`` limits.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import os
+import socket
 import sys
 import tempfile
 from pathlib import Path
@@ -35,12 +41,18 @@ class GatewayLaunch(BaseModel):
     metrics_dir: Path | None = Field(
         default=None, description="Where workers keep their metric samples (default: a new temporary directory)."
     )
+    metrics_port: int | None = Field(
+        default=None, ge=1, le=65535,
+        description="Port of /metrics (Prometheus, every worker summed), on the same address as the API and "
+        "apart from it: the series name tenants. None: the metrics are not served.",
+    )
 
     def command(self, python: str = sys.executable) -> list[str]:
         """The command line that starts this gateway (the ``tessera`` script beside ``python``)."""
         cmd = [str(Path(python).parent / "tessera"), "gateway", "--host", self.host, "--port", str(self.port),
                "--workers", str(self.workers), "--log-level", self.log_level,
                "--timeout-keep-alive-s", str(self.timeout_keep_alive_s)]
+        cmd += ["--metrics-port", str(self.metrics_port)] if self.metrics_port else []
         return cmd + (["--metrics-dir", str(self.metrics_dir)] if self.metrics_dir else [])
 
 
@@ -51,6 +63,21 @@ def prepare_metrics_dir(path: Path | None) -> Path:
     for stale in directory.glob("*.db"):
         stale.unlink()
     return directory
+
+
+def bind_listener(host: str, port: int) -> socket.socket:
+    """A listening socket as uvicorn binds its own (``Config.bind_socket``): reusable address, inheritable by
+    the workers."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
 
 
 def run_gateway(launch: GatewayLaunch) -> None:
@@ -64,26 +91,37 @@ def run_gateway(launch: GatewayLaunch) -> None:
     from uvicorn.config import STARTUP_FAILURE
     from uvicorn.supervisors import multiprocess
 
+    from tessera.gateway.connection_limits import ConnectionLimits, LimitedHttpToolsProtocol
     from tessera.gateway.drain import BACKSTOP_AFTER_DEADLINE_S
     from tessera.gateway.lean_server import LeanServer, LeanSupervisor, LeanWorker
     from tessera.settings import load_settings
 
+    settings = load_settings()
     # uvicorn's own timeout only backs the drain's cut up (drain.py): it cancels what is left without an
     # answer and without waiting for the cancelled requests to settle.
-    backstop_s = math.ceil(load_settings().drain_timeout_s + BACKSTOP_AFTER_DEADLINE_S)
-
+    backstop_s = math.ceil(settings.drain_timeout_s + BACKSTOP_AFTER_DEADLINE_S)
+    limits = ConnectionLimits(max_url_bytes=settings.max_url_bytes, max_header_bytes=settings.max_header_bytes,
+                              header_timeout_s=settings.header_timeout_s,
+                              max_connections=settings.max_connections_per_worker,
+                              max_in_flight=settings.max_in_flight_per_worker)
+    # NOTE: uvicorn builds each connection's protocol as ``http(config=..., server_state=..., app_state=...)``:
+    # a partial binds the limits, and pickles to the workers (a class made here would not).
+    protocol = functools.partial(LimitedHttpToolsProtocol, limits=limits, metrics_port=launch.metrics_port)
     config = uvicorn.Config("tessera.gateway.app:create_app", factory=True, host=launch.host, port=launch.port,
-                            workers=launch.workers, loop="uvloop", http="httptools", access_log=False,
-                            server_header=False, log_level=launch.log_level,
+                            workers=launch.workers, loop="uvloop", http=protocol,  # type: ignore[arg-type]
+                            ws="none", access_log=False, server_header=False, log_level=launch.log_level,
                             timeout_keep_alive=launch.timeout_keep_alive_s, timeout_graceful_shutdown=backstop_s)
+    sockets = [config.bind_socket()]
+    if launch.metrics_port is not None:
+        sockets.append(bind_listener(launch.host, launch.metrics_port))
     if config.workers > 1:
         # NOTE: uvicorn's supervisor builds each worker's Server in ``multiprocess.Process.server`` and names
         # that class directly (at start and on every restart): swapping the class is the one seam it has.
         multiprocess.Process = LeanWorker  # type: ignore[misc]
-        LeanSupervisor(config, sockets=[config.bind_socket()]).run()
+        LeanSupervisor(config, sockets=sockets).run()
         return
     config.load_app()
     server = LeanServer(config=config)
-    server.run()
+    server.run(sockets=sockets)
     if not server.started:
         sys.exit(STARTUP_FAILURE)

@@ -1,4 +1,11 @@
-"""Prometheus metrics of one gateway process."""
+"""Prometheus metrics of the gateway: each worker's series, and the listener that serves them.
+
+The series name tenants, so they are served on a port of their own (``tessera gateway --metrics-port``, the
+chart's ``gateway.metricsPort``), which only the scrapers reach; the API port answers 404 for ``/metrics``.
+A connection to that port reaches ``metrics_app`` and nothing else (``connection_limits.py`` picks the app
+by the port a connection came to). It sums every worker's samples (prometheus_client's multiprocess mode,
+which ``launch.py`` sets up before the workers start).
+"""
 
 from __future__ import annotations
 
@@ -6,6 +13,9 @@ import os
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from tessera.asgi import Receive, Scope, Send, send_response
+from tessera.gateway.errors import APIError
 
 
 class GatewayMetrics:
@@ -42,11 +52,29 @@ class GatewayMetrics:
         self.fail_open_total.labels(tenant).inc()
 
     def render(self) -> tuple[bytes, str]:
-        """This process's metrics, or, under ``tessera gateway`` (several workers), every worker's summed."""
-        if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
-            from prometheus_client import multiprocess
-
-            registry = CollectorRegistry()
-            multiprocess.MultiProcessCollector(registry)
-            return generate_latest(registry), CONTENT_TYPE_LATEST
+        """This process's metrics (a gateway built in a test); ``tessera gateway`` serves every worker's
+        summed with ``metrics_app``."""
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+def render_all_workers() -> bytes:
+    """Every worker's samples, summed (the directory ``launch.py`` names in PROMETHEUS_MULTIPROC_DIR)."""
+    from prometheus_client import multiprocess
+
+    registry = CollectorRegistry()
+    multiprocess.MultiProcessCollector(registry, os.environ["PROMETHEUS_MULTIPROC_DIR"])
+    return generate_latest(registry)
+
+
+async def metrics_app(scope: Scope, receive: Receive, send: Send) -> None:
+    """The metrics listener's ASGI app: ``GET /metrics``, 404 for anything else."""
+    if scope["type"] != "http":
+        return
+    if scope["path"] == "/metrics" and scope["method"] in ("GET", "HEAD"):
+        body = render_all_workers()
+        await send_response(send, 200, body, [(b"content-type", CONTENT_TYPE_LATEST.encode()),
+                                              (b"content-length", b"%d" % len(body))])
+        return
+    body = APIError(404, f"No route {scope['method']} {scope['path']} on the metrics port.", "not_found").body()
+    await send_response(send, 404, body, [(b"content-type", b"application/json"),
+                                          (b"content-length", b"%d" % len(body))])

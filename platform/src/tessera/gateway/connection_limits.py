@@ -1,0 +1,235 @@
+"""What one client may hold of a gateway worker: bytes of a request head, time to send it, connections, and
+requests in flight; beyond each, an OpenAI-style error, never an unbounded buffer or a wait.
+
+uvicorn's httptools protocol has none of these (issue #15): httptools gathers a header's value in a buffer
+of its own until the value ends, so an 8 MiB header was read whole (and copied at every piece); a connection
+that never finishes its head was held forever; connections and tasks had no cap. ``LimitedHttpToolsProtocol``
+is that protocol with:
+
+- the request target over ``max_url_bytes`` (checked as the URL arrives): 414 ``url_too_long``;
+- the header lines over ``max_header_bytes`` (checked as each header ends, and after each read while the
+  head is incomplete, for a header still arriving): 431 ``headers_too_large``;
+- a head not complete ``header_timeout_s`` after the connection opened (or after the head's first bytes on a
+  kept-alive connection): 408 ``header_timeout``;
+- each of those closes the connection;
+- a connection beyond ``max_connections`` (counted at connect): each of its requests gets 503
+  ``too_many_connections`` with ``Retry-After``, and the connection closes;
+- a request beyond ``max_in_flight`` running in the worker: 503 ``too_many_requests_in_flight`` with
+  ``Retry-After``.
+
+``/health`` is answered beyond the two caps (a liveness probe must not fail because the worker is busy:
+Kubernetes would restart it). A refused connection lingers: the answer is written, the write side shut, and
+what the client still sends is read and dropped for at most ``REFUSED_LINGER_S`` (closing with unread data
+would reset the connection, and the client could lose the answer).
+
+Cost per request on the hot path: a length check per URL piece and per header, two per head, and no timer
+unless a head arrives in more than one read (``make bench-gateway-ab`` measures the gateway per request).
+
+The same protocol serves the metrics listener (``metrics_port``): a connection to that port reaches only
+``metrics.metrics_app``, one to the API port never does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import http
+from dataclasses import dataclass
+from typing import Any
+
+from uvicorn.config import Config
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.server import ServerState
+
+from tessera.asgi import Receive, Scope, Send, encode_headers, respond_raw_json
+from tessera.gateway.errors import APIError, error_body
+from tessera.gateway.metrics import metrics_app
+
+# A refused connection reads and drops what the client still sends for at most this long, seconds, then
+# closes (see the module docstring).
+REFUSED_LINGER_S = 2.0
+# What a 503 for a full worker asks the client to wait, seconds.
+BUSY_RETRY_AFTER_S = 1
+# Request-line bytes beside the URL (method, version, separators): the head may exceed the URL and header
+# limits by this much before the per-read check refuses it.
+_REQUEST_LINE_SLACK = 64
+# Paths answered whatever the caps say (liveness).
+_EXEMPT_PATHS = frozenset({"/health"})
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectionLimits:
+    """The limits of one worker (``TESSERA_*`` settings, see ``settings.py``)."""
+
+    max_url_bytes: int
+    max_header_bytes: int
+    header_timeout_s: float
+    max_connections: int
+    max_in_flight: int
+
+    def __post_init__(self) -> None:
+        for name in ("max_url_bytes", "max_header_bytes", "max_connections", "max_in_flight"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, not {getattr(self, name)}")
+        if self.header_timeout_s <= 0:
+            raise ValueError(f"header_timeout_s must be above 0, not {self.header_timeout_s}")
+
+
+def raw_error_response(status: int, code: str, message: str, default_headers: list[tuple[bytes, bytes]]) -> bytes:
+    """A whole HTTP/1.1 error response with an OpenAI-style body, closing the connection."""
+    body = error_body(message, "invalid_request_error", code)
+    lines = [f"HTTP/1.1 {status} {http.HTTPStatus(status).phrase}\r\n".encode()]
+    lines += [name + b": " + value + b"\r\n" for name, value in default_headers]
+    lines.append(b"content-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n" % len(body))
+    return b"".join(lines) + body
+
+
+class LimitedHttpToolsProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol within ``ConnectionLimits``; uvicorn builds one per connection
+    (``launch.py`` passes it as ``http=`` with the limits bound)."""
+
+    def __init__(self, config: Config, server_state: ServerState, app_state: dict[str, Any],
+                 _loop: asyncio.AbstractEventLoop | None = None, *, limits: ConnectionLimits,
+                 metrics_port: int | None = None) -> None:
+        super().__init__(config, server_state, app_state, _loop)
+        self._limits = limits
+        self._metrics_port = metrics_port
+        self._max_head_bytes = limits.max_url_bytes + limits.max_header_bytes + _REQUEST_LINE_SLACK
+        self._connection_app: Any = self.app
+        # Between a message's first byte and the end of its head.
+        self._reading_head = False
+        self._message_began = False
+        self._num_head_bytes = 0
+        self._num_header_bytes = 0
+        self._over_cap = False
+        self._refused = False
+        self._head_timer: asyncio.TimerHandle | None = None
+        self._linger_timer: asyncio.TimerHandle | None = None
+
+    # Connection
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        if self._metrics_port is not None and self.server is not None and self.server[1] == self._metrics_port:
+            self._connection_app = metrics_app
+        # ``connections`` holds this one already.
+        self._over_cap = len(self.connections) > self._limits.max_connections
+        self._head_timer = self.loop.call_later(self._limits.header_timeout_s, self._head_timed_out)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_head_timer()
+        if self._linger_timer is not None:
+            self._linger_timer.cancel()
+            self._linger_timer = None
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self._refused:
+            return  # lingering: read and dropped
+        self._message_began = False
+        super().data_received(data)
+        if not self._reading_head or self._refused or self.transport.is_closing():
+            return
+        # A head still incomplete after this read. Bytes read before the message began belong to the one
+        # before: count this read only if the message began earlier (the bound is then one read looser).
+        self._num_head_bytes = 0 if self._message_began else self._num_head_bytes + len(data)
+        if self._num_head_bytes > self._max_head_bytes:
+            self._refuse(431, "headers_too_large", "The request's headers exceed the gateway's limit of "
+                         f"{self._limits.max_header_bytes} bytes.")
+        elif self._head_timer is None:
+            self._head_timer = self.loop.call_later(self._limits.header_timeout_s, self._head_timed_out)
+
+    # Parser callbacks
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._reading_head = self._message_began = True
+        self._num_head_bytes = self._num_header_bytes = 0
+
+    def on_url(self, url: bytes) -> None:
+        if self._refused:
+            return
+        super().on_url(url)
+        if len(self.url) > self._limits.max_url_bytes:
+            self._refuse(414, "url_too_long", f"The request URL exceeds the gateway's limit of "
+                         f"{self._limits.max_url_bytes} bytes.")
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if self._refused:
+            return
+        self._num_header_bytes += len(name) + len(value) + 4  # ": " and CRLF
+        if self._num_header_bytes > self._limits.max_header_bytes:
+            self._refuse(431, "headers_too_large", "The request's headers exceed the gateway's limit of "
+                         f"{self._limits.max_header_bytes} bytes.")
+            return
+        super().on_header(name, value)
+
+    def on_headers_complete(self) -> None:
+        if self._refused:
+            return
+        self._reading_head = False
+        self._cancel_head_timer()
+        busy = self._over_cap or len(self.tasks) >= self._limits.max_in_flight
+        # uvicorn's on_headers_complete starts ``self.app`` for the request.
+        self.app = self._answer_busy if busy else self._connection_app
+        super().on_headers_complete()
+
+    def on_body(self, body: bytes) -> None:
+        if not self._refused:
+            super().on_body(body)
+
+    def on_message_complete(self) -> None:
+        if not self._refused:
+            super().on_message_complete()
+
+    # Refusals
+    async def _answer_busy(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """The ASGI app of a request beyond a cap: 503 naming the limit (``/health`` is served all the same)."""
+        if scope["path"] in _EXEMPT_PATHS:
+            await self._connection_app(scope, receive, send)
+            return
+        retry = {"Retry-After": str(BUSY_RETRY_AFTER_S)}
+        if self._over_cap:
+            err = APIError(503, f"This gateway worker holds its limit of {self._limits.max_connections} "
+                           "connections (TESSERA_MAX_CONNECTIONS_PER_WORKER); retry shortly.",
+                           "too_many_connections", headers={**retry, "Connection": "close"})
+        else:
+            err = APIError(503, f"This gateway worker has its limit of {self._limits.max_in_flight} requests in "
+                           "flight (TESSERA_MAX_IN_FLIGHT_PER_WORKER); retry shortly.",
+                           "too_many_requests_in_flight", headers=retry)
+        body = err.body()
+        await respond_raw_json(send, err.status, body,
+                               [(b"content-length", b"%d" % len(body)), *encode_headers(err.headers)])
+
+    def _head_timed_out(self) -> None:
+        self._head_timer = None
+        if self._refused or self.transport.is_closing():
+            return
+        if not self._reading_head and self.cycle is not None:
+            return  # between requests: the keep-alive timeout's to close
+        if self.cycle is not None and not self.cycle.response_complete:
+            # A response is under way on this connection: its next head may wait for it.
+            self._head_timer = self.loop.call_later(self._limits.header_timeout_s, self._head_timed_out)
+            return
+        self._refuse(408, "header_timeout", f"The request's headers did not arrive within "
+                     f"{self._limits.header_timeout_s:g} s.")
+
+    def _refuse(self, status: int, code: str, message: str) -> None:
+        """Answers ``status`` and closes, lingering (module docstring); a response under way on this
+        connection is cut instead (a pipelined head the client itself sent too large)."""
+        self._refused = True
+        self._reading_head = False
+        self._cancel_head_timer()
+        if self.cycle is not None and not self.cycle.response_complete:
+            self.transport.close()
+            return
+        self.transport.write(raw_error_response(status, code, message, self.server_state.default_headers))
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+        self._linger_timer = self.loop.call_later(REFUSED_LINGER_S, self.transport.close)
+
+    def _cancel_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+
+__all__ = ["BUSY_RETRY_AFTER_S", "REFUSED_LINGER_S", "ConnectionLimits", "LimitedHttpToolsProtocol",
+           "raw_error_response"]
