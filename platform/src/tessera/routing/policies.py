@@ -122,9 +122,11 @@ class _ApproxState:
             self.senders.popitem(last=False)
 
 
-def _char_chunks(model: str, text: str) -> list[bytes]:
-    """Parent-chained digests of the text's whole 128-character chunks (a trie path, flattened)."""
-    digest = hashlib.blake2b(model.encode(), digest_size=16)
+def _char_chunks(model: str, text: str, cache_salt: str | None) -> list[bytes]:
+    """Parent-chained digests of the text's whole 128-character chunks (a trie path, flattened), keyed by the
+    model and the tenant's cache salt: a tenant whose prefix cache is isolated shares no chunk with another,
+    as it shares no KV block (hashing.py)."""
+    digest = hashlib.blake2b(model.encode() + b"\0" + (cache_salt or "").encode(), digest_size=16)
     chain: list[bytes] = []
     for start in range(0, len(text) - len(text) % APPROX_CHUNK_CHARS, APPROX_CHUNK_CHARS):
         digest.update(text[start:start + APPROX_CHUNK_CHARS].encode())
@@ -138,27 +140,29 @@ def _approx_prefix() -> PolicyFn:
     *sent* each character-prefix chunk to, narrows to the engines sharing the longest remembered prefix,
     and never learns that an engine evicted it. Its memory is per gateway process, as in production-stack.
     Among the matching engines (all engines on a miss) it takes the least loaded, ties at random
-    (production-stack picks at random without looking at load)."""
+    (production-stack picks at random without looking at load).
+
+    Chunks are keyed with the tenant's cache salt (``RouteRequest.cache_salt``), and the reason is the same
+    on a hit and a miss: it travels to the client in ``x-tessera-route-reason``, and a count of matched
+    chunks there told a tenant whether anyone had sent a prompt beginning with a guess (issue #15)."""
     state = _ApproxState()
 
     def policy(snapshot: RouteSnapshot, request: RouteRequest) -> RouteDecision:
         if (empty := _empty(snapshot)) is not None:
             return empty
-        chain = _char_chunks(request.model, request.prompt_prefix)
+        chain = _char_chunks(request.model, request.prompt_prefix, request.cache_salt)
         candidates = {e.engine_id for e in snapshot.engines}
-        matched = 0
         for key in chain:
             holders = state.senders.get(key, set()) & candidates
             if not holders:
                 break
-            candidates, matched = holders, matched + 1
+            candidates = holders
         shuffled = list(snapshot.engines)
         state.rng.shuffle(shuffled)
         order = sorted(shuffled, key=lambda e: (e.engine_id not in candidates, _load(e, snapshot)))
         ranked = _pressure_last(order)
         state.remember(chain, ranked[0])
-        reason = f"approx_prefix matched_chunks={matched}" if matched else "approx_prefix miss: least_loaded"
-        return RouteDecision(ranked, reason)
+        return RouteDecision(ranked, "approx_prefix")
 
     return policy
 

@@ -31,6 +31,9 @@ class RouteRequest:
     # Leading characters of the prompt text (approx_prefix baseline only).
     prompt_prefix: str = ""
     session_id: str | None = None
+    # The tenant's prefix-cache salt (None when its policy shares the cache): approx_prefix keys its chunks
+    # with it, as the block hashes above are.
+    cache_salt: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,7 +29,7 @@ def route_request(ctx: RequestContext, policy_name: str) -> RouteRequest:
     prompt_text = model.tokenizer.decode(ids[:APPROX_PREFIX_CHARS // 2]) if policy_name == "approx_prefix" else ""
     return RouteRequest(tenant=ctx.tenant.name, model=ctx.body.model, num_prompt_tokens=len(ids),
                         block_hashes=block_hash_chain(ids, model.info.block_size, ctx.cache_salt),
-                        prompt_prefix=prompt_text, session_id=ctx.body.user)
+                        prompt_prefix=prompt_text, session_id=ctx.body.user, cache_salt=ctx.cache_salt)
 
 
 async def route(ctx: RequestContext, router: Router, fail_open: FailOpen) -> None:
