@@ -32,7 +32,7 @@ from typing import Any
 import hiredis
 from redis.asyncio.connection import SSLConnection, UnixDomainSocketConnection, parse_url
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoScriptError, OutOfMemoryError, ResponseError
+from redis.exceptions import NoScriptError, OutOfMemoryError, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from tessera.redis_sentinel import SentinelResolver, is_sentinel_url, parse_sentinel_url
@@ -52,12 +52,16 @@ def pack_commands(commands: list[Command]) -> bytes:
     return b"".join(parts)
 
 
-def as_redis_error(reply: hiredis.ReplyError) -> ResponseError:
+def as_redis_error(reply: hiredis.ReplyError) -> RedisError:
     message = str(reply)
     if message.startswith("NOSCRIPT"):
         return NoScriptError(message)
     if message.startswith("OOM"):
         return OutOfMemoryError(message)  # noeviction at maxmemory: the billing queue waits on it (billing.py)
+    if message.startswith("NOREPLICAS"):
+        # A primary cut off from its replicas (min-replicas-to-write) refuses writes that a failover would
+        # lose: Redis is unavailable for writes, as when it is down (503, a finish parked and retried).
+        return RedisConnectionError(message)
     return ResponseError(message)
 
 

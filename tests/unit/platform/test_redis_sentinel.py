@@ -131,6 +131,7 @@ class FakeData:
     def __init__(self, name: str) -> None:
         self.name = name
         self.role = "master"
+        self.cut_off = False  # min-replicas-to-write not met
         self.server = FakeServer(self.answer)
 
     def answer(self, command: list[bytes]) -> Any:
@@ -141,6 +142,8 @@ class FakeData:
             return [self.role.encode(), 0, []]
         if verb == b"SET" and self.role != "master":
             return Exception("READONLY You can't write against a read only replica.")
+        if verb == b"SET" and self.cut_off:
+            return Exception("NOREPLICAS Not enough good replicas to write.")
         return self.name.encode()
 
     def sent(self, verb: bytes) -> int:
@@ -228,6 +231,19 @@ async def test_readonly_fails_the_call_and_the_next_call_asks_the_sentinels_agai
         await wire.execute([("SET", "k", "v"), ("GET", "k")])
     assert await wire.execute([("SET", "k", "v")]) == [b"b"]
     assert a.sent(b"SET") == 1, "nothing retried on the demoted server"
+    await wire.close()
+
+
+async def test_a_primary_cut_off_from_its_replicas_reads_as_unavailable(
+        cluster: tuple[FakeSentinel, FakeData, FakeData]) -> None:
+    sentinel, a, _ = cluster
+    wire = RedisWire(_url(sentinel), timeout_s=1.0)
+    a.cut_off = True
+    refused, read = await wire.execute([("SET", "k", "v"), ("GET", "k")])
+    # A connection error in its place: the gateway answers 503 (or fails open), a finish is parked, as when
+    # Redis is down; a plain ResponseError would be a 500.
+    assert isinstance(refused, RedisConnectionError) and "NOREPLICAS" in str(refused)
+    assert read == b"a", "the connection stays: reads go on"
     await wire.close()
 
 
