@@ -8,11 +8,16 @@ from pathlib import Path
 
 import pytest
 
+from tessera.data_plane_auth import ensure_key_file
 from tessera.engine.small_model import is_small_model_dir, make_small_model
 from tessera.redis_conn import EmbeddedRedis
 
 REPO = Path(__file__).resolve().parents[1]
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+# The data-plane key, set before anything starts: every replica, gateway and controller a test starts (in
+# process, as a subprocess or in a Ray worker) inherits it; tests/support/data_plane.py signs with it.
+os.environ.setdefault("TESSERA_DATA_PLANE_KEY_FILE",
+                      str(ensure_key_file(REPO / ".tessera" / "test-data-plane.key")))
 # The tests' traces go to a per-session directory, never the developer's .tessera/.
 os.environ.setdefault("TESSERA_TRACE_EXPORTER", "jsonl")
 

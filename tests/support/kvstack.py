@@ -27,6 +27,7 @@ import httpx
 import orjson
 
 from tessera.gateway.launch import GatewayLaunch
+from tests.support.data_plane import ENGINE_AUTH
 from tests.support.machine import free_port, pinned
 
 BIN = Path(sys.executable).parent
@@ -199,12 +200,13 @@ class KVStack:
         return total
 
     def engine_stats(self, engine_id: str) -> dict[str, Any]:
-        return dict(httpx.get(f"{self.engine_urls[engine_id]}/stats", timeout=5).json())
+        return dict(httpx.get(f"{self.engine_urls[engine_id]}/stats", timeout=5, auth=ENGINE_AUTH).json())
 
     def wait_idle(self, timeout_s: float = 120) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if all(not httpx.get(f"{u}/requests", timeout=5).json() for u in self.engine_urls.values()):
+            if all(not httpx.get(f"{u}/requests", timeout=5, auth=ENGINE_AUTH).json()
+                   for u in self.engine_urls.values()):
                 return
             time.sleep(0.1)
         raise TimeoutError("engines still busy")

@@ -134,6 +134,24 @@ class TesseraSettings(BaseSettings):
         default="127.0.0.1", description="Address an engine replica registers for the gateway to call it at."
     )
 
+    data_plane_key_file: Path | None = Field(
+        default=None,
+        description="File holding the release's data-plane key (at least 32 characters): the gateway and the "
+        "KV controller sign every call to an engine replica with it, and a replica refuses unsigned calls (401). "
+        "Unset: a replica, a gateway or a controller refuses to start (`tessera up` generates "
+        ".tessera/data-plane.key; the chart mounts a Secret). See docs/security.md.",
+    )
+    metrics_token_file: Path | None = Field(
+        default=None,
+        description="File holding the bearer token Prometheus sends to engine replicas' /metrics (read-only: it "
+        "opens /metrics and nothing else). Unset: /metrics takes signed calls only.",
+    )
+    data_plane_max_skew_s: float = Field(
+        default=30.0, gt=0.0,
+        description="Largest difference between a signed call's time and the replica's clock, seconds: older or "
+        "newer signatures are refused (a captured call is replayable for at most this long, and only once).",
+    )
+
     @model_validator(mode="after")
     def _max_ages_cover_their_refresh(self) -> TesseraSettings:
         # A copy the refresher keeps on time must never look too old to a request (it would read inline).

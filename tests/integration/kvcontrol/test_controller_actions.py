@@ -22,6 +22,7 @@ from tessera.telemetry.spanfile import SpanRecord, load_spans
 from tessera.tenancy.demotion import demoted_key
 from tessera.tenancy.policy import DEMOTION_STEP, PRIORITY_VALUES, TenantPolicy
 from tessera.tenancy.store import TenantStore
+from tests.support.data_plane import ENGINE_AUTH
 from tests.support.kvstack import ADMIN_TOKEN, REGISTRY_MAX_AGE_S, KVStack, complete, new_client
 from tests.support.poll import async_wait_until
 
@@ -68,7 +69,8 @@ async def in_flight(stack: KVStack, tenant: str) -> list[tuple[str, dict[str, An
     async with httpx.AsyncClient(timeout=5) as client:
         found = []
         for engine_id, url in stack.engine_urls.items():
-            found += [(engine_id, e) for e in (await client.get(f"{url}/requests")).json() if e["tenant"] == tenant]
+            listing = (await client.get(f"{url}/requests", auth=ENGINE_AUTH)).json()
+            found += [(engine_id, e) for e in listing if e["tenant"] == tenant]
         return found
 
 
@@ -174,7 +176,7 @@ class Loader:
                         # ever-new requests would go ahead of the test's normal-class request forever.
                         "priority": PRIORITY_VALUES["low"]}
                 async with client.stream("POST", f"{self.url}/generate", json=body,
-                                         headers={"x-tessera-tenant": self.tenant}) as resp:
+                                         headers={"x-tessera-tenant": self.tenant}, auth=ENGINE_AUTH) as resp:
                     async for _ in resp.aiter_lines():
                         pass
 
@@ -258,7 +260,7 @@ async def _bulk_with_a_critical_request_behind(stack: KVStack, tenant: str, seed
             gold.append(asyncio.create_task(client.post(
                 f"{stack.engine_urls[engine]}/generate", headers={"x-tessera-tenant": "act-gold"},
                 json={"request_id": f"gold-{tenant}", "prompt_token_ids": prompt(3600, seed + 2), "max_tokens": 1,
-                      "priority": 0, "cache_salt": "act-gold"})))
+                      "priority": 0, "cache_salt": "act-gold"}, auth=ENGINE_AUTH)))
 
         result = await asyncio.wait_for(
             complete(client, stack.gateway_url, bulk, stack.model, bulk_prompt, max_tokens,

@@ -22,6 +22,7 @@ from tessera.engine.config import EngineConfig
 from tessera.engine.host import EngineHost, EngineStartError
 from tessera.redis_conn import EmbeddedRedis
 from tessera.registry import engine_key
+from tests.support.data_plane import ENGINE_AUTH
 from tests.support.engines import start_host
 
 pytestmark = pytest.mark.engine
@@ -49,10 +50,10 @@ def test_fp8_doubles_kv_token_capacity(fp8_engine: EngineHost, small_model_dir: 
     if refusal is not None:
         pytest.skip(f"this CPU has neither AVX-512 nor AMX, which vLLM's FP8 KV cache needs ({refusal}); "
                     "test_without_fp8_kv_the_engine_runs_auto_and_says_so covers it")
-    fp8 = httpx.get(f"{fp8_engine.url}/stats").json()
+    fp8 = httpx.get(f"{fp8_engine.url}/stats", auth=ENGINE_AUTH).json()
     auto = start_host(small_model_dir, None, kv_cache_dtype="auto", speculative=None, kv_events={"enabled": False})
     try:
-        bf16 = httpx.get(f"{auto.url}/stats").json()
+        bf16 = httpx.get(f"{auto.url}/stats", auth=ENGINE_AUTH).json()
     finally:
         auto.stop()
     assert fp8["kv_cache_dtype"] == "fp8" and fp8["fallbacks"] == []
@@ -66,10 +67,10 @@ def test_the_platform_default_engine_says_what_it_runs(fp8_engine: EngineHost, s
                                                        redis_server: EmbeddedRedis) -> None:
     """On any machine: the default engine reports its effective dtype, capacity and method everywhere."""
     expected = "fp8" if fp8_kv_refusal(small_model_dir) is None else "auto"
-    stats = httpx.get(f"{fp8_engine.url}/stats").json()
+    stats = httpx.get(f"{fp8_engine.url}/stats", auth=ENGINE_AUTH).json()
     assert stats["kv_cache_dtype"] == expected and stats["kv_cache_dtype_requested"] == "fp8"
     assert stats["speculative_method"] == "ngram" and stats["kv_capacity_tokens"] > 0
-    metrics = httpx.get(f"{fp8_engine.url}/metrics").text
+    metrics = httpx.get(f"{fp8_engine.url}/metrics", auth=ENGINE_AUTH).text
     assert f'kv_cache_dtype="{expected}"' in metrics and 'speculative_method="ngram"' in metrics
     assert "tessera_engine_kv_capacity_tokens{" in metrics
     record = redis.Redis.from_url(redis_server.url).hgetall(engine_key(fp8_engine.engine_id))
@@ -80,7 +81,7 @@ def test_the_platform_default_engine_says_what_it_runs(fp8_engine: EngineHost, s
 def test_without_fp8_kv_the_engine_runs_auto_and_says_so(fallback_engine: EngineHost, fp8_engine: EngineHost,
                                                          small_model_dir: Path, redis_server: EmbeddedRedis,
                                                          caplog: pytest.LogCaptureFixture) -> None:
-    stats = httpx.get(f"{fallback_engine.url}/stats").json()
+    stats = httpx.get(f"{fallback_engine.url}/stats", auth=ENGINE_AUTH).json()
     assert stats["kv_cache_dtype"] == "auto" and stats["kv_cache_dtype_requested"] == "fp8"
     assert stats["kv_capacity_tokens"] == stats["num_gpu_blocks"] * stats["block_size"] > 0
     kv_note, spec_note = stats["fallbacks"]
@@ -89,7 +90,7 @@ def test_without_fp8_kv_the_engine_runs_auto_and_says_so(fallback_engine: Engine
     assert stats["speculative_method"] == "none" and "no-such-draft" in spec_note
     # The capacity this costs: the same KV space holds half the tokens an FP8 engine holds.
     if fp8_kv_refusal(small_model_dir) is None:
-        fp8_tokens = httpx.get(f"{fp8_engine.url}/stats").json()["kv_capacity_tokens"]
+        fp8_tokens = httpx.get(f"{fp8_engine.url}/stats", auth=ENGINE_AUTH).json()["kv_capacity_tokens"]
         assert 1.9 <= fp8_tokens / stats["kv_capacity_tokens"] <= 2.1
     kv_lines = [r.getMessage() for r in caplog.get_records("setup") if "kvCacheDtype=fp8" in r.getMessage()]
     assert len(kv_lines) == 1 and VLLM_CPU_FP8_REFUSAL in kv_lines[0]
@@ -100,7 +101,7 @@ def test_without_fp8_kv_the_engine_runs_auto_and_says_so(fallback_engine: Engine
     assert VLLM_CPU_FP8_REFUSAL in record[b"fallbacks"].decode()
     # And it serves.
     body = {"request_id": "after-fallback", "prompt_token_ids": list(range(40, 72)), "max_tokens": 4}
-    lines = httpx.post(f"{fallback_engine.url}/generate", json=body, timeout=60).text.splitlines()
+    lines = httpx.post(f"{fallback_engine.url}/generate", json=body, timeout=60, auth=ENGINE_AUTH).text.splitlines()
     assert '"done":true' in lines[-1]
 
 

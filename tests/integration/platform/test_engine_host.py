@@ -13,6 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tessera.engine.host import EngineHost
 from tests.support.dashboard import dashboard_metric_names
+from tests.support.data_plane import ENGINE_AUTH
 
 pytestmark = pytest.mark.engine
 
@@ -22,7 +23,7 @@ REPETITIVE = list(range(40, 56)) * 6  # 96 tokens that repeat: n-gram drafts hav
 def generate(host: EngineHost, **body: object) -> list[dict]:
     payload = {"request_id": f"t-{time.monotonic_ns()}", "prompt_token_ids": REPETITIVE, "max_tokens": 32,
                "temperature": 0.0, **body}
-    with httpx.stream("POST", f"{host.url}/generate", json=payload, timeout=60) as response:
+    with httpx.stream("POST", f"{host.url}/generate", json=payload, timeout=60, auth=ENGINE_AUTH) as response:
         assert response.status_code == 200
         return [orjson.loads(line) for line in response.iter_lines() if line]
 
@@ -55,9 +56,9 @@ def test_same_salt_hits_the_prefix_cache_other_salt_does_not(fp8_engine: EngineH
 
 
 def test_speculative_decoding_drafts_and_accepts(fp8_engine: EngineHost) -> None:
-    before = httpx.get(f"{fp8_engine.url}/stats").json()
+    before = httpx.get(f"{fp8_engine.url}/stats", auth=ENGINE_AUTH).json()
     stats = generate(fp8_engine, max_tokens=64)[-1]["stats"]
-    after = httpx.get(f"{fp8_engine.url}/stats").json()
+    after = httpx.get(f"{fp8_engine.url}/stats", auth=ENGINE_AUTH).json()
     # Per request too (the engine span's tessera.spec.* attributes): vLLM's own drafted/accepted counts.
     assert 0 < stats["num_spec_accepted_tokens"] <= stats["num_spec_draft_tokens"], stats
     drafted = after["spec_draft_tokens"] - before["spec_draft_tokens"]
@@ -67,27 +68,28 @@ def test_speculative_decoding_drafts_and_accepts(fp8_engine: EngineHost) -> None
     # The adaptive controller runs in the host (speculative.adaptive is on by default) and shows its state.
     control = after["speculation"]
     assert control["method"] == "ngram" and control["runtime_toggle"] is True, control
-    metrics = httpx.get(f"{fp8_engine.url}/metrics").text
+    metrics = httpx.get(f"{fp8_engine.url}/metrics", auth=ENGINE_AUTH).text
     assert "tessera_engine_speculation_on" in metrics
 
 
 def test_disconnect_leaves_no_running_request(fp8_engine: EngineHost) -> None:
     payload = {"request_id": "leaver", "prompt_token_ids": REPETITIVE, "max_tokens": 1500, "ignore_eos": True}
-    with httpx.stream("POST", f"{fp8_engine.url}/generate", json=payload, timeout=60) as response:
+    with httpx.stream("POST", f"{fp8_engine.url}/generate", json=payload, timeout=60, auth=ENGINE_AUTH) as response:
         lines = response.iter_lines()
         next(lines)
         next(lines)
-        assert any(r["request_id"] == "leaver" for r in httpx.get(f"{fp8_engine.url}/requests").json())
+        listing = httpx.get(f"{fp8_engine.url}/requests", auth=ENGINE_AUTH).json()
+        assert any(r["request_id"] == "leaver" for r in listing)
     deadline = time.monotonic() + 2.0
     while time.monotonic() < deadline:
-        in_flight = httpx.get(f"{fp8_engine.url}/requests").json()
-        running = httpx.get(f"{fp8_engine.url}/stats").json()["num_running"]
+        in_flight = httpx.get(f"{fp8_engine.url}/requests", auth=ENGINE_AUTH).json()
+        running = httpx.get(f"{fp8_engine.url}/stats", auth=ENGINE_AUTH).json()["num_running"]
         if not in_flight and running == 0:
             break
         time.sleep(0.05)
-    assert httpx.get(f"{fp8_engine.url}/requests").json() == []
+    assert httpx.get(f"{fp8_engine.url}/requests", auth=ENGINE_AUTH).json() == []
     time.sleep(0.3)  # one more stats step after the abort
-    assert httpx.get(f"{fp8_engine.url}/stats").json()["num_running"] == 0
+    assert httpx.get(f"{fp8_engine.url}/stats", auth=ENGINE_AUTH).json()["num_running"] == 0
 
 
 def test_vllms_processes_sleep_between_requests(fp8_engine: EngineHost) -> None:
@@ -105,15 +107,15 @@ def test_vllms_processes_sleep_between_requests(fp8_engine: EngineHost) -> None:
 
 def test_health_and_unknown_route(fp8_engine: EngineHost) -> None:
     assert httpx.get(f"{fp8_engine.url}/health").json()["healthy"] is True
-    assert httpx.get(f"{fp8_engine.url}/nope").status_code == 404
-    bad = httpx.post(f"{fp8_engine.url}/generate", json={"request_id": "x"})
+    assert httpx.get(f"{fp8_engine.url}/nope", auth=ENGINE_AUTH).status_code == 404
+    bad = httpx.post(f"{fp8_engine.url}/generate", json={"request_id": "x"}, auth=ENGINE_AUTH)
     assert bad.status_code == 400 and "prompt_token_ids" in bad.json()["error"]
 
 
 def _vllm_samples(host: EngineHost) -> dict[str, float]:
     """The replica's vllm:* samples on /metrics, summed over their labels."""
     totals: dict[str, float] = {}
-    for family in text_string_to_metric_families(httpx.get(f"{host.url}/metrics").text):
+    for family in text_string_to_metric_families(httpx.get(f"{host.url}/metrics", auth=ENGINE_AUTH).text):
         for sample in family.samples:
             if sample.name.startswith("vllm:"):
                 totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
@@ -129,6 +131,6 @@ def test_metrics_carry_vllms_own_series_after_a_request(fp8_engine: EngineHost) 
     after = _vllm_samples(fp8_engine)
     assert after["vllm:generation_tokens_total"] - before.get("vllm:generation_tokens_total", 0.0) >= 8
     assert after["vllm:time_to_first_token_seconds_count"] > before.get("vllm:time_to_first_token_seconds_count", 0)
-    assert "tessera_engine_kv_cache_usage_ratio" in httpx.get(f"{fp8_engine.url}/metrics").text
+    assert "tessera_engine_kv_cache_usage_ratio" in httpx.get(f"{fp8_engine.url}/metrics", auth=ENGINE_AUTH).text
     queried = {name for name in dashboard_metric_names() if name.startswith("vllm:")}
     assert queried and queried <= set(after), sorted(queried - set(after))

@@ -12,6 +12,7 @@ import orjson
 import pytest
 
 from tessera.engine.host import EngineHost
+from tests.support.data_plane import ENGINE_AUTH
 from tests.support.poll import wait_until
 
 pytestmark = pytest.mark.engine
@@ -24,14 +25,15 @@ def test_a_running_requests_id_is_refused_and_the_running_request_finishes(fp8_e
     lines: list[dict] = []
 
     def first() -> None:
-        with httpx.stream("POST", f"{fp8_engine.url}/generate", json=body, timeout=60) as response:
+        with httpx.stream("POST", f"{fp8_engine.url}/generate", json=body, timeout=60, auth=ENGINE_AUTH) as response:
             lines.extend(orjson.loads(line) for line in response.iter_lines() if line)
 
     runner = threading.Thread(target=first)
     runner.start()
-    wait_until(lambda: any(r["request_id"] == request_id for r in httpx.get(f"{fp8_engine.url}/requests").json()),
+    wait_until(lambda: any(r["request_id"] == request_id
+                           for r in httpx.get(f"{fp8_engine.url}/requests", auth=ENGINE_AUTH).json()),
                timeout_s=30, what="the first request running")
-    second = httpx.post(f"{fp8_engine.url}/generate", json={**body, "max_tokens": 1}, timeout=30)
+    second = httpx.post(f"{fp8_engine.url}/generate", json={**body, "max_tokens": 1}, timeout=30, auth=ENGINE_AUTH)
     assert second.status_code == 409 and "already running" in second.json()["error"]
     runner.join(60)
     assert lines[-1].get("done") is True, lines[-1]

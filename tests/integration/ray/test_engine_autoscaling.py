@@ -25,6 +25,7 @@ import pytest
 
 from tessera.redis_conn import EmbeddedRedis
 from tessera.telemetry.spanfile import load_spans
+from tests.support.data_plane import ENGINE_AUTH
 from tests.support.gateways import GatewayProcess, running_gateways
 from tests.support.poll import async_wait_until
 from tests.support.ray_cluster import ClusterDriver, live_engines
@@ -145,7 +146,7 @@ async def open_requests(url: str) -> list[str]:
     """The engine request ids a replica's endpoint has open ([] once it stopped)."""
     try:
         async with httpx.AsyncClient(timeout=5) as client:
-            return [entry["request_id"] for entry in (await client.get(f"{url}/requests")).json()]
+            return [entry["request_id"] for entry in (await client.get(f"{url}/requests", auth=ENGINE_AUTH)).json()]
     except httpx.HTTPError:
         return []
 

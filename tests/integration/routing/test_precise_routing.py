@@ -27,6 +27,7 @@ from tessera.registry import EngineRegistry
 from tessera.routing.hashing import block_hash_chain
 from tessera.routing.kv_events import DecodedBatch, KVEventSubscriber
 from tessera.routing.prefix_index import PrefixIndex
+from tests.support.data_plane import ENGINE_AUTH
 from tests.support.routing_stack import MODEL, REGISTRY_MAX_AGE_S, RoutingStack
 
 pytestmark = pytest.mark.engine
@@ -66,7 +67,7 @@ async def generate_direct(host: EngineHost, prompt: list[int], cache_salt: str |
     body = {"request_id": f"direct-{time.monotonic_ns()}", "prompt_token_ids": prompt, "max_tokens": 1,
             "cache_salt": cache_salt}
     async with httpx.AsyncClient(timeout=120) as client:
-        response = await client.post(f"{host.url}/generate", json=body)
+        response = await client.post(f"{host.url}/generate", json=body, auth=ENGINE_AUTH)
     assert response.status_code == 200
     final = [line for line in response.text.splitlines() if line][-1]
     import orjson

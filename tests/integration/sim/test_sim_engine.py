@@ -24,6 +24,7 @@ from tessera.registry import EngineRecord, EngineRegistry
 from tessera.routing.hashing import block_hash_chain
 from tessera.routing.kv_events import KVEventSubscriber
 from tessera.routing.prefix_index import PrefixIndex
+from tests.support.data_plane import ENGINE_AUTH
 from tests.support.gateways import running_gateways
 from tests.support.routing_stack import issue_tenant_key
 
@@ -120,7 +121,7 @@ def test_a_gateway_routes_to_a_sim_engine_and_its_kv_events_reach_the_decoder_an
                 # The replica protocol straight to the engine, with known ids: its events carry their hashes.
                 direct = await client.post(f"{record.url}/generate", json={
                     "request_id": "direct-1", "prompt_token_ids": prompt_ids, "max_tokens": 2,
-                    "cache_salt": "tenant-salt"})
+                    "cache_salt": "tenant-salt"}, auth=ENGINE_AUTH)
                 lines = [orjson.loads(line) for line in direct.content.splitlines()]
                 assert lines[-1]["done"] and lines[-1]["stats"]["num_output_tokens"] == 2
             stored: dict[int, tuple[int | None, str | None]] = {}

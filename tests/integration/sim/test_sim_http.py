@@ -15,6 +15,7 @@ from tessera.engine.sim.config import SimEngineConfig
 from tessera.engine.sim.fleet import SimFleet
 from tessera.engine.sim.scheduler import StepShape
 from tessera.engine.sim.step_time import MeasuredStepTime, step_time_fn
+from tests.support.data_plane import ENGINE_AUTH
 
 STEP = MeasuredStepTime(step_s=0.004, per_seq_s=0.001, per_prefill_token_s=0.0001)
 
@@ -46,7 +47,7 @@ def test_generate_streams_deltas_then_done_with_latencies_in_simulated_time() ->
         url = fleet.replicas[0].url
         prompt = list(range(500, 540))
         first = lines_of(await client.post(f"{url}/generate", json={
-            "request_id": "a", "prompt_token_ids": prompt, "max_tokens": 3}))
+            "request_id": "a", "prompt_token_ids": prompt, "max_tokens": 3}, auth=ENGINE_AUTH))
         assert [len(line["d"]) for line in first[:-1]] == [1, 1, 1]
         done = first[-1]
         assert done["done"] and done["finish"] == {"0": "length"}
@@ -57,7 +58,7 @@ def test_generate_streams_deltas_then_done_with_latencies_in_simulated_time() ->
         assert stats["prefill_s"] == pytest.approx(prefill_step)
         # The same prompt again: two full blocks are hits.
         again = lines_of(await client.post(f"{url}/generate", json={
-            "request_id": "b", "prompt_token_ids": prompt, "max_tokens": 1}))
+            "request_id": "b", "prompt_token_ids": prompt, "max_tokens": 1}, auth=ENGINE_AUTH))
         assert again[-1]["stats"]["num_cached_tokens"] == 32
 
     # Four times slower than real time: the reported figures do not change.
@@ -68,9 +69,9 @@ def test_requests_that_can_never_run_are_refused_with_400() -> None:
     async def body(fleet: SimFleet, client: httpx.AsyncClient) -> None:
         url = fleet.replicas[0].url
         too_long = await client.post(f"{url}/generate", json={
-            "request_id": "x", "prompt_token_ids": list(range(2040)), "max_tokens": 20})
+            "request_id": "x", "prompt_token_ids": list(range(2040)), "max_tokens": 20}, auth=ENGINE_AUTH)
         assert too_long.status_code == 400 and "max_model_len" in too_long.json()["error"]
-        invalid = await client.post(f"{url}/generate", json={"request_id": "x", "max_tokens": 2})
+        invalid = await client.post(f"{url}/generate", json={"request_id": "x", "max_tokens": 2}, auth=ENGINE_AUTH)
         assert invalid.status_code == 400 and "prompt_token_ids" in invalid.json()["error"]
         no_messages = await client.post(f"{url}/v1/chat/completions", json={"model": "m", "prompt": "hi"})
         assert no_messages.status_code == 400 and no_messages.json()["error"]["type"] == "invalid_request_error"
@@ -101,7 +102,8 @@ def test_a_client_that_leaves_aborts_its_request_and_frees_its_blocks() -> None:
     async def body(fleet: SimFleet, client: httpx.AsyncClient) -> None:
         replica = fleet.replicas[0]
         async with client.stream("POST", f"{replica.url}/generate", json={
-                "request_id": "long", "prompt_token_ids": list(range(100)), "max_tokens": 1000}) as response:
+                "request_id": "long", "prompt_token_ids": list(range(100)), "max_tokens": 1000},
+                auth=ENGINE_AUTH) as response:
             async for _ in response.aiter_lines():
                 break  # one token, then leave
         async with asyncio.timeout(10):
@@ -118,10 +120,11 @@ def test_many_replicas_share_one_process_each_on_its_own_port() -> None:
         urls = [replica.url for replica in fleet.replicas]
         assert len(set(urls)) == 20
         answers = await asyncio.gather(*(client.post(f"{url}/generate", json={
-            "request_id": "same-id", "prompt_token_ids": [1, 2, 3], "max_tokens": 2}) for url in urls))
+            "request_id": "same-id", "prompt_token_ids": [1, 2, 3], "max_tokens": 2},
+            auth=ENGINE_AUTH) for url in urls))
         assert all(lines_of(a)[-1]["stats"]["engine_id"] == r.engine_id for a, r in zip(answers, fleet.replicas,
                                                                                            strict=True))
-        stats = (await client.get(f"{urls[0]}/stats")).json()
+        stats = (await client.get(f"{urls[0]}/stats", auth=ENGINE_AUTH)).json()
         assert stats["simulated"] and stats["num_gpu_blocks"] == 128
 
     with_fleet(config(), 20, body)
@@ -133,20 +136,22 @@ def test_requests_lists_tenants_and_abort_ends_a_stream_with_a_retryable_error()
 
         async def long_request() -> list[dict[str, Any]]:
             response = await client.post(f"{url}/generate", headers={"x-tessera-tenant": "acme"}, json={
-                "request_id": "victim", "prompt_token_ids": list(range(64)), "max_tokens": 1000, "priority": 3})
+                "request_id": "victim", "prompt_token_ids": list(range(64)), "max_tokens": 1000, "priority": 3},
+                auth=ENGINE_AUTH)
             return lines_of(response)
 
         streaming = asyncio.create_task(long_request())
         async with asyncio.timeout(10):
-            while not (listing := (await client.get(f"{url}/requests")).json()):
+            while not (listing := (await client.get(f"{url}/requests", auth=ENGINE_AUTH)).json()):
                 await asyncio.sleep(0.01)
         assert [(e["request_id"], e["tenant"], e["priority"]) for e in listing] == [("victim", "acme", 3)]
-        aborted = await client.post(f"{url}/abort", json={"request_id": "victim", "reason": "kv pressure"})
+        aborted = await client.post(f"{url}/abort", json={"request_id": "victim", "reason": "kv pressure"},
+                                    auth=ENGINE_AUTH)
         assert aborted.status_code == 200
         last = (await streaming)[-1]
         assert last["retryable"] and last["status"] == 503 and "kv pressure" in last["error"]
         assert last["stats"]["num_output_tokens"] < 1000
-        assert (await client.post(f"{url}/abort", json={"request_id": "victim"})).status_code == 404
-        assert (await client.get(f"{url}/requests")).json() == []
+        assert (await client.post(f"{url}/abort", json={"request_id": "victim"}, auth=ENGINE_AUTH)).status_code == 404
+        assert (await client.get(f"{url}/requests", auth=ENGINE_AUTH)).json() == []
 
     with_fleet(config(step_time=MeasuredStepTime(step_s=0.02, per_seq_s=0, per_prefill_token_s=0)), 1, body)

@@ -17,6 +17,7 @@ import redis.asyncio as aioredis
 
 from tessera.engine.host import EngineHost
 from tessera.tenancy.admission import Admission, leases_key
+from tests.support.data_plane import ENGINE_AUTH
 from tests.support.gateways import GatewayProcess, start_gateways
 from tests.support.tenancy import (
     SHORT_LEASE_ENV,
@@ -67,7 +68,8 @@ async def engine_requests_of(client: httpx.AsyncClient, engine: EngineHost, tena
     """The tenant's requests still running on the engine, polled until there are none or ``within_s`` passes."""
     deadline = time.monotonic() + within_s
     while True:
-        running = [r for r in (await client.get(f"{engine.url}/requests")).json() if r["tenant"] == tenant]
+        listing = (await client.get(f"{engine.url}/requests", auth=ENGINE_AUTH)).json()
+        running = [r for r in listing if r["tenant"] == tenant]
         if not running or time.monotonic() > deadline:
             return running
         await asyncio.sleep(0.1)
@@ -163,7 +165,7 @@ async def test_a_long_stream_keeps_its_lease_past_the_ttl(short_lease_gateway: G
                 # Leases first, then the engine: a request still generating after the lease read was
                 # generating during it (the other order races the stream's end and samples a rightly freed 0).
                 leases = await admission.in_flight(tenant.name)
-                running = (await client.get(f"{tenancy_engine.url}/requests")).json()
+                running = (await client.get(f"{tenancy_engine.url}/requests", auth=ENGINE_AUTH)).json()
                 if not any(r["tenant"] == tenant.name for r in running):
                     break  # generation ended: from here on the lease is rightly gone
                 samples.append((time.monotonic() - started, leases))

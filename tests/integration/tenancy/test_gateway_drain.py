@@ -23,6 +23,7 @@ from tessera.gateway.drain import BACKSTOP_AFTER_DEADLINE_S
 from tessera.redis_conn import EmbeddedRedis, connect
 from tessera.registry import EngineRegistry
 from tessera.tenancy.admission import Admission
+from tests.support.data_plane import ENGINE_AUTH
 from tests.support.engines import start_host
 from tests.support.fake_engine import running_fake_engine
 from tests.support.gateways import GatewayProcess, spawn_gateway
@@ -189,7 +190,7 @@ async def test_a_draining_replica_leaves_the_registry_first_then_finishes_its_st
 
     async def stream() -> None:
         async with httpx.AsyncClient(timeout=120) as client, client.stream(
-                "POST", f"{drain_engine.url}/generate", json=payload) as response:
+                "POST", f"{drain_engine.url}/generate", json=payload, auth=ENGINE_AUTH) as response:
             assert response.status_code == 200
             async for line in response.aiter_lines():
                 if line:

@@ -14,6 +14,7 @@ import pytest
 from tessera.engine.host import EngineHost
 from tessera.redis_conn import connect
 from tessera.registry import ModelInfo, register_model
+from tests.support.data_plane import ENGINE_AUTH
 from tests.support.gateways import GatewayProcess
 from tests.support.tenancy import MODEL, TenantHandle, completion_body, create_tenant, error_of
 from tests.support.valkey import RestartableRedis
@@ -209,9 +210,9 @@ def test_a_tenant_sees_only_its_own_usage(client: httpx.Client, gateways: list[G
 def test_rejected_requests_never_reach_the_engine(client: httpx.Client, tenancy_engine: EngineHost,
                                                   gateways: list[GatewayProcess]) -> None:
     quiet = create_tenant(gateways[0], {"maxTokensCap": 1}, prefix="quiet")
-    before = httpx.get(f"{tenancy_engine.url}/stats").json()
+    before = httpx.get(f"{tenancy_engine.url}/stats", auth=ENGINE_AUTH).json()
     for body in [completion_body(max_tokens=5), completion_body(prompt=5), {**completion_body(), "model": "x"}]:
         assert post(client, quiet, body).status_code in (400, 404)
-    after = httpx.get(f"{tenancy_engine.url}/stats").json()
+    after = httpx.get(f"{tenancy_engine.url}/stats", auth=ENGINE_AUTH).json()
     # Every scheduled prompt is looked up in the prefix cache: no lookup, no engine work.
     assert after["prefix_queries"] == before["prefix_queries"]

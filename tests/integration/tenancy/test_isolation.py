@@ -17,6 +17,7 @@ from tessera.engine.host import EngineHost
 from tessera.tenancy.admission import Admission
 from tessera.tenancy.demotion import set_demoted
 from tessera.tenancy.policy import DEMOTION_STEP, PRIORITY_VALUES
+from tests.support.data_plane import ENGINE_AUTH
 from tests.support.gateways import GatewayProcess
 from tests.support.tenancy import TenantHandle, completion_body, create_tenant
 
@@ -67,7 +68,7 @@ async def engine_priorities(engine: EngineHost, tenants: list[str], timeout_s: f
     async with httpx.AsyncClient(timeout=10) as client:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            running = (await client.get(f"{engine.url}/requests")).json()
+            running = (await client.get(f"{engine.url}/requests", auth=ENGINE_AUTH)).json()
             seen.update({r["tenant"]: int(r["priority"]) for r in running if r["tenant"] in tenants})
             if len(seen) == len(tenants):
                 return seen
@@ -140,5 +141,5 @@ async def test_a_stream_whose_client_leaves_is_billed_for_what_it_received(
     assert report["prompt_tokens"] == 20
     assert received >= 50 and report["completion_tokens"] >= received
     assert await Admission(redis_client).in_flight(tenant.name) == 0
-    running = httpx.get(f"{tenancy_engine.url}/requests").json()
+    running = httpx.get(f"{tenancy_engine.url}/requests", auth=ENGINE_AUTH).json()
     assert not any(r["tenant"] == tenant.name for r in running)

@@ -11,6 +11,7 @@ import redis.asyncio as aioredis
 
 from tessera.engine.host import EngineHost
 from tessera.tenancy.admission import Admission
+from tests.support.data_plane import ENGINE_AUTH
 from tests.support.gateways import GatewayProcess
 from tests.support.tenancy import MODEL, completion_body, create_tenant, error_of, post_all, post_burst
 
@@ -103,7 +104,7 @@ async def test_concurrency_limit_holds_across_two_gateways(gateways: list[Gatewa
     async def sample(engine_client: httpx.AsyncClient) -> None:
         while not release.is_set():
             peak["leases"] = max(peak["leases"], await admission.in_flight(tenant.name))
-            running = (await engine_client.get(f"{tenancy_engine.url}/requests")).json()
+            running = (await engine_client.get(f"{tenancy_engine.url}/requests", auth=ENGINE_AUTH)).json()
             peak["engine"] = max(peak["engine"], sum(r["tenant"] == tenant.name for r in running))
             await asyncio.sleep(0.02)
 

@@ -11,6 +11,7 @@ from typing import Any
 import orjson
 import pytest
 
+from tessera.data_plane_auth import SIGNATURE_HEADER, ReplicaGuard, Signer
 from tessera.engine.endpoints import EngineEndpoints
 from tessera.engine.in_flight import InFlightRequests
 from tessera.engine.protocol import Delta, Done, Failed, parse_line
@@ -18,6 +19,7 @@ from tessera.engine.stats import EngineLoad
 from tessera.engine.vllm_metrics import VllmMetrics
 
 LIMIT = 2048
+KEY = b"k" * 32
 
 
 class FakeEngine:
@@ -78,7 +80,9 @@ class Response:
 
 async def call(endpoints: EngineEndpoints, method: str, path: str, body: bytes = b"",
                headers: list[tuple[bytes, bytes]] | None = None, chunk: int = 0,
-               disconnect: asyncio.Event | None = None) -> Response:
+               disconnect: asyncio.Event | None = None, signed: bool = True) -> Response:
+    if signed:  # as the gateway and the controller call (test_engine_auth.py plays the unsigned caller)
+        headers = [*(headers or []), (SIGNATURE_HEADER.encode(), Signer(KEY).sign(method, path, body).encode())]
     chunks = [body[i:i + chunk] for i in range(0, len(body), chunk)] if chunk else [body]
     messages = [{"type": "http.request", "body": c, "more_body": i < len(chunks) - 1} for i, c in enumerate(chunks)]
     response = Response()
@@ -107,7 +111,7 @@ async def call(endpoints: EngineEndpoints, method: str, path: str, body: bytes =
 def make(engine: Any = None, healthy: bool = True) -> tuple[EngineEndpoints, InFlightRequests, FakeReplica]:
     replica = FakeReplica(engine or FakeEngine([7, 8, 9]), healthy=healthy)
     in_flight = InFlightRequests()
-    return EngineEndpoints(replica, in_flight, LIMIT), in_flight, replica
+    return EngineEndpoints(replica, in_flight, LIMIT, ReplicaGuard(KEY, b"m" * 32)), in_flight, replica
 
 
 def generate_body(**fields: Any) -> bytes:

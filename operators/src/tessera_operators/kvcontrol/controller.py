@@ -9,6 +9,7 @@ import time
 
 import aiohttp
 
+from tessera.data_plane_auth import signer_from_settings
 from tessera.redis_conn import connect
 from tessera.registry import EngineRecord, EngineRegistry
 from tessera.tenancy.store import TenantStore
@@ -31,6 +32,8 @@ class KVController:
         if not settings.redis_url:
             raise ValueError("TESSERA_REDIS_URL is not set: the controller reads engines and tenants from Redis")
         self.settings = settings
+        # Polls and aborts are signed: replicas refuse unsigned calls, so no key means no controller.
+        self.signer = signer_from_settings(settings, "the KV controller")
         self.metrics = metrics or ControllerMetrics()
         self.loops: dict[str, EngineControlLoop] = {}
         self._tasks: dict[str, asyncio.Task[None]] = {}
@@ -48,6 +51,7 @@ class KVController:
             demotions=DemotionBook(), metrics=self.metrics, policy=settings.kvcontrol_policy,
             poll_interval_s=settings.kvcontrol_poll_interval_s, flag_ttl_s=settings.kvcontrol_flag_ttl_s,
             observe_only=settings.kvcontrol_observe_only,
+            signer=self.signer,
         )
         await self.ctx.tenants.refresh(force=True)
         await self.discover()

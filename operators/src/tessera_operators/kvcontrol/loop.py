@@ -23,10 +23,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+import orjson
 import redis.asyncio as aioredis
 from opentelemetry import trace
 from opentelemetry.context import Context
 
+from tessera.data_plane_auth import Signer
 from tessera.registry import EngineRecord, pressure_key
 from tessera.routing.kv_events import subscribe
 from tessera.tenancy.demotion import clear_demoted, set_demoted
@@ -70,6 +72,12 @@ class LoopContext:
     # The live engines as the controller's discovery last read them (with their pressure flags): a tick
     # never waits on Redis to decide.
     live_engines: dict[str, EngineRecord] = field(default_factory=dict)
+    # Signs every call to a replica with the data-plane key (the controller always has one; None only in
+    # tests whose loops call no replica).
+    signer: Signer | None = None
+
+    def signed(self, method: str, path: str, body: bytes = b"") -> dict[str, str]:
+        return self.signer.headers(method, path, body) if self.signer is not None else {}
 
 
 @dataclass(slots=True)
@@ -210,7 +218,8 @@ class EngineControlLoop:
     async def _get(self, path: str) -> Any:
         # Generous: a busy replica answers late, and a late answer is still better than a failed tick.
         timeout = aiohttp.ClientTimeout(total=max(5.0, 10 * self.ctx.poll_interval_s))
-        async with self.ctx.http.get(f"{self.record.url}{path}", timeout=timeout) as resp:
+        async with self.ctx.http.get(f"{self.record.url}{path}", timeout=timeout,
+                                     headers=self.ctx.signed("GET", path)) as resp:
             resp.raise_for_status()
             return await resp.json()
 
@@ -377,7 +386,10 @@ class EngineControlLoop:
         logger.info("%s on %s: %s %s", name, self.engine_id, tenant, action.cause)
 
     async def _abort(self, request_id: str, cause: str) -> str:
-        async with self.ctx.http.post(f"{self.record.url}/abort", json={"request_id": request_id, "reason": cause},
+        body = orjson.dumps({"request_id": request_id, "reason": cause})
+        async with self.ctx.http.post(f"{self.record.url}/abort", data=body,
+                                      headers={"content-type": "application/json",
+                                               **self.ctx.signed("POST", "/abort", body)},
                                       timeout=aiohttp.ClientTimeout(total=5)) as resp:
             if resp.status == 404:
                 return "not_running"

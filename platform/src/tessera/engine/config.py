@@ -157,7 +157,11 @@ class EngineConfig(BaseModel):
     enforce_eager: bool = Field(default=True, description="Skip graph capture (fast start-up).")
     seed: int = Field(default=0, description="Sampling seed of the engine.")
     kv_events: KVEventsSettings = Field(default_factory=KVEventsSettings, description="KV event publisher.")
-    http_host: str = Field(default="0.0.0.0", description="Bind address of the replica's streaming endpoint.")
+    http_host: str | None = Field(
+        default=None,
+        description="Bind address of the replica's streaming endpoint and KV-event publisher; null: the address "
+        "it registers (TESSERA_ADVERTISE_HOST: the pod IP in the chart, 127.0.0.1 locally), never every interface.",
+    )
     http_port: int = Field(default=0, ge=0, le=65535, description="Port of the endpoint; 0 picks a free one.")
     heartbeat_interval_s: float = Field(default=1.0, gt=0.0, description="Registry heartbeat period, seconds.")
     max_body_bytes: int = Field(

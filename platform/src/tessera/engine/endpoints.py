@@ -7,6 +7,9 @@
   GET  /stats      engine load, KV geometry, speculative-decoding counters, and what runs
   GET  /metrics    the same in Prometheus text (tessera_engine_*), then vLLM's own vllm:* series
 
+Every route but /health takes only calls signed with the release's data-plane key (data_plane_auth.py):
+anything else is a 401 before the body is parsed or any work is done; /metrics also takes the read-only
+scrape token. /health stays open for Ray's and the kubelet's probes (it names the engine id and nothing else).
 A body that is not a valid request is a 400 whose ``error`` names each wrong field; a body over
 ``EngineConfig.max_body_bytes`` is a 413.
 """
@@ -20,16 +23,14 @@ from typing import TYPE_CHECKING, Any, Protocol
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from tessera.asgi import (
-    BodyTooLarge,
-    ClientDisconnected,
     Receive,
     Scope,
     Send,
     header_map,
-    read_body,
     respond_json,
     wait_disconnect,
 )
+from tessera.data_plane_auth import ReplicaGuard, authenticated_body
 from tessera.engine.generation import traced_generation
 from tessera.engine.in_flight import InFlightRequests
 from tessera.engine.metrics import render_engine_metrics
@@ -93,20 +94,29 @@ def describe_validation_error(exc: ValidationError) -> str:
 class EngineEndpoints:
     """The routes of one replica; ``asgi`` is the application uvicorn serves."""
 
-    def __init__(self, replica: ServedEngine, in_flight: InFlightRequests, max_body_bytes: int) -> None:
+    def __init__(self, replica: ServedEngine, in_flight: InFlightRequests, max_body_bytes: int,
+                 guard: ReplicaGuard) -> None:
         self.replica = replica
         self.in_flight = in_flight
         self.max_body_bytes = max_body_bytes
+        self.guard = guard
 
     async def asgi(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return
         path, method = scope["path"], scope["method"]
-        if path == "/generate" and method == "POST":
-            await self.generate(scope, receive, send)
-        elif path == "/health":
+        if path == "/health":
             healthy = self.replica.is_healthy()
             await respond_json(send, 200 if healthy else 503, {"healthy": healthy, "engine_id": self.replica.engine_id})
+            return
+        headers = header_map(scope)
+        scraper = path == "/metrics" and self.guard.is_metrics_scraper(headers)
+        body = b"" if scraper else await authenticated_body(self.guard, scope, receive, send, headers,
+                                                            self.max_body_bytes)
+        if body is None:
+            return
+        if path == "/generate" and method == "POST":
+            await self.generate(body, headers, receive, send)
         elif path == "/stats":
             load = self.replica.load()
             await respond_json(send, 200, {"engine_id": self.replica.engine_id, **asdict(load),
@@ -125,25 +135,21 @@ class EngineEndpoints:
         elif path == "/requests":
             await respond_json(send, 200, self.in_flight.listing())
         elif path == "/abort" and method == "POST":
-            await self.abort(scope, receive, send)
+            await self.abort(body, send)
         else:
             await respond_json(send, 404, {"error": f"no route {method} {path}"})
 
-    async def _read(self, scope: Scope, receive: Receive, send: Send, model: type[BaseModel]) -> Any:
-        """The body validated as ``model``, or None once an error response is sent (or the client left)."""
+    @staticmethod
+    async def _parse(body: bytes, send: Send, model: type[BaseModel]) -> Any:
+        """The body validated as ``model``, or None once a 400 naming the wrong fields is sent."""
         try:
-            body = await read_body(receive, self.max_body_bytes, header_map(scope).get("content-length"))
             return model.model_validate_json(body)
-        except ClientDisconnected:
-            return None
-        except BodyTooLarge as exc:
-            await respond_json(send, 413, {"error": str(exc)})
         except ValidationError as exc:
             await respond_json(send, 400, {"error": f"invalid {model.__name__}: {describe_validation_error(exc)}"})
         return None
 
-    async def abort(self, scope: Scope, receive: Receive, send: Send) -> None:
-        body = await self._read(scope, receive, send, AbortRequest)
+    async def abort(self, raw: bytes, send: Send) -> None:
+        body = await self._parse(raw, send, AbortRequest)
         if body is None:
             return
         entry = self.in_flight.get(body.request_id)
@@ -154,8 +160,8 @@ class EngineEndpoints:
         await self.replica.engine.abort(body.request_id)
         await respond_json(send, 200, {"aborted": body.request_id})
 
-    async def generate(self, scope: Scope, receive: Receive, send: Send) -> None:
-        request: GenerateRequest | None = await self._read(scope, receive, send, GenerateRequest)
+    async def generate(self, raw: bytes, headers: dict[str, str], receive: Receive, send: Send) -> None:
+        request: GenerateRequest | None = await self._parse(raw, send, GenerateRequest)
         if request is None:
             return
         if not self.replica.is_healthy():
@@ -167,7 +173,6 @@ class EngineEndpoints:
             await respond_json(send, 409, {"error": f"request {request.request_id!r} is already running here; "
                                                     "every request needs an id of its own"})
             return
-        headers = header_map(scope)
         entry = self.in_flight.start(request.request_id, headers.get("x-tessera-tenant", ""), request.priority)
         engine = self.replica.engine
         await send({"type": "http.response.start", "status": 200, "headers": NDJSON_HEADERS})

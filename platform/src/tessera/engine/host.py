@@ -28,6 +28,7 @@ import uvicorn
 import uvloop
 
 from tessera.asgi import Receive, Scope, Send
+from tessera.data_plane_auth import guard_from_settings
 from tessera.engine.capabilities import PlatformAnswers, Resolution, ask_vllm, resolve
 from tessera.engine.config import EngineConfig
 from tessera.engine.drain import DrainOutcome, drain
@@ -68,19 +69,24 @@ class EngineHost:
         self.redis_url = redis_url
         self.engine_id = engine_id or f"engine-{uuid.uuid4().hex[:8]}"
         self.advertise_host = advertise_host
+        # Before any port is taken: a replica without the data-plane key does not start (it would serve anyone).
+        guard = guard_from_settings(load_settings())
+        # The replica's HTTP endpoint and its KV-event publisher listen on the address it is called at (the pod
+        # IP in the chart, loopback locally), never on every interface, unless the config says so.
+        self.bind_host = config.http_host or advertise_host
         # Held from here until the server listens on it (see reserve_port).
-        self._http_socket = (reserve_port(config.http_host, f"{config.http_port}-{config.http_port}")
+        self._http_socket = (reserve_port(self.bind_host, f"{config.http_port}-{config.http_port}")
                              if config.http_port else
-                             reserve_port(config.http_host, os.environ.get("TESSERA_ENGINE_PORT_RANGE")))
+                             reserve_port(self.bind_host, os.environ.get("TESSERA_ENGINE_PORT_RANGE")))
         self.port = int(self._http_socket.getsockname()[1])
-        self.kv_events_port = (free_port(port_range=os.environ.get("TESSERA_KV_EVENTS_PORT_RANGE")
+        self.kv_events_port = (free_port(self.bind_host, os.environ.get("TESSERA_KV_EVENTS_PORT_RANGE")
                                          or below_ephemeral_range())
                                if config.kv_events.enabled else 0)
         self.tracker = LoadTracker()
         self.vllm_metrics = VllmMetrics()  # vLLM's own vllm:* series of this replica, on /metrics
         self.in_flight = InFlightRequests()
         self.index_stats = FeedStats()  # the prefix-index feed's counters (tests, debugging)
-        self.endpoints = EngineEndpoints(self, self.in_flight, config.max_body_bytes)
+        self.endpoints = EngineEndpoints(self, self.in_flight, config.max_body_bytes, guard)
         self.engine: Any = None  # vLLM's AsyncLLM once started
         self.speculation: SpeculationControl | None = None  # adaptive speculation, once the engine runs
         self._thread: threading.Thread | None = None
@@ -240,14 +246,14 @@ class EngineHost:
         # Before the model loads: what this platform can run of the config (a strict config stops here).
         self.resolution = resolve(self.config, self._ask_platform(self.config))
         self._error_log = EngineErrorLog()  # where vLLM's engine process logs why it failed, if it does
-        kv_bind = f"tcp://*:{self.kv_events_port}" if self.kv_events_port else None
+        kv_bind = f"tcp://{self.bind_host}:{self.kv_events_port}" if self.kv_events_port else None
         self.engine = build_engine(self.resolution, kv_bind, self.tracker, self.vllm_metrics)
         self.speculation = speculation_control_for(self.resolution.config.speculative)
         log_fallbacks(self.engine, self.engine_id, self.config, self.resolution, self.tracker)
         await warm_up(self.engine, self.engine_id)
 
         config = uvicorn.Config(
-            self.asgi, host=self.config.http_host, port=self.port, loop="none", http="httptools",
+            self.asgi, host=self.bind_host, port=self.port, loop="none", http="httptools",
             log_level="warning", access_log=False, lifespan="off", timeout_keep_alive=300,
             interface="asgi3", proxy_headers=False,
         )
@@ -276,7 +282,8 @@ class EngineHost:
         loops += [heartbeat_loop(self.redis_url, self.config.heartbeat_interval_s, self.model_info(), self.is_healthy,
                                 self.record)]
         if self.kv_events_port:
-            loops.append(index_feed_loop(self.redis_url, self.engine_id, f"tcp://127.0.0.1:{self.kv_events_port}",
+            local = "127.0.0.1" if self.bind_host == "0.0.0.0" else self.bind_host
+            loops.append(index_feed_loop(self.redis_url, self.engine_id, f"tcp://{local}:{self.kv_events_port}",
                                          self.config.kv_events.topic, self.index_stats))
         return loops
 

@@ -16,6 +16,7 @@ from opentelemetry.context import Context
 from opentelemetry.propagate import extract, get_global_textmap
 
 from tessera.asgi import Receive, Scope, Send, header_map
+from tessera.data_plane_auth import signer_from_settings
 from tessera.gateway.admin import AdminAPI, usage_report
 from tessera.gateway.auth import Authenticator
 from tessera.gateway.drain import DRAIN_STATE_KEY, SETTLE_GRACE_S, GatewayDrain, answer_cut, draining_error
@@ -69,7 +70,7 @@ class Gateway:
                              wire=self.wire, index_source=settings.prefix_index,
                              local_index_max_blocks=settings.local_index_max_blocks)
         self.engines = EngineClient(settings.engine_head_timeout_s, settings.engine_idle_timeout_s,
-                                    settings.engine_total_timeout_s)
+                                    settings.engine_total_timeout_s, signer_from_settings(settings, "a gateway"))
         self.metrics = GatewayMetrics()
         self.tracer = trace.get_tracer("tessera.gateway")
         # The headers the configured propagators read (traceparent, tracestate, baggage by default).

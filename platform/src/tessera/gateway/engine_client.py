@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from tessera.data_plane_auth import Signer
 from tessera.engine.protocol import (
     Delta,
     Done,
@@ -136,8 +137,9 @@ class _Attempt:
 
 class EngineClient:
     def __init__(self, head_timeout_s: float = HEAD_TIMEOUT_S, idle_timeout_s: float = IDLE_TIMEOUT_S,
-                 total_timeout_s: float = TOTAL_TIMEOUT_S) -> None:
-        self.http = EngineHTTP(head_timeout_s=head_timeout_s, idle_timeout_s=idle_timeout_s)
+                 total_timeout_s: float = TOTAL_TIMEOUT_S, signer: Signer | None = None) -> None:
+        # ``signer``: the data-plane key every call to a replica is signed with (replicas refuse unsigned ones).
+        self.http = EngineHTTP(head_timeout_s=head_timeout_s, idle_timeout_s=idle_timeout_s, signer=signer)
         self.total_timeout_s = total_timeout_s
 
     async def close(self) -> None:

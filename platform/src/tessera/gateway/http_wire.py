@@ -38,6 +38,8 @@ from urllib.parse import urlsplit
 
 import httptools
 
+from tessera.data_plane_auth import SIGNATURE_HEADER, Signer
+
 # Idle pooled connections older than this are closed instead of reused (the engine keeps them 300 s).
 IDLE_KEEP_S = 60.0
 CONNECT_TIMEOUT_S = 2.0
@@ -271,7 +273,9 @@ class EngineHTTP:
     """Keep-alive connections per engine address, most recently used first (the warmest one)."""
 
     def __init__(self, connect_timeout_s: float = CONNECT_TIMEOUT_S, idle_keep_s: float = IDLE_KEEP_S,
-                 head_timeout_s: float = HEAD_TIMEOUT_S, idle_timeout_s: float = IDLE_TIMEOUT_S) -> None:
+                 head_timeout_s: float = HEAD_TIMEOUT_S, idle_timeout_s: float = IDLE_TIMEOUT_S,
+                 signer: Signer | None = None) -> None:
+        self._signer = signer  # signs every call with the data-plane key (None: unsigned, for test servers)
         self._connect_timeout_s = connect_timeout_s
         self._head_timeout_s = head_timeout_s
         self._idle_timeout_s = idle_timeout_s
@@ -281,6 +285,8 @@ class EngineHTTP:
     @asynccontextmanager
     async def post(self, url: str, body: bytes, headers: dict[str, str]) -> AsyncIterator[StreamResponse]:
         netloc, path, address = _target(url)
+        if self._signer is not None:
+            headers = {**headers, SIGNATURE_HEADER: self._signer.sign("POST", path, body)}
         request = _request_bytes(netloc, path, body, headers)
         conn = await self._send(address, request)
         try:

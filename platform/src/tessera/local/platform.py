@@ -21,6 +21,7 @@ from typing import IO, Any
 
 import httpx
 
+from tessera.data_plane_auth import ensure_key_file
 from tessera.engine.config import EngineConfig, default_small_model_dir
 from tessera.engine.small_model import is_small_model_dir, make_small_model
 from tessera.gateway.launch import GatewayLaunch
@@ -168,6 +169,10 @@ class LocalPlatform:
             # NOTE: vLLM's CPU build pins each engine's threads to the same cores by default; several local
             # replicas would then share one core. Let the OS schedule them.
             "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind"),
+            # The key every call to an engine replica is signed with: the one given, else one generated once
+            # per state directory and reused by every later run (docs/security.md).
+            "TESSERA_DATA_PLANE_KEY_FILE": os.environ.get("TESSERA_DATA_PLANE_KEY_FILE")
+            or str(ensure_key_file(opts.state_dir / "data-plane.key").resolve()),
             **opts.extra_env,
         }
         if opts.admin_token:

@@ -19,6 +19,7 @@ from typing import Any
 import uvicorn
 import zmq
 
+from tessera.data_plane_auth import ReplicaGuard, guard_from_settings
 from tessera.engine.ports import reserve_port
 from tessera.engine.sim.config import SimEngineConfig
 from tessera.engine.sim.engine import SimClock, SimEngine
@@ -27,6 +28,7 @@ from tessera.engine.sim.kv_wire import KVEventPublisher
 from tessera.engine.sim.server import SimEndpoints
 from tessera.registry import EngineRecord, ModelInfo
 from tessera.routing.indexer import FeedStats
+from tessera.settings import load_settings
 
 logger = logging.getLogger(__name__)
 
@@ -42,14 +44,15 @@ class _QuietServer(uvicorn.Server):
 
 class SimReplica:
     def __init__(self, config: SimEngineConfig, clock: SimClock, zmq_context: zmq.Context[Any],
-                 engine_id: str | None = None) -> None:
+                 engine_id: str | None = None, guard: ReplicaGuard | None = None) -> None:
         self.config = config
         self.engine_id = engine_id or f"sim-{uuid.uuid4().hex[:10]}"
         self.publisher = KVEventPublisher(zmq_context, f"tcp://{config.http_host}:*")
         port = self.publisher.endpoint.rsplit(":", 1)[1]
         self.kv_events_endpoint = f"tcp://{config.advertise_host}:{port}"
         self.engine = SimEngine(config, self.engine_id, clock, publish=self.publisher.publish)
-        self.endpoints = SimEndpoints(self.engine, config.served_model_name, config.max_body_bytes)
+        self.endpoints = SimEndpoints(self.engine, config.served_model_name, config.max_body_bytes,
+                                      guard or guard_from_settings(load_settings(), "a simulated replica"))
         self._socket = reserve_port(config.http_host)
         self.port = int(self._socket.getsockname()[1])
         self.url = f"http://{config.advertise_host}:{self.port}"
@@ -106,7 +109,8 @@ class SimFleet:
         self.clock = SimClock(config.time_scale)
         self._zmq = zmq.Context()
         run_id = uuid.uuid4().hex[:6]
-        self.replicas = [SimReplica(config, self.clock, self._zmq, f"{engine_id_prefix}-{run_id}-{i}")
+        guard = guard_from_settings(load_settings(), "a simulated replica")  # one for the fleet: one key
+        self.replicas = [SimReplica(config, self.clock, self._zmq, f"{engine_id_prefix}-{run_id}-{i}", guard)
                          for i in range(num_engines)]
         self._redis = (FleetRedis(redis_url, [r.fed() for r in self.replicas], [self.replicas[0].model_info()],
                                   config.heartbeat_interval_s) if redis_url else None)

@@ -7,6 +7,10 @@ OpenAI API so routers other than Tessera's can sit in front of the same fleet.
   POST /abort                 {"request_id", "reason"}: the KV-eviction controller's abort (a retryable error)
   GET  /health, /stats, /requests (in-flight requests with tenant and priority, as the real replica lists them)
 
+The replica protocol (/generate, /abort, /stats, /requests) takes only calls signed with the data-plane key,
+checked as the real replica checks them (data_plane_auth.py). /health and the OpenAI routes stay open: those
+are for routers other than Tessera's in benchmarks, which cannot sign (the fleet binds loopback by default).
+
 NOTE: the OpenAI routes tokenize as one token per UTF-8 byte of the prompt (chat: of the messages joined
 with their roles). The sim needs token ids only for block hashes, and bytes keep two prompts that share a
 text prefix sharing a token prefix, which is what prefix caching and prefix-aware routers see. Generated
@@ -35,6 +39,7 @@ from tessera.asgi import (
     respond_json,
     wait_disconnect,
 )
+from tessera.data_plane_auth import ReplicaGuard, authenticated_body
 from tessera.engine.in_flight import InFlightRequests
 from tessera.engine.protocol import GenerateRequest, delta_line, done_line, error_line
 from tessera.engine.sim.engine import RequestRejected, RequestStream, SimEngine
@@ -94,32 +99,44 @@ def openai_error(message: str, status: int) -> dict[str, Any]:
 class SimEndpoints:
     """The routes of one simulated replica; ``asgi`` is what uvicorn serves."""
 
-    def __init__(self, engine: SimEngine, model_name: str, max_body_bytes: int) -> None:
+    def __init__(self, engine: SimEngine, model_name: str, max_body_bytes: int, guard: ReplicaGuard) -> None:
         self.engine = engine
         self.model_name = model_name
         self.max_body_bytes = max_body_bytes
+        self.guard = guard
         self.in_flight = InFlightRequests()
 
     async def asgi(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return
         path, method = scope["path"], scope["method"]
-        if path == "/generate" and method == "POST":
-            await self.generate(scope, receive, send)
+        if path in ("/generate", "/abort", "/stats", "/requests"):
+            headers = header_map(scope)
+            body = await authenticated_body(self.guard, scope, receive, send, headers, self.max_body_bytes)
+            if body is not None:
+                await self.replica_protocol(path, method, body, headers, receive, send)
         elif path == "/v1/completions" and method == "POST":
             await self.openai(receive, send, "text_completion")
         elif path == "/v1/chat/completions" and method == "POST":
             await self.openai(receive, send, "chat.completion")
         elif path == "/health":
             await respond_json(send, 200, {"healthy": True, "engine_id": self.engine.engine_id})
+        elif path == "/v1/models":
+            await respond_json(send, 200, {"object": "list", "data": [{"id": self.model_name, "object": "model"}]})
+        else:
+            await respond_json(send, 404, {"error": f"no route {method} {path}"})
+
+    async def replica_protocol(self, path: str, method: str, body: bytes, headers: dict[str, str],
+                               receive: Receive, send: Send) -> None:
+        """A signed call of the replica protocol (``body`` already read and its signature checked)."""
+        if path == "/generate" and method == "POST":
+            await self.generate(body, headers, receive, send)
         elif path == "/stats":
             await respond_json(send, 200, self.stats())
         elif path == "/requests":
             await respond_json(send, 200, self.in_flight.listing())
         elif path == "/abort" and method == "POST":
-            await self.abort(receive, send)
-        elif path == "/v1/models":
-            await respond_json(send, 200, {"object": "list", "data": [{"id": self.model_name, "object": "model"}]})
+            await self.abort(body, send)
         else:
             await respond_json(send, 404, {"error": f"no route {method} {path}"})
 
@@ -160,10 +177,7 @@ class SimEndpoints:
 
     # -- the replica protocol -----------------------------------------------------------------------------
 
-    async def abort(self, receive: Receive, send: Send) -> None:
-        raw = await self._body(receive, send)
-        if raw is None:
-            return
+    async def abort(self, raw: bytes, send: Send) -> None:
         try:
             body = AbortBody.model_validate_json(raw)
         except ValidationError as exc:
@@ -176,10 +190,7 @@ class SimEndpoints:
         entry.abort_reason = body.reason
         await respond_json(send, 200, {"aborted": body.request_id})
 
-    async def generate(self, scope: Scope, receive: Receive, send: Send) -> None:
-        raw = await self._body(receive, send)
-        if raw is None:
-            return
+    async def generate(self, raw: bytes, headers: dict[str, str], receive: Receive, send: Send) -> None:
         try:
             body = GenerateRequest.model_validate_json(raw)
             stream = self.engine.add(body)
@@ -189,7 +200,7 @@ class SimEndpoints:
         except ValueError as exc:  # RequestRejected, or a request id already running
             await respond_json(send, 400, {"error": str(exc)})
             return
-        self.in_flight.start(body.request_id, header_map(scope).get("x-tessera-tenant", ""), body.priority)
+        self.in_flight.start(body.request_id, headers.get("x-tessera-tenant", ""), body.priority)
         try:
             await send({"type": "http.response.start", "status": 200, "headers": NDJSON_HEADERS})
             await self._until_done_or_gone(stream, self._write_lines(stream, send), receive)
