@@ -100,7 +100,9 @@ def spawn_gateway(redis_url: str, log_dir: Path, env: Mapping[str, str] | None =
     metrics_port = free_port()
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"gateway-{port}.log"
-    full_env = {**os.environ, "TESSERA_REDIS_URL": redis_url, "TESSERA_TRACE_EXPORTER": "none", **(env or {})}
+    # Each gateway its own finish journal, unless the caller shares one (a restart that replays it).
+    full_env = {**os.environ, "TESSERA_REDIS_URL": redis_url, "TESSERA_TRACE_EXPORTER": "none",
+                "TESSERA_FINISH_JOURNAL_DIR": str(log_dir / f"gateway-{port}-journal"), **(env or {})}
     cmd = GatewayLaunch(port=port, workers=workers, metrics_dir=log_dir / f"gateway-{port}-metrics",
                         metrics_port=metrics_port).command()
     with open(log_path, "ab") as log:

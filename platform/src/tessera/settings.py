@@ -63,6 +63,42 @@ class TesseraSettings(BaseSettings):
         description="Concurrency lease TTL, seconds: a crashed gateway's leases free themselves after this; "
         "running requests renew theirs every third of it.",
     )
+    settle_interval_s: float = Field(
+        default=5.0, gt=0.0,
+        description="How often a gateway worker looks for requests whose gateway died (their lease expired "
+        "unfinished) and bills them, seconds; one worker of all does each pass (a Redis lock).",
+    )
+    settle_grace_s: float = Field(
+        default=10.0, ge=0.0,
+        description="A request is billed by the settler this long after its lease expired unrenewed, seconds: "
+        "room for the engine's usage record to arrive and for a gateway that was only slow to finish it itself.",
+    )
+    finish_journal_dir: Path | None = Field(
+        default=None,
+        description="Where a gateway keeps the finishes Redis did not take, until it does (replayed at the next "
+        "start, by any worker); default <state_dir>/finish-journal. Give it a volume that outlives the process.",
+    )
+    finish_journal_max_entries: int = Field(
+        default=100_000, ge=1,
+        description="Lines one worker's finish journal holds at most (about 300 bytes each); past it a finish "
+        "Redis did not take is kept in memory only, and lost if the process dies.",
+    )
+    finish_journal_fsync_s: float = Field(
+        default=1.0, gt=0.0,
+        description="The finish journal is fsync'd this long after a write, seconds: what a machine crash may lose "
+        "(a killed process loses nothing written).",
+    )
+    engine_usage_flush_s: float = Field(
+        default=0.5, gt=0.0,
+        description="An engine replica writes the usage records of its ended requests to Redis this often, "
+        "seconds (one pipelined round trip).",
+    )
+    engine_usage_record_ttl_s: int = Field(
+        default=900, ge=1,
+        description="How long an engine's usage record of a request stays in Redis, seconds; keep it above "
+        "lease_ttl_s + settle_grace_s + settle_interval_s, or a dead gateway's request is charged its whole "
+        "reservation.",
+    )
     drain_timeout_s: float = Field(
         default=30.0, gt=0.0,
         description="After SIGTERM a gateway finishes its open streams for at most this long, seconds (from the "
@@ -133,7 +169,6 @@ class TesseraSettings(BaseSettings):
     advertise_host: str = Field(
         default="127.0.0.1", description="Address an engine replica registers for the gateway to call it at."
     )
-
     data_plane_key_file: Path | None = Field(
         default=None,
         description="File holding the release's data-plane key (at least 32 characters): the gateway and the "

@@ -68,4 +68,4 @@ def test_lease_ids_are_unique_and_windows_match_period_window() -> None:
     assert len(ids) == 200
     call = first.prepare("t", policy, 10)
     period_id, ttl = period_window("day", datetime.now(UTC))
-    assert call.keys[-1].endswith(period_id) and abs(int(call.args[-1]) - ttl) <= 1
+    assert call.keys[4].endswith(period_id) and abs(int(call.args[7]) - ttl) <= 1  # the budget key, its TTL

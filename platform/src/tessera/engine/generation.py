@@ -60,6 +60,7 @@ async def stream_generation(engine: Any, engine_id: str, request: GenerateReques
     if request.cache_salt:
         prompt["cache_salt"] = request.cache_salt
     stats = RequestStats(engine_id=engine_id, num_prompt_tokens=len(request.prompt_token_ids))
+    entry.stats = stats  # counted as it streams: the usage record of a request cut short reads it
     finish: dict[str, str | None] = {}
     final: Any = None
     lines: list[bytes] = []

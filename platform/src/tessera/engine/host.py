@@ -34,13 +34,14 @@ from tessera.engine.config import EngineConfig
 from tessera.engine.drain import DrainOutcome, drain
 from tessera.engine.endpoints import EngineEndpoints
 from tessera.engine.heartbeat import deregister, heartbeat_loop
-from tessera.engine.in_flight import InFlightRequests
+from tessera.engine.in_flight import InFlight, InFlightRequests
 from tessera.engine.index_feed import index_feed_loop
 from tessera.engine.ports import below_ephemeral_range, free_port, reserve_port
 from tessera.engine.root_cause import EngineErrorLog, start_failure_line
 from tessera.engine.speculation_control import SpeculationControl, speculation_control_for, speculation_loop
 from tessera.engine.stats import EngineLoad, LoadTracker
 from tessera.engine.tokenizer_source import published_tokenizer_dir
+from tessera.engine.usage_record import RecorderConfig, UsageRecord, UsageRecorder
 from tessera.engine.vllm_engine import build_engine, log_fallbacks, prepare_environment, shutdown_engine, warm_up
 from tessera.engine.vllm_metrics import VllmMetrics
 from tessera.registry import EngineRecord, ModelInfo
@@ -96,6 +97,11 @@ class EngineHost:
         self._server: uvicorn.Server | None = None
         self._loop: asyncio.AbstractEventLoop | None = None  # the host thread's loop, once it runs
         self._background_tasks: list[asyncio.Task[None]] = []  # heartbeat, index feed, speculation
+        # What each ended request used, written to Redis for the gateways' settler (usage_record.py).
+        settings = load_settings()
+        self.usage_records = UsageRecorder(RecorderConfig(settings.engine_usage_flush_s,
+                                                          settings.engine_usage_record_ttl_s))
+        self.in_flight.on_end = self._request_ended
 
     # ---- what the replica is ---------------------------------------------------------------------
 
@@ -279,6 +285,7 @@ class EngineHost:
                                           lambda: self.tracker.snapshot().num_running))
         if not self.redis_url:
             return loops
+        loops.append(self.usage_records.run(self.redis_url))
         loops += [heartbeat_loop(self.redis_url, self.config.heartbeat_interval_s, self.model_info(), self.is_healthy,
                                 self.record)]
         if self.kv_events_port:
@@ -286,6 +293,11 @@ class EngineHost:
             loops.append(index_feed_loop(self.redis_url, self.engine_id, f"tcp://{local}:{self.kv_events_port}",
                                          self.config.kv_events.topic, self.index_stats))
         return loops
+
+    def _request_ended(self, entry: InFlight) -> None:
+        if entry.stats is not None and self.redis_url:
+            self.usage_records.add(UsageRecord(entry.request_id, entry.stats.num_prompt_tokens,
+                                               entry.stats.num_output_tokens))
 
     async def _ready_when_listening(self) -> None:
         assert self._server is not None

@@ -115,6 +115,40 @@ def continuation(body: GenerateBody, generated: list[int], attempt: int) -> Gene
     return again
 
 
+def base_request_id(request_id: str) -> str:
+    """The gateway's id of a request, without the attempt suffix ``continuation`` gives it."""
+    head, sep, attempt = request_id.rpartition("-r")
+    return head if sep and head and attempt.isdigit() else request_id
+
+
+# -- engine -> Redis: what each request used, for the gateways' settler ----------------------------------
+# When a request ends on a replica (done, failed, aborted, or its caller gone), the replica records its token
+# counts under the gateway's request id, one hash field per attempt: a request whose gateway died is billed
+# from it (tenancy/settlement.py).
+
+USAGE_RECORD_PREFIX = "tessera:engine-usage:"
+
+
+def usage_record_key(request_id: str) -> str:
+    return f"{USAGE_RECORD_PREFIX}{base_request_id(request_id)}"
+
+
+def encode_usage(num_prompt_tokens: int, num_output_tokens: int) -> str:
+    return f"{num_prompt_tokens} {num_output_tokens}"
+
+
+def parse_usage(record: dict[Any, Any]) -> list[tuple[int, int]]:
+    """(prompt tokens, output tokens) of each attempt in a usage record (as HGETALL returns it); a malformed
+    field is skipped."""
+    attempts = []
+    for value in record.values():
+        text = value.decode() if isinstance(value, bytes) else str(value)
+        prompt, _, output = text.partition(" ")
+        if prompt.isdigit() and output.isdigit():
+            attempts.append((int(prompt), int(output)))
+    return attempts
+
+
 # -- engine -> gateway lines ---------------------------------------------------------------------------
 
 

@@ -23,6 +23,7 @@ from tessera.gateway.drain import DRAIN_STATE_KEY, SETTLE_GRACE_S, GatewayDrain,
 from tessera.gateway.engine_client import EngineClient
 from tessera.gateway.errors import STORE_ERRORS, APIError, store_unavailable
 from tessera.gateway.failopen import FailOpen
+from tessera.gateway.finish_journal import FinishJournal, JournalConfig
 from tessera.gateway.metrics import GatewayMetrics
 from tessera.gateway.models import ModelCatalog, replicas_extension, tokenizer_document
 from tessera.gateway.openapi import openapi_document
@@ -30,6 +31,7 @@ from tessera.gateway.request.authenticate import require_tenant
 from tessera.gateway.request.endpoint import ENDPOINTS
 from tessera.gateway.request.pipeline import GenerationPipeline
 from tessera.gateway.responses import respond, respond_error
+from tessera.gateway.settler import Settler
 from tessera.redis_conn import connect
 from tessera.redis_wire import RedisWire
 from tessera.routing.prefix_index import PrefixIndex
@@ -75,7 +77,14 @@ class Gateway:
         self.tracer = trace.get_tracer("tessera.gateway")
         # The headers the configured propagators read (traceparent, tracestate, baggage by default).
         self._trace_fields = frozenset(get_global_textmap().fields)
-        self.finishes = FinishQueue(self.admission, _is_store_error)
+        # Finishes Redis did not take wait in a journal on disk (finish_journal.py); requests whose gateway
+        # died are billed by the settler (settler.py), which every worker runs.
+        journal_dir = settings.finish_journal_dir or settings.state_dir / "finish-journal"
+        self.journal = FinishJournal(JournalConfig(journal_dir, settings.finish_journal_max_entries,
+                                                   settings.finish_journal_fsync_s)).open()
+        self.finishes = FinishQueue(self.admission, _is_store_error, self.journal)
+        self.settler = Settler(self.redis, self.admission, settings.settle_interval_s, settings.settle_grace_s)
+        self._settler_task: asyncio.Task[None] | None = None
         self.pipeline = GenerationPipeline(
             auth=self.auth, catalog=self.catalog, admission=self.admission, wire=self.wire, router=self.router,
             engines=self.engines, metrics=self.metrics, fail_open=FailOpen(settings.redis_fail_open),
@@ -200,12 +209,17 @@ class Gateway:
                 # The server's side of the drain finds it here (lean_server.LeanServer).
                 if isinstance(scope.get("state"), dict):
                     scope["state"][DRAIN_STATE_KEY] = self.drain
+                # What earlier processes could not record is replayed; then the settler's timer starts.
+                self.finishes.restore(self.journal.adopt())
+                self._settler_task = asyncio.create_task(self.settler.run())
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
                 # A request cut at the deadline settles on its way out: Redis stays open until it has.
                 left = await self.drain.wait_closed(SETTLE_GRACE_S)
                 if left:
                     logger.error("%d requests still open at shutdown; their usage may be unrecorded", left)
+                if self._settler_task is not None:
+                    self._settler_task.cancel()
                 await self.finishes.close()
                 await self.router.close()
                 await self.auth.close()

@@ -9,7 +9,10 @@ Redis call as a rule) is made here, before the trip. The lookup is left out for 
 within ``REJECTED_HINT_S`` (a flood of over-limit requests then costs Redis no lookups); the route then does
 its own.
 
-While the request runs, its concurrency lease is renewed every third of its TTL (``LeaseKeeper``).
+While the request runs, its concurrency lease is renewed every third of its TTL (``LeaseKeeper``). The
+admission also leaves the request's ticket (tenancy/settlement.py), naming its engine request id: the response
+id is made here for that. A round trip that fails may still have admitted: that admission is voided as soon
+as Redis answers (``FinishQueue.void``), so its reservation never outlives the error the client got.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from tessera.gateway.errors import STORE_ERRORS, APIError
+from tessera.gateway.request.call import engine_request_id, new_response_id
 from tessera.gateway.request.route import route_request
 from tessera.redis_wire import RedisWire
 from tessera.tenancy.admission import Admission, Lease, Rejection
@@ -32,6 +36,7 @@ if TYPE_CHECKING:
     from tessera.gateway.metrics import GatewayMetrics
     from tessera.gateway.request.context import RequestContext
     from tessera.routing.router import RoutePlan, Router
+    from tessera.tenancy.billing import FinishQueue
     from tessera.tenancy.store import Tenant
 
 logger = logging.getLogger(__name__)
@@ -58,8 +63,9 @@ class Admitted(NamedTuple):
 
 class Admitter:
     def __init__(self, admission: Admission, wire: RedisWire, router: Router, metrics: GatewayMetrics,
-                 fail_open: FailOpen) -> None:
+                 fail_open: FailOpen, finishes: FinishQueue | None = None) -> None:
         self.admission = admission
+        self._finishes = finishes
         self._wire = wire
         self._router = router
         self._metrics = metrics
@@ -79,8 +85,10 @@ class Admitter:
         # None when the registry cannot be read: the route tries again after admission (by the fail mode).
         ctx.plan = await self._fail_open.optional(self._router.plan(ctx.route_request), None)
         t_admit, t_admit_ns = time.monotonic(), time.time_ns()
+        ctx.response_id = new_response_id(ctx.endpoint.id_prefix)
         decision, ctx.cached, ctx.demoted = await self.admit(tenant, ctx.num_prompt_tokens + ctx.max_tokens * body.n,
-                                                             ctx.plan)
+                                                             ctx.plan, ctx.num_prompt_tokens,
+                                                             engine_request_id(tenant.name, ctx.response_id))
         ctx.notes.child("admission", t_admit_ns, {"tessera.admitted": isinstance(decision, Lease)})
         if isinstance(decision, Rejection):
             self.note_rejected(tenant.name)
@@ -91,15 +99,21 @@ class Admitter:
         ctx.lease = decision
         ctx.notes.attributes["tessera.admission_wait_s"] = time.monotonic() - t_admit
 
-    async def admit(self, tenant: Tenant, reserve_tokens: int, plan: RoutePlan | None) -> Admitted:
+    async def admit(self, tenant: Tenant, reserve_tokens: int, plan: RoutePlan | None, prompt_tokens: int = 0,
+                    request_id: str = "") -> Admitted:
         """Admission with the demotion flag and, unless the tenant was rejected moments ago or the plan needs
-        none, the plan's prefix lookup, in one round trip. Redis unreachable: by the fail mode."""
+        none, the plan's prefix lookup, in one round trip. Redis unreachable: by the fail mode, and the
+        admission it may have made is voided. ``prompt_tokens`` and the engine ``request_id`` go on the ticket."""
         recently_rejected = time.monotonic() - self._rejected_at.get(tenant.name, -1e9) < REJECTED_HINT_S
         lookup = None if plan is None or recently_rejected else plan.lookup
-        trip = build_trip(self.admission, tenant.name, tenant.policy, reserve_tokens, lookup)
+        trip = build_trip(self.admission, tenant.name, tenant.policy, reserve_tokens, lookup, prompt_tokens,
+                          request_id)
         try:
             reply = await parse_trip(self.admission, trip, await self._wire.execute(trip.commands))
         except STORE_ERRORS as exc:
+            # The script may have run and only its reply been lost: undo it once Redis answers.
+            if self._finishes is not None:
+                self._finishes.void(trip.call.lease)
             self._fail_open.admit_without_store(exc)
             self._metrics.fail_open(tenant.name)
             return Admitted(self.admission.detached_lease(tenant.name, tenant.policy), None, False)

@@ -37,10 +37,16 @@ def engine_request_id(tenant: str, response_id: str) -> str:
     return f"{tenant}/{response_id}"
 
 
+def new_response_id(id_prefix: str) -> str:
+    """A response id, made at admission: the request's ticket names the engine request id built from it, so
+    the settler finds the engine's usage record if this gateway dies (tenancy/settlement.py)."""
+    return f"{id_prefix}{_ID_PREFIX}{next(_ids):x}"
+
+
 async def call_engine(ctx: RequestContext, engines: EngineClient, router: Router) -> None:
     body, decision, records = ctx.body, ctx.decision, ctx.records
     priority = ctx.tenant.policy.priority + (DEMOTION_STEP if ctx.demoted else 0)
-    response_id = f"{ctx.endpoint.id_prefix}{_ID_PREFIX}{next(_ids):x}"
+    response_id = ctx.response_id
     engine_body: GenerateBody = {
         "request_id": engine_request_id(ctx.tenant.name, response_id), "prompt_token_ids": ctx.prompt_ids,
         "max_tokens": ctx.max_tokens,

@@ -47,9 +47,10 @@ class RequestContext:
     prompt_ids: list[int] = field(init=False)
     max_tokens: int = field(init=False)
     cache_salt: str | None = field(init=False)
-    # admit: the route's inputs, the lease, the prefix lookup's answer (None: it did not ride along) and
-    # the tenant's demotion flag.
+    # admit: the route's inputs, the response id (the engine request id on the ticket is made of it), the
+    # lease, the prefix lookup's answer (None: it did not ride along) and the tenant's demotion flag.
     route_request: RouteRequest = field(init=False)
+    response_id: str = field(init=False)
     plan: RoutePlan | None = field(init=False)
     lease: Lease | None = None
     cached: dict[str, int] | None = None

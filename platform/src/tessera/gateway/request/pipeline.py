@@ -51,7 +51,7 @@ class GenerationPipeline:
         self.metrics = metrics
         self.fail_open = fail_open
         self.finishes = finishes
-        self.admitter = Admitter(admission, wire, router, metrics, fail_open)
+        self.admitter = Admitter(admission, wire, router, metrics, fail_open, finishes)
         self.max_body_bytes = max_body_bytes
 
     async def handle(self, endpoint: Endpoint, headers: dict[str, str], request_id: str, notes: LateTrace,
