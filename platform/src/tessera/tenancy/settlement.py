@@ -101,8 +101,3 @@ def decide(ticket: Ticket, attempts: Sequence[AttemptUsage] | None) -> Charge:
         return Charge(SettleKind.RESERVATION, ticket.prompt_tokens, budget_left)
     return Charge(SettleKind.ENGINE, ticket.prompt_tokens,
                   min(budget_left, generated_tokens(ticket.prompt_tokens, attempts)))
-
-
-def is_due(settle_by: float, now: float, grace_s: float) -> bool:
-    """Whether a ticket's gateway is taken for dead: ``grace_s`` past its settle-by time (Redis time)."""
-    return now - settle_by >= grace_s
