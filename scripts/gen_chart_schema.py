@@ -393,6 +393,7 @@ def chart_properties() -> dict[str, JSON]:
             "replicas": integer(1),
             "workers": integer(1, 64),
             "port": PORT,
+            "metricsPort": PORT,
             "healthPath": {"type": "string", "pattern": "^/"},
             "readyPath": {"type": "string", "pattern": "^/"},
             "routingPolicy": {"type": "string", "minLength": 1},

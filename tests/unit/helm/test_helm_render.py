@@ -234,10 +234,21 @@ def test_monitoring_objects() -> None:
     monitor = find(docs, "ServiceMonitor")
     assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
     assert monitor["metadata"]["labels"]["release"] == "kube-prometheus-stack"
-    assert {e["port"] for e in monitor["spec"]["endpoints"]} == {"http", "metrics"}
+    assert {e["port"] for e in monitor["spec"]["endpoints"]} == {"metrics"}
     # Each endpoint port name exists on a Service the monitor selects.
     service_ports = {p["name"] for d in docs if d["kind"] == "Service" for p in d["spec"]["ports"]}
     assert {e["port"] for e in monitor["spec"]["endpoints"]} <= service_ports
+    # The gateway's metrics are on a Service of their own, never on the API's (issue #15: they name tenants).
+    api, metrics = find(docs, "Service", "-gateway"), find(docs, "Service", "-gateway-metrics")
+    assert [p["name"] for p in api["spec"]["ports"]] == ["http"]
+    assert metrics["spec"]["type"] == "ClusterIP" and metrics["spec"]["ports"][0]["targetPort"] == "metrics"
+    gateway = find(docs, "Deployment", "-gateway")["spec"]["template"]["spec"]["containers"][0]
+    assert {p["name"]: p["containerPort"] for p in gateway["ports"]} == {"http": 8000, "metrics": 9464}
+    assert "--metrics-port=9464" in gateway["command"]
+    # With network policies on, the metrics port is open to the scrapers only (metricsFrom), the API to gatewayFrom.
+    rules = find(docs, "NetworkPolicy", "-gateway")["spec"]["ingress"]
+    peers = {rule["ports"][0]["port"]: str(rule["from"]) for rule in rules}
+    assert set(peers) == {8000, 9464} and "monitoring" in peers[9464] and "ingress-nginx" in peers[8000]
     pod_monitor = find(docs, "PodMonitor")
     assert pod_monitor["spec"]["podMetricsEndpoints"][0]["port"] == "metrics"
     assert not [d for d in render() if d["kind"] in ("ServiceMonitor", "PodMonitor")], "off by default"
