@@ -426,7 +426,7 @@ def chart_properties() -> dict[str, JSON]:
     )
     redis = obj(
         {
-            "mode": {"type": "string", "enum": ["bundled", "external"]},
+            "mode": {"type": "string", "enum": ["bundled", "sentinel", "external"]},
             "bundled": obj(
                 {
                     "image": image(),
@@ -438,9 +438,21 @@ def chart_properties() -> dict[str, JSON]:
                     **placement(),
                 }
             ),
+            "sentinel": obj(
+                {
+                    "replicas": integer(1),
+                    "quorum": integer(1),
+                    "primaryName": {"type": "string", "pattern": "^[A-Za-z0-9_.-]+$"},
+                    "downAfterMilliseconds": integer(100),
+                    "failoverTimeoutMilliseconds": integer(1000),
+                    "minReplicasToWrite": integer(0),
+                    "minReplicasMaxLagSeconds": integer(1),
+                    "resources": RESOURCES,
+                }
+            ),
             "external": obj(
                 {
-                    "url": {"type": "string", "pattern": "^(rediss?://.+)?$"},
+                    "url": {"type": "string", "pattern": "^((rediss?|redis\\+sentinel)://.+)?$"},
                     "existingSecret": STRING,
                     "passwordKey": {"type": "string", "minLength": 1},
                 }

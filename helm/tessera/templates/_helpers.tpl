@@ -130,7 +130,7 @@ seccompProfile:
 
 {{/* Name of the Secret holding the Redis password, or "" when the server needs none. */}}
 {{- define "tessera.redis.secretName" -}}
-{{- if eq .Values.redis.mode "bundled" }}
+{{- if has .Values.redis.mode (list "bundled" "sentinel") }}
 {{- default (include "tessera.componentName" (list . "redis")) .Values.redis.bundled.auth.existingSecret }}
 {{- else }}
 {{- .Values.redis.external.existingSecret }}
@@ -139,11 +139,21 @@ seccompProfile:
 
 {{/* Key of the Redis password inside its Secret. */}}
 {{- define "tessera.redis.passwordKey" -}}
-{{- if eq .Values.redis.mode "bundled" }}
+{{- if has .Values.redis.mode (list "bundled" "sentinel") }}
 {{- .Values.redis.bundled.auth.passwordKey }}
 {{- else }}
 {{- .Values.redis.external.passwordKey }}
 {{- end }}
+{{- end }}
+
+{{/* The Sentinels of redis.mode sentinel, one per data pod: host:26379,host:26379,... */}}
+{{- define "tessera.redis.sentinelHosts" -}}
+{{- $name := include "tessera.componentName" (list . "redis") }}
+{{- $hosts := list }}
+{{- range $i := until (int .Values.redis.sentinel.replicas) }}
+{{- $hosts = append $hosts (printf "%s-%d.%s-headless.%s.svc:26379" $name $i $name $.Release.Namespace) }}
+{{- end }}
+{{- join "," $hosts }}
 {{- end }}
 
 {{/*
@@ -155,13 +165,15 @@ defined just before it, so the password never appears in a manifest. A password 
 {{- $auth := ternary ":$(REDIS_PASSWORD)@" "" (ne (include "tessera.redis.secretName" .) "") }}
 {{- if eq .Values.redis.mode "bundled" }}
 {{- printf "redis://%s%s.%s.svc:6379/0" $auth (include "tessera.componentName" (list . "redis")) .Release.Namespace }}
+{{- else if eq .Values.redis.mode "sentinel" }}
+{{- printf "redis+sentinel://%s%s/%s/0" $auth (include "tessera.redis.sentinelHosts" .) .Values.redis.sentinel.primaryName }}
 {{- else }}
 {{- $url := urlParse (required "redis.external.url is required when redis.mode is external" .Values.redis.external.url) }}
 {{- if $url.userinfo }}
 {{- fail "redis.external.url must not carry credentials: put the password in the Secret named by redis.external.existingSecret" }}
 {{- end }}
-{{- if not (has $url.scheme (list "redis" "rediss")) }}
-{{- fail (printf "redis.external.url must start with redis:// or rediss://, got %q" .Values.redis.external.url) }}
+{{- if not (has $url.scheme (list "redis" "rediss" "redis+sentinel")) }}
+{{- fail (printf "redis.external.url must start with redis://, rediss:// or redis+sentinel://, got %q" .Values.redis.external.url) }}
 {{- end }}
 {{- printf "%s://%s%s%s" $url.scheme $auth $url.host $url.path }}
 {{- end }}
@@ -178,6 +190,8 @@ redis.external.url is dropped: the GCS always uses database 0, its keys under th
 {{- $ft.redisAddress }}
 {{- else if eq .Values.redis.mode "bundled" }}
 {{- printf "%s.%s.svc:6379" (include "tessera.componentName" (list . "redis")) .Release.Namespace }}
+{{- else if or (eq .Values.redis.mode "sentinel") (hasPrefix "redis+sentinel:" .Values.redis.external.url) }}
+{{- fail "rayService.gcsFaultTolerance.redisAddress is required with a Sentinel-managed Redis: Ray's GCS takes one fixed host:port and does not follow a failover" }}
 {{- else }}
 {{- $url := urlParse (required "redis.external.url is required when redis.mode is external" .Values.redis.external.url) }}
 {{- $host := ternary $url.host (printf "%s:6379" $url.host) (contains ":" $url.host) }}

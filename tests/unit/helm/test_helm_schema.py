@@ -114,7 +114,7 @@ def test_a_typo_is_rejected_naming_the_field(values: dict[str, Any], field: str)
         ({"models": [{"name": "m", "engine": {"servedModelName": "x"}}]}, "/models/0/engine"),
         ({"models": [{"name": "Bad_Name", "engine": {"model": "/m"}}]}, "/models/0/name"),
         ({"gateway": {"port": "8000"}}, "/gateway/port"),
-        ({"redis": {"mode": "sentinel"}}, "/redis/mode"),
+        ({"redis": {"mode": "cluster"}}, "/redis/mode"),
         ({"redis": {"mode": "external"}}, "/redis/external/url"),
         ({"telemetry": {"traceExporter": "otlp-grpc"}}, "/telemetry/otlpEndpoint"),
         ({"image": {"digest": "sha256:abc"}}, "/image/digest"),
