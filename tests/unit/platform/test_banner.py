@@ -30,6 +30,12 @@ def test_banner_says_what_runs_and_where_traces_go() -> None:
     assert "off (--no-kvcontrol)" in up_banner("u", "m", "k", [], Path("/t"), "")
 
 
+def test_banner_names_the_gateway_metrics_port_apart_from_the_api() -> None:
+    text = up_banner("http://127.0.0.1:8000", "m", "k", [], Path("/t"), "", None, "http://127.0.0.1:9464/metrics")
+    assert "Gateway metrics (every worker, not on the API port): http://127.0.0.1:9464/metrics" in text
+    assert "Gateway metrics" not in up_banner("u", "m", "k", [], Path("/t"), "")
+
+
 def test_banner_says_where_the_embedded_redis_keeps_its_data() -> None:
     text = up_banner("u", "m", "k", [], Path("/t"), "", Path(".tessera/redis"))
     assert ("Redis data (tenants, keys, budgets, usage; kept between runs, delete to start empty): "

@@ -52,7 +52,8 @@ def up(
         key = asyncio.run(platform.create_tenant("demo"))
         typer.echo(up_banner(platform.base_url, platform.model, key, platform.engines(), platform.trace_dir,
                              platform.kvcontrol_metrics_url,
-                             platform.redis_data_dir if platform.redis is not None else None), color=False)
+                             platform.redis_data_dir if platform.redis is not None else None,
+                             platform.gateway_metrics_url), color=False)
         stop.wait()
     except (PlatformStartError, ValidationError) as exc:
         # The cause in a line or two, not Ray's traceback.

@@ -20,8 +20,9 @@ def engine_lines(records: list[EngineRecord]) -> list[str]:
 
 
 def up_banner(base_url: str, model: str, key: str, records: list[EngineRecord], trace_dir: Path,
-              kvcontrol_metrics_url: str, redis_data_dir: Path | None = None) -> str:
-    """``redis_data_dir``: where the embedded Redis keeps its data; None: an external Redis (``redis_url``)."""
+              kvcontrol_metrics_url: str, redis_data_dir: Path | None = None, gateway_metrics_url: str = "") -> str:
+    """``redis_data_dir``: where the embedded Redis keeps its data; None: an external Redis (``redis_url``).
+    ``gateway_metrics_url``: the gateway's /metrics, on a port apart from the API."""
     request = ('{"model": "' + model + '", "messages": [{"role": "user", "content": "Hello"}], '
                '"max_tokens": 32, "stream": true}')
     controller = (f"KV-eviction controller: metrics {kvcontrol_metrics_url}" if kvcontrol_metrics_url
@@ -30,6 +31,8 @@ def up_banner(base_url: str, model: str, key: str, records: list[EngineRecord], 
         "",
         f"Tessera is up: gateway {base_url}, {len(records)} engine replica(s) serving '{model}':",
         *engine_lines(records),
+        *([f"Gateway metrics (every worker, not on the API port): {gateway_metrics_url}"]
+          if gateway_metrics_url else []),
         controller,
         f"Demo tenant key (shown once): {key}",
         "",
