@@ -63,6 +63,14 @@ class LocalPlatformOptions:
     cpu_split: bool = False
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
 class LocalPlatform:
     def __init__(self, options: LocalPlatformOptions) -> None:
         self.options = options
@@ -71,6 +79,7 @@ class LocalPlatform:
         self.gateway: subprocess.Popen[bytes] | None = None
         self.kvcontrol: subprocess.Popen[bytes] | None = None
         self.kvcontrol_metrics_url = ""
+        self.gateway_metrics_url = ""
         self.engine_config: EngineConfig | None = None
         self._ray_started = False
         self._redis_lock: IO[str] | None = None
@@ -201,8 +210,11 @@ class LocalPlatform:
 
     def _start_gateway(self, env: dict[str, str]) -> None:
         opts = self.options
+        metrics_port = _free_port()
+        # The gateway's /metrics is on a port apart from the API (it names tenants; gateway/metrics.py).
+        self.gateway_metrics_url = f"http://{opts.gateway_host}:{metrics_port}/metrics"
         cmd = GatewayLaunch(host=opts.gateway_host, port=opts.gateway_port, workers=opts.gateway_workers,
-                            metrics_dir=self.run_dir / "gateway-metrics").command()
+                            metrics_dir=self.run_dir / "gateway-metrics", metrics_port=metrics_port).command()
         # Its own process group (Ctrl-C in the terminal does not reach it; shutdown stops it in order), but in
         # this session, where Ray's engine processes are too: with the kernel's autogroup scheduling each
         # session is a scheduling group, and a gateway alone in one was seen starved for seconds beside the
