@@ -1,10 +1,12 @@
 """The settler: bills the requests whose gateway died before it billed them (tenancy/settlement.py).
 
-It runs in every gateway worker, on a slow timer (``settle_interval_s``); a Redis lock lets one worker of all
-make each pass. Why the gateways and not the KV-eviction controller: wherever requests are admitted gateways
-run, so a settler runs too (the controller is optional, one replica, and absent from ``tessera up`` without
-KV control); a dead gateway's requests are settled by any surviving one, or by the restarted one. The lock only
-saves work: finish.lua bills each lease once, whoever asks and however often.
+It runs in every gateway worker, on a slow timer (``settle_interval_s``); a Redis lock, held for the length
+of a pass, keeps two workers from making the same pass at once (a pass that finds nothing due is one read).
+The lock only saves work: finish.lua bills each lease once, whoever asks and however often.
+
+Why the gateways and not the KV-eviction controller: wherever requests are admitted gateways run, so a settler
+runs too (the controller is optional, one replica, and absent from ``tessera up`` without KV control); a dead
+gateway's requests are settled by any surviving one, or by the restarted one.
 
 A pass: the open tickets ``settle_grace_s`` past their settle-by time (their gateway stopped renewing), the
 engine's usage record of each (engine/usage_record.py; one pipelined read), ``settlement.decide``, and
@@ -34,6 +36,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 LOCK_KEY = "tessera:billing:settler-lock"
+# The lock frees itself after this even if its holder died mid-pass, milliseconds.
+LOCK_TTL_MS = 60_000
+_RELEASE_LUA = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
 # Tickets read and billed per round trip; a pass goes on until fewer are due.
 BATCH = 200
 
@@ -67,15 +72,16 @@ class Settler:
         while True:
             await asyncio.sleep(self.interval_s * random.uniform(0.5, 1.0))
             try:
-                if await self._take_turn():
-                    await self.settle_due()
+                if await self._redis.set(LOCK_KEY, self._token, nx=True, px=LOCK_TTL_MS):
+                    try:
+                        await self.settle_due()
+                    finally:
+                        await self._redis.eval(_RELEASE_LUA, 1, LOCK_KEY, self._token)
             except STORE_ERRORS as exc:
                 logger.warning("settler pass skipped: Redis did not answer (%s)", exc)
-
-    async def _take_turn(self) -> bool:
-        """Whether this worker makes this interval's pass: the lock expires by itself, never released, so
-        the passes of all workers together come at most once an interval."""
-        return bool(await self._redis.set(LOCK_KEY, self._token, nx=True, px=max(1, int(self.interval_s * 1000))))
+            except Exception:
+                # A background loop outlives a bad pass; the next one tries again (and logs again).
+                logger.exception("settler pass failed")
 
     async def settle_due(self) -> SettleReport:
         """Bills every ticket that is due now."""

@@ -38,6 +38,8 @@ FINISH_MARKER_TTL_S = 600
 SETTLED_MARKER_TTL_S = 7 * 86400
 # The open-ticket set and the tickets hash (admission.lua) expire once no admission has touched them this long.
 TICKET_RETENTION_S = 7 * 86400
+# The usage fields finish.lua adds for the settler's charges (beside requests, prompt and completion tokens).
+SETTLE_LABELS = ("settled_from_engine", "charged_reservation", "charged_reservation_tokens")
 OPEN_TICKETS_KEY = "tessera:billing:open"
 TICKETS_KEY = "tessera:billing:tickets"
 
@@ -255,13 +257,16 @@ class Admission:
         return tickets
 
     async def usage(self, tenant: str, period: str, when: datetime | None = None) -> dict[str, int | str]:
-        """Requests and tokens of the tenant in the period containing ``when`` (default: now)."""
+        """Requests and tokens of the tenant in the period containing ``when`` (default: now), with how many of
+        the requests the settler billed after their gateway died: from the engine's record
+        (``settled_from_engine``), or their whole reservation (``charged_reservation``, and its tokens)."""
         period_id, _ = period_window(check_period(period), when or datetime.now(UTC))
         raw = await self._redis.hgetall(usage_key(tenant, period_id))
         counts = {(k.decode() if isinstance(k, bytes) else str(k)): int(v) for k, v in raw.items()}
         prompt, completion = counts.get("prompt_tokens", 0), counts.get("completion_tokens", 0)
         return {"period": period, "period_id": period_id, "requests": counts.get("requests", 0),
-                "prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+                "prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                **{label: counts.get(label, 0) for label in SETTLE_LABELS}}
 
     async def in_flight(self, tenant: str) -> int:
         """Unexpired concurrency leases of the tenant (Redis's clock)."""
