@@ -7,6 +7,7 @@ is vLLM's answer (``engine/capabilities.py``), the same one the engine host acts
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import socket
@@ -84,9 +85,7 @@ def package_findings() -> list[Finding]:
 def redis_findings(redis_url: str | None) -> list[Finding]:
     if redis_url:
         try:
-            import redis
-
-            redis.Redis.from_url(redis_url, socket_timeout=2, socket_connect_timeout=2).ping()
+            asyncio.run(_ping(redis_url))  # the components' own client: redis://, rediss:// or redis+sentinel://
         except Exception as exc:
             return [Finding("Redis", f"TESSERA_REDIS_URL={_without_password(redis_url)}",
                             f"not reachable ({exc}); start it, or unset TESSERA_REDIS_URL to use the embedded one")]
@@ -197,6 +196,16 @@ def _read(path: str) -> str:
         return Path(path).read_text()
     except OSError:
         return ""
+
+
+async def _ping(redis_url: str) -> None:
+    from tessera.redis_conn import connect
+
+    client = connect(redis_url, timeout_s=2.0)
+    try:
+        await client.ping()
+    finally:
+        await client.aclose()
 
 
 def _without_password(url: str) -> str:

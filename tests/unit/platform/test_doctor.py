@@ -41,6 +41,15 @@ def test_unreachable_redis_is_a_problem_without_its_password() -> None:
     assert "s3cret" not in finding.seen and "***@127.0.0.1" in finding.seen
 
 
+def test_a_sentinel_url_is_checked_through_its_sentinels() -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+        (finding,) = redis_findings(f"redis+sentinel://:s3cret@127.0.0.1:{port}/tessera/0")
+    assert finding.problem is not None and "No master found for 'tessera'" in finding.problem
+    assert "s3cret" not in finding.seen
+
+
 def test_a_busy_gateway_port_is_a_problem() -> None:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
