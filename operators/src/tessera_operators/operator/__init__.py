@@ -13,7 +13,8 @@ __all__ = ["build_parser", "main"]
 
 # The one shared TESSERA_* setting the operator reads, described for the operator (the shared description
 # speaks of the CLI); its own TESSERA_OPERATOR_* settings are listed from OperatorSettings.
-SHARED_SETTINGS_READ = {"redis_url": "Redis URL the tenants are kept in, redis://[:password@]host:port/db (required)."}
+SHARED_SETTINGS_READ = {"redis_url": "Redis URL the tenants are kept in, redis://[:password@]host:port/db or "
+                        "redis+sentinel://[:password@]host1:26379,host2:26379/<primary-name>[/db] (required)."}
 DESCRIPTION = """Run the Tessera operator: reconcile Tenant and Model objects (tessera.dev/v1alpha1)
 in one namespace with kopf, keeping tenants in Redis. It takes no arguments."""
 
