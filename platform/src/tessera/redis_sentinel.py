@@ -21,6 +21,7 @@ from urllib.parse import parse_qs, unquote
 
 import hiredis
 from pydantic import BaseModel, ConfigDict, Field
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 SENTINEL_SCHEME = "redis+sentinel"
 DEFAULT_SENTINEL_PORT = 26379
@@ -115,7 +116,8 @@ def pack(*args: str | int) -> bytes:
 class SentinelResolver:
     """The primary's address as the Sentinels give it (``SENTINEL GET-MASTER-ADDR-BY-NAME``), asked one
     Sentinel at a time in order; the first that answers moves to the front, so a dead Sentinel costs a
-    timeout only until another has answered. Raises ``ConnectionError`` when none knows the primary."""
+    timeout only until another has answered. Raises redis-py's ``ConnectionError`` when none knows the
+    primary, so callers handle it as any unreachable Redis (503, a finish parked)."""
 
     def __init__(self, config: SentinelConfig, timeout_s: float) -> None:
         self.config = config
@@ -137,7 +139,7 @@ class SentinelResolver:
             if index:
                 self._order.insert(0, self._order.pop(index))
             return address
-        raise ConnectionError(f"no Sentinel gave the primary {self.config.primary_name!r}: {'; '.join(problems)}")
+        raise RedisConnectionError(f"no Sentinel gave the primary {self.config.primary_name!r}: {'; '.join(problems)}")
 
     async def _ask(self, host: str, port: int) -> tuple[str, int] | None:
         reader, writer = await asyncio.open_connection(host, port)

@@ -261,7 +261,7 @@ async def test_a_dead_sentinel_is_skipped_and_the_one_that_answered_is_asked_fir
     assert [c[0] for c in sentinel.server.commands] == [b"AUTH", b"SENTINEL"] * 2
     assert resolver._order[0] == ("127.0.0.1", sentinel.server.port)
     sentinel.primary = None
-    with pytest.raises(ConnectionError, match=f"does not monitor 'tessera'; 127.0.0.1:{dead}: "):
+    with pytest.raises(RedisConnectionError, match=f"does not monitor 'tessera'; 127.0.0.1:{dead}: "):
         await resolver.primary_address()
     await sentinel.server.close()
     await a.server.close()
