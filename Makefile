@@ -13,7 +13,7 @@ PYTEST_ARGS ?=
 
 .PHONY: install run test lint unit integration e2e bench bench-gateway bench-gateway-hops bench-admission bench-routing \
         bench-kvcontrol bench-loadgen bench-cli bench-stack bench-wires bench-gateway-cpu bench-gateway-ab bench-prefix-index \
-        helm-check clean
+        bench-flood helm-check clean
 
 install: $(STAMP)
 
@@ -79,6 +79,11 @@ bench-loadgen: install
 # The hand-written wires (http_wire, redis_wire, late_spans) against the libraries they replace.
 bench-wires: install
 	$(BIN)/python bench/bench_wires.py
+
+# One source flooding a gateway with slow and oversized request heads, another tenant's TTFT quiet and under
+# the flood (issue #15: p99 within 1.5x); bench/results/flood.json.
+bench-flood: install
+	$(BIN)/python bench/bench_flood.py
 
 # The gateway's CPU per 16-token streamed request and idle, against a fake engine (issue #19's goals).
 bench-gateway-cpu: install

@@ -116,20 +116,21 @@ async def test_a_url_one_byte_over_the_limit_is_414_and_closes() -> None:
     stack = Stack()
     protocol, transport = stack.connect()
     protocol.data_received(request("/" + "a" * 256))
-    assert status_of(transport) == 414 and error_of(transport)["code"] == "url_too_long"
-    assert b"connection: close" in transport.sent and transport.eof and stack.paths == []
-    before = len(transport.sent)
-    protocol.data_received(request())  # lingering: read and dropped
-    assert len(transport.sent) == before and stack.paths == []
+    assert await answered(transport) == 414 and error_of(transport)["code"] == "url_too_long"
+    assert b"connection: close" in transport.sent and transport.closed and stack.paths == []
 
 
-async def test_a_url_arriving_in_pieces_is_counted_whole() -> None:
+async def test_a_url_still_arriving_is_414_once_over_the_limit_and_the_rest_is_dropped() -> None:
     stack = Stack()
     protocol, transport = stack.connect()
     protocol.data_received(b"GET /" + b"a" * 200)
     assert not transport.sent
     protocol.data_received(b"a" * 100)
-    assert status_of(transport) == 414
+    assert status_of(transport) == 414 and error_of(transport)["code"] == "url_too_long"
+    assert transport.eof and not transport.closed  # lingering: the write side shut, still reading
+    before = len(transport.sent)
+    protocol.data_received(b"a" * 1000 + b" HTTP/1.1\r\n\r\n" + request())  # read and dropped
+    assert len(transport.sent) == before and stack.paths == []
 
 
 @pytest.mark.parametrize("headers", [
@@ -141,8 +142,17 @@ async def test_headers_over_the_limit_are_431(headers: list[tuple[str, str]]) ->
     stack = Stack()
     protocol, transport = stack.connect()
     protocol.data_received(request(headers=headers))
-    assert status_of(transport) == 431 and error_of(transport)["code"] == "headers_too_large"
-    assert stack.paths == []
+    assert await answered(transport) == 431 and error_of(transport)["code"] == "headers_too_large"
+    assert stack.paths == [] and transport.closed
+
+
+@pytest.mark.parametrize("num_header_bytes, status", [(1024, 200), (1025, 431)])
+async def test_the_header_limit_holds_to_the_byte(num_header_bytes: int, status: int) -> None:
+    stack = Stack()
+    protocol, transport = stack.connect()
+    # Each header counts its name, its value, ": " and CRLF: "host: gw" is 10 bytes, "x-pad: " + CRLF 9 more.
+    protocol.data_received(request(headers=[("x-pad", "p" * (num_header_bytes - 19))]))
+    assert await answered(transport) == status
 
 
 async def test_a_header_value_that_never_ends_is_431_before_it_is_read_whole() -> None:

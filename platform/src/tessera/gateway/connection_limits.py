@@ -6,9 +6,9 @@ of its own until the value ends, so an 8 MiB header was read whole (and copied a
 that never finishes its head was held forever; connections and tasks had no cap. ``LimitedHttpToolsProtocol``
 is that protocol with:
 
-- the request target over ``max_url_bytes`` (checked as the URL arrives): 414 ``url_too_long``;
-- the header lines over ``max_header_bytes`` (checked as each header ends, and after each read while the
-  head is incomplete, for a header still arriving): 431 ``headers_too_large``;
+- the request target over ``max_url_bytes``: 414 ``url_too_long``;
+- the header lines over ``max_header_bytes``: 431 ``headers_too_large`` (measured exactly when the head is
+  complete, and after each read while it is not, so a header still arriving is never read whole);
 - a head not complete ``header_timeout_s`` after the connection opened (or after the head's first bytes on a
   kept-alive connection): 408 ``header_timeout``;
 - each of those closes the connection;
@@ -22,8 +22,9 @@ Kubernetes would restart it). A refused connection lingers: the answer is writte
 what the client still sends is read and dropped for at most ``REFUSED_LINGER_S`` (closing with unread data
 would reset the connection, and the client could lose the answer).
 
-Cost per request on the hot path: a length check per URL piece and per header, two per head, and no timer
-unless a head arrives in more than one read (``make bench-gateway-ab`` measures the gateway per request).
+Cost per request on the hot path: a few comparisons per read and per head, no callback per header and no
+timer unless a head arrives in more than one read (``make bench-flood`` prints the protocol's CPU per request
+beside uvicorn's).
 
 The same protocol serves the metrics listener (``metrics_port``): a connection to that port reaches only
 ``metrics.metrics_app``, one to the API port never does.
@@ -32,6 +33,7 @@ The same protocol serves the metrics listener (``metrics_port``): a connection t
 from __future__ import annotations
 
 import asyncio
+import functools
 import http
 from dataclasses import dataclass
 from typing import Any
@@ -40,8 +42,8 @@ from uvicorn.config import Config
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.server import ServerState
 
-from tessera.asgi import Receive, Scope, Send, encode_headers, respond_raw_json
-from tessera.gateway.errors import APIError, error_body
+from tessera.asgi import Receive, Scope, Send
+from tessera.gateway.errors import error_body
 from tessera.gateway.metrics import metrics_app
 
 # A refused connection reads and drops what the client still sends for at most this long, seconds, then
@@ -85,7 +87,12 @@ def raw_error_response(status: int, code: str, message: str, default_headers: li
 
 class LimitedHttpToolsProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol within ``ConnectionLimits``; uvicorn builds one per connection
-    (``launch.py`` passes it as ``http=`` with the limits bound)."""
+    (``launch.py`` passes it as ``http=`` with the limits bound).
+
+    NOTE: it overrides two methods only, ``data_received`` and ``on_headers_complete``: each parser callback
+    overridden in Python costs a call per request or per header (``make bench-flood`` prints the protocol's
+    CPU per request beside uvicorn's). Whether a head is incomplete is read from uvicorn's own state: a
+    message began (``on_message_begin`` made a new ``scope``) that no request cycle holds yet."""
 
     def __init__(self, config: Config, server_state: ServerState, app_state: dict[str, Any],
                  _loop: asyncio.AbstractEventLoop | None = None, *, limits: ConnectionLimits,
@@ -95,11 +102,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._metrics_port = metrics_port
         self._max_head_bytes = limits.max_url_bytes + limits.max_header_bytes + _REQUEST_LINE_SLACK
         self._connection_app: Any = self.app
-        # Between a message's first byte and the end of its head.
-        self._reading_head = False
-        self._message_began = False
-        self._num_head_bytes = 0
-        self._num_header_bytes = 0
+        self._num_head_bytes = 0  # read so far of a head that spans reads
+        self._num_read_bytes = 0  # ... and with the current read: at most this many in the head completing now
         self._over_cap = False
         self._refused = False
         self._head_timer: asyncio.TimerHandle | None = None
@@ -124,98 +128,83 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
     def data_received(self, data: bytes) -> None:
         if self._refused:
             return  # lingering: read and dropped
-        self._message_began = False
+        scope_before = self.scope
+        self._num_read_bytes = self._num_head_bytes + len(data)
         super().data_received(data)
-        if not self._reading_head or self._refused or self.transport.is_closing():
+        if not self._head_incomplete() or self.transport.is_closing():
             return
-        # A head still incomplete after this read. Bytes read before the message began belong to the one
-        # before: count this read only if the message began earlier (the bound is then one read looser).
-        self._num_head_bytes = 0 if self._message_began else self._num_head_bytes + len(data)
-        if self._num_head_bytes > self._max_head_bytes:
-            self._refuse(431, "headers_too_large", "The request's headers exceed the gateway's limit of "
-                         f"{self._limits.max_header_bytes} bytes.")
+        # Bytes read before this head began belong to the message before: count this read only if the head
+        # began in an earlier one (the bound is then one read looser).
+        self._num_head_bytes = self._num_head_bytes + len(data) if self.scope is scope_before else 0
+        if len(self.url) > self._limits.max_url_bytes:
+            self._refuse(*self._url_too_long())
+        elif self._num_head_bytes > self._max_head_bytes:
+            self._refuse(*self._headers_too_large())
         elif self._head_timer is None:
             self._head_timer = self.loop.call_later(self._limits.header_timeout_s, self._head_timed_out)
 
-    # Parser callbacks
-    def on_message_begin(self) -> None:
-        super().on_message_begin()
-        self._reading_head = self._message_began = True
-        self._num_head_bytes = self._num_header_bytes = 0
-
-    def on_url(self, url: bytes) -> None:
-        if self._refused:
-            return
-        super().on_url(url)
-        if len(self.url) > self._limits.max_url_bytes:
-            self._refuse(414, "url_too_long", f"The request URL exceeds the gateway's limit of "
-                         f"{self._limits.max_url_bytes} bytes.")
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        if self._refused:
-            return
-        self._num_header_bytes += len(name) + len(value) + 4  # ": " and CRLF
-        if self._num_header_bytes > self._limits.max_header_bytes:
-            self._refuse(431, "headers_too_large", "The request's headers exceed the gateway's limit of "
-                         f"{self._limits.max_header_bytes} bytes.")
-            return
-        super().on_header(name, value)
-
     def on_headers_complete(self) -> None:
-        if self._refused:
-            return
-        self._reading_head = False
         self._cancel_head_timer()
-        busy = self._over_cap or len(self.tasks) >= self._limits.max_in_flight
+        app = self._connection_app
+        if self._num_read_bytes > self._limits.max_header_bytes or len(self.url) > self._limits.max_url_bytes:
+            app = self._checked_size(app)  # rare: a head (or a read) this large is measured exactly
+        if app is self._connection_app and (self._over_cap or len(self.tasks) >= self._limits.max_in_flight):
+            app = self._answer_busy
+        self._num_head_bytes = 0
         # uvicorn's on_headers_complete starts ``self.app`` for the request.
-        self.app = self._answer_busy if busy else self._connection_app
+        self.app = app
         super().on_headers_complete()
 
-    def on_body(self, body: bytes) -> None:
-        if not self._refused:
-            super().on_body(body)
-
-    def on_message_complete(self) -> None:
-        if not self._refused:
-            super().on_message_complete()
-
     # Refusals
+    def _checked_size(self, app: Any) -> Any:
+        if len(self.url) > self._limits.max_url_bytes:
+            return functools.partial(_answer_error, *self._url_too_long())
+        if sum(len(name) + len(value) + 4 for name, value in self.headers) > self._limits.max_header_bytes:
+            return functools.partial(_answer_error, *self._headers_too_large())
+        return app
+
+    def _url_too_long(self) -> tuple[int, str, str]:
+        return (414, "url_too_long",
+                f"The request URL exceeds the gateway's limit of {self._limits.max_url_bytes} bytes.")
+
+    def _headers_too_large(self) -> tuple[int, str, str]:
+        return (431, "headers_too_large",
+                f"The request's headers exceed the gateway's limit of {self._limits.max_header_bytes} bytes.")
+
     async def _answer_busy(self, scope: Scope, receive: Receive, send: Send) -> None:
         """The ASGI app of a request beyond a cap: 503 naming the limit (``/health`` is served all the same)."""
         if scope["path"] in _EXEMPT_PATHS:
             await self._connection_app(scope, receive, send)
-            return
-        retry = {"Retry-After": str(BUSY_RETRY_AFTER_S)}
-        if self._over_cap:
-            err = APIError(503, f"This gateway worker holds its limit of {self._limits.max_connections} "
-                           "connections (TESSERA_MAX_CONNECTIONS_PER_WORKER); retry shortly.",
-                           "too_many_connections", headers={**retry, "Connection": "close"})
+        elif self._over_cap:
+            await _answer_error(503, "too_many_connections", f"This gateway worker holds its limit of "
+                                f"{self._limits.max_connections} connections (TESSERA_MAX_CONNECTIONS_PER_WORKER); "
+                                "retry shortly.", scope, receive, send)
         else:
-            err = APIError(503, f"This gateway worker has its limit of {self._limits.max_in_flight} requests in "
-                           "flight (TESSERA_MAX_IN_FLIGHT_PER_WORKER); retry shortly.",
-                           "too_many_requests_in_flight", headers=retry)
-        body = err.body()
-        await respond_raw_json(send, err.status, body,
-                               [(b"content-length", b"%d" % len(body)), *encode_headers(err.headers)])
+            await _answer_error(503, "too_many_requests_in_flight", f"This gateway worker has its limit of "
+                                f"{self._limits.max_in_flight} requests in flight (TESSERA_MAX_IN_FLIGHT_PER_WORKER); "
+                                "retry shortly.", scope, receive, send, keep_alive=True)
+
+    def _head_incomplete(self) -> bool:
+        """A message began (``on_message_begin`` made a scope) that no request cycle holds yet."""
+        return self.scope is not None and (self.cycle is None or self.cycle.scope is not self.scope)
 
     def _head_timed_out(self) -> None:
         self._head_timer = None
         if self._refused or self.transport.is_closing():
             return
-        if not self._reading_head and self.cycle is not None:
-            return  # between requests: the keep-alive timeout's to close
         if self.cycle is not None and not self.cycle.response_complete:
-            # A response is under way on this connection: its next head may wait for it.
-            self._head_timer = self.loop.call_later(self._limits.header_timeout_s, self._head_timed_out)
+            if self._head_incomplete():  # a pipelined head may wait for the response under way
+                self._head_timer = self.loop.call_later(self._limits.header_timeout_s, self._head_timed_out)
             return
+        if self.cycle is not None and not self._head_incomplete():
+            return  # between requests: the keep-alive timeout's to close
         self._refuse(408, "header_timeout", f"The request's headers did not arrive within "
                      f"{self._limits.header_timeout_s:g} s.")
 
     def _refuse(self, status: int, code: str, message: str) -> None:
-        """Answers ``status`` and closes, lingering (module docstring); a response under way on this
-        connection is cut instead (a pipelined head the client itself sent too large)."""
+        """Answers ``status`` outside any request cycle and closes, lingering (module docstring); a response
+        under way on this connection is cut instead (a pipelined head the client itself sent too large)."""
         self._refused = True
-        self._reading_head = False
         self._cancel_head_timer()
         if self.cycle is not None and not self.cycle.response_complete:
             self.transport.close()
@@ -229,6 +218,20 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         if self._head_timer is not None:
             self._head_timer.cancel()
             self._head_timer = None
+
+
+async def _answer_error(status: int, code: str, message: str, scope: Scope, receive: Receive, send: Send,
+                        keep_alive: bool = False) -> None:
+    """An error as a request's ASGI app: OpenAI-style body, ``Retry-After`` on a 503, and unless
+    ``keep_alive`` the connection closed after it (uvicorn reads the ``connection`` header)."""
+    body = error_body(message, "service_unavailable" if status == 503 else "invalid_request_error", code)
+    headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
+    if status == 503:
+        headers.append((b"retry-after", b"%d" % BUSY_RETRY_AFTER_S))
+    if not keep_alive:
+        headers.append((b"connection", b"close"))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
 
 
 __all__ = ["BUSY_RETRY_AFTER_S", "REFUSED_LINGER_S", "ConnectionLimits", "LimitedHttpToolsProtocol",
