@@ -10,6 +10,8 @@ STAMP := $(VENV)/.tessera-installed
 ENGINES ?= 1
 MODEL ?=
 PYTEST_ARGS ?=
+PYTEST_WORKERS ?= 2
+PYTEST_XDIST := $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadgroup --no-loadscope-reorder)
 
 .PHONY: install run test lint unit integration e2e bench bench-gateway bench-gateway-hops bench-admission bench-routing \
         bench-kvcontrol bench-loadgen bench-cli bench-stack bench-wires bench-gateway-cpu bench-gateway-ab bench-prefix-index \
@@ -38,8 +40,10 @@ lint: install
 	$(BIN)/ruff check .
 	$(BIN)/mypy --config-file pyproject.toml
 
+# Two xdist workers overlap the suite's waits (engines starting, streams decoding); tests/support/parallel.py
+# keeps each shared engine in one worker and Ray tests in one. PYTEST_WORKERS=0 runs it in one process.
 test: install lint
-	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=15 $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=15 $(PYTEST_XDIST) $(PYTEST_ARGS)
 
 unit: install
 	$(BIN)/python -m pytest -q tests/unit

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -11,6 +12,7 @@ import pytest
 from tessera.data_plane_auth import ensure_key_file
 from tessera.engine.small_model import is_small_model_dir, make_small_model
 from tessera.redis_conn import EmbeddedRedis
+from tests.support.parallel import assign_groups
 
 REPO = Path(__file__).resolve().parents[1]
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -33,6 +35,16 @@ def redis_server() -> Iterator[EmbeddedRedis]:
 def small_model_dir() -> Path:
     """The default small model, generated once per checkout (deterministic from its seed)."""
     path = REPO / ".tessera" / "models" / "tessera-small"
-    if not is_small_model_dir(path):
-        make_small_model(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # `make test`'s two workers ask at once on a fresh clone: one generates, the other waits and reuses it.
+    with (path.parent / ".tessera-small.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not is_small_model_dir(path):
+            make_small_model(path)
     return path
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # Only in an xdist worker (`make test` runs two): how the suite is split is in tests/support/parallel.py.
+    if hasattr(config, "workerinput"):
+        assign_groups(items, REPO)

