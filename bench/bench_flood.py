@@ -36,6 +36,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -179,7 +180,8 @@ def protocol_cost_us() -> dict[str, float]:
     settings = TesseraSettings()
     limits = ConnectionLimits(settings.max_url_bytes, settings.max_header_bytes, settings.header_timeout_s,
                               settings.max_connections_per_worker, settings.max_in_flight_per_worker)
-    makers = {"uvicorn httptools": HttpToolsProtocol,
+    makers: dict[str, Callable[..., HttpToolsProtocol]] = {
+        "uvicorn httptools": HttpToolsProtocol,
               "gateway (limits)": functools.partial(LimitedHttpToolsProtocol, limits=limits)}
     spent: dict[str, list[float]] = {name: [] for name in makers}
 
