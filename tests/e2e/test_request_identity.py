@@ -8,6 +8,7 @@ import asyncio
 import threading
 
 import httpx
+import pytest
 
 from tessera.local.platform import LocalPlatform
 from tests.support.poll import wait_until
@@ -16,6 +17,7 @@ SHARED_ID = "the-same-id-for-everyone"
 VICTIM_TOKENS = 400
 
 
+@pytest.mark.adversarial
 def test_a_tenant_reusing_anothers_request_id_cannot_cut_its_stream(platform_stack: LocalPlatform,
                                                                      engine_url: str) -> None:
     victim_key = asyncio.run(platform_stack.create_tenant("e2e-victim"))

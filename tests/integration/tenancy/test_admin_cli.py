@@ -83,6 +83,7 @@ def test_invalid_tenants_are_400(admin: httpx.Client, body: dict[str, Any], para
         assert error_of(response)["param"] == param
 
 
+@pytest.mark.adversarial
 @pytest.mark.parametrize("method, path, code", [
     ("POST", "/admin/tenants/{owner}:keys/keys", "invalid_tenant_name"),  # was Redis's WRONGTYPE: a 500
     ("GET", "/admin/tenants/{owner}:keys", "invalid_tenant_name"),

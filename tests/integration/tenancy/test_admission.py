@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 
+import pytest
 import redis.asyncio as aioredis
 
 from tessera.redis_conn import connect
@@ -172,6 +173,7 @@ async def test_finish_counts_once_however_often_it_is_retried(redis_client: aior
     await assert_every_key_has_a_ttl(redis_client, tenant)
 
 
+@pytest.mark.adversarial
 async def test_the_charge_never_exceeds_the_reservation(redis_client: aioredis.Redis) -> None:
     tenant, policy = tenant_name(), TenantPolicy(token_budget=1000, budget_period="day", tokens_per_minute=10_000)
     admission = Admission(redis_client)

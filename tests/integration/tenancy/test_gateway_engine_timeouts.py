@@ -20,6 +20,8 @@ from tests.support.gateways import GatewayProcess, running_gateways
 from tests.support.poll import wait_until
 from tests.support.tenancy import GATEWAY_ENV, TenantHandle, admin_headers, create_tenant
 
+pytestmark = pytest.mark.adversarial
+
 TIMEOUT_ENV = {**GATEWAY_ENV, "TESSERA_ENGINE_IDLE_TIMEOUT_S": "0.5", "TESSERA_ENGINE_TOTAL_TIMEOUT_S": "2"}
 
 

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 from tessera.redis_conn import EmbeddedRedis, connect
 from tessera.registry import EngineRecord, EngineRegistry, ModelInfo, register_model
@@ -28,6 +29,7 @@ async def _heartbeat_dead_replica(redis_url: str, model: str, tokenizer_dir: Pat
         await redis.aclose()
 
 
+@pytest.mark.adversarial
 def test_an_unreachable_replica_is_named_by_kind_not_address(redis_server: EmbeddedRedis, small_model_dir: Path,
                                                              tmp_path: Path) -> None:
     model, port = f"dead-{time.monotonic_ns()}", free_port()

@@ -49,12 +49,14 @@ def post(client: httpx.Client, tenant: TenantHandle, body: Any, path: str = "/v1
     return client.post(path, content=content, headers={**tenant.headers, "content-type": "application/json"})
 
 
+@pytest.mark.adversarial
 def test_body_over_the_limit_is_413(client: httpx.Client, tenant: TenantHandle) -> None:
     huge = json.dumps(completion_body(prompt="x" * 1_100_000)).encode()
     response = post(client, tenant, huge)
     assert response.status_code == 413 and error_of(response)["code"] == "body_too_large"
 
 
+@pytest.mark.adversarial
 def test_body_over_the_limit_without_content_length_is_413(client: httpx.Client, tenant: TenantHandle) -> None:
     def chunks() -> Iterator[bytes]:
         for _ in range(20):
@@ -63,6 +65,7 @@ def test_body_over_the_limit_without_content_length_is_413(client: httpx.Client,
     assert response.status_code == 413
 
 
+@pytest.mark.adversarial
 def test_a_body_over_the_limit_is_refused_even_without_a_key(client: httpx.Client) -> None:
     response = client.post("/v1/completions", content=b"{" + b" " * 1_100_000 + b"}")
     assert response.status_code == 413
@@ -91,6 +94,7 @@ def test_prompt_over_the_model_context_is_400(gateways: list[GatewayProcess], te
     assert too_much.status_code == 400 and error_of(too_much)["param"] == "max_tokens"
 
 
+@pytest.mark.adversarial
 def test_a_request_the_tenants_rate_can_never_hold_is_400_not_429(gateways: list[GatewayProcess]) -> None:
     # Admission would answer it 429 + Retry-After forever: no tokens-per-minute window holds 100 + prompt.
     small = create_tenant(gateways[0], {"tokensPerMinute": 50}, prefix="tpm")
@@ -104,6 +108,7 @@ def test_a_request_the_tenants_rate_can_never_hold_is_400_not_429(gateways: list
     assert fitting.status_code == 200, fitting.text
 
 
+@pytest.mark.adversarial
 @pytest.mark.parametrize("field, value", [("logprobs", 2), ("echo", True), ("suffix", "end")])
 def test_openai_fields_tessera_does_not_serve_are_400_by_name(client: httpx.Client, tenant: TenantHandle,
                                                               field: str, value: object) -> None:

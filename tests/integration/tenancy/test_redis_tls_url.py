@@ -13,6 +13,8 @@ from tessera.redis_conn import EmbeddedRedis, connect
 from tessera.redis_wire import RedisWire
 from tests.support.tls_proxy import make_private_ca, tls_front
 
+pytestmark = pytest.mark.adversarial
+
 
 async def test_the_lean_connection_honours_the_urls_private_ca(redis_server: EmbeddedRedis, tmp_path: Path) -> None:
     ca = make_private_ca(tmp_path)
