@@ -23,8 +23,14 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from tessera.data_plane_auth import ensure_key_file  # noqa: E402
 from tessera.gateway.launch import GatewayLaunch  # noqa: E402
 from tests.support.machine import free_port, pin_this_process, pinned, split_cores  # noqa: E402
+
+# The data-plane key: every replica, gateway and controller a benchmark starts inherits it, and the benchmarks'
+# own calls straight to a replica sign with it (ENGINE_AUTH for httpx, signed_headers otherwise).
+os.environ.setdefault("TESSERA_DATA_PLANE_KEY_FILE", str(ensure_key_file(REPO / ".tessera" / "data-plane.key")))
+from tests.support.data_plane import ENGINE_AUTH, signed_headers  # noqa: E402, F401
 
 RESULTS = REPO / "bench" / "results"
 BIN = Path(sys.executable).parent

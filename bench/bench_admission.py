@@ -27,6 +27,7 @@ import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _support import (
+    ENGINE_AUTH,
     bench_setup,
     issue_keys,
     percentiles,
@@ -113,7 +114,7 @@ def ttft_direct(client: httpx.Client, engine_url: str, i: int) -> float:
     body = {"request_id": f"bench-direct-{i}-{time.monotonic_ns()}", "prompt_token_ids": PROMPT_IDS, "max_tokens": 8,
             "temperature": 0.0, "ignore_eos": True}
     t0 = time.perf_counter()
-    with client.stream("POST", f"{engine_url}/generate", json=body) as response:
+    with client.stream("POST", f"{engine_url}/generate", json=body, auth=ENGINE_AUTH) as response:
         lines = response.iter_lines()
         for line in lines:
             # The first delta with text: the first event the gateway can stream for a completion (it sends no

@@ -40,7 +40,7 @@ import httpx
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _support import REPO
+from _support import ENGINE_AUTH, REPO
 
 MODEL_DIR = REPO / ".tessera" / "models" / "tessera-small"
 VOCAB = int(json.loads((MODEL_DIR / "config.json").read_text())["vocab_size"])
@@ -72,7 +72,7 @@ def one_request(client: httpx.Client, url: str, prompt_tokens: int, max_tokens: 
                                                                            for _ in range(prompt_tokens)],
             "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0.0}
     lines = 0
-    with client.stream("POST", f"{url}/generate", json=body) as response:
+    with client.stream("POST", f"{url}/generate", json=body, auth=ENGINE_AUTH) as response:
         response.raise_for_status()
         for line in response.iter_lines():
             lines += bool(line)

@@ -45,6 +45,7 @@ from _support import (
     median_difference_ci,
     percentiles,
     print_table,
+    signed_headers,
     start_engine,
     start_gateway,
     stop,
@@ -72,7 +73,8 @@ async def one_direct(session: aiohttp.ClientSession, url: str, ids: list[int], n
             "temperature": 0.0, "ignore_eos": True}
     t0 = time.perf_counter()
     ttft, chunks = None, 0
-    async with session.post(f"{url}/generate", data=orjson.dumps(body)) as resp:
+    data = orjson.dumps(body)
+    async with session.post(f"{url}/generate", data=data, headers=signed_headers("POST", "/generate", data)) as resp:
         async for line in resp.content:
             msg = orjson.loads(line)
             if "d" in msg:

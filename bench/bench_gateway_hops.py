@@ -26,6 +26,7 @@ from _support import (
     issue_keys,
     median_difference_ci,
     print_table,
+    signed_headers,
     start_engine,
     start_gateway,
     stop,
@@ -61,7 +62,8 @@ async def direct(session: aiohttp.ClientSession, url: str, ids: list[int]) -> St
     body = {"request_id": f"hops-{time.monotonic_ns()}", "prompt_token_ids": ids, "max_tokens": 8,
             "temperature": 0.0, "ignore_eos": True}
     sent, first = time.time_ns(), 0
-    async with session.post(f"{url}/generate", data=orjson.dumps(body)) as resp:
+    data = orjson.dumps(body)
+    async with session.post(f"{url}/generate", data=data, headers=signed_headers("POST", "/generate", data)) as resp:
         async for line in resp.content:
             if not first and "d" in orjson.loads(line):
                 first = time.time_ns()

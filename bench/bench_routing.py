@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _support import REPO, bench_model
+from _support import REPO, bench_model, signed_headers
 
 MODEL_DIR = REPO / ".tessera" / "models" / "tessera-bench-routing"
 RESULTS = REPO / "bench" / "results" / "routing.json"
@@ -132,7 +132,8 @@ async def generate(session: Any, url: str, prompt: list[int], salt: str | None =
             "ignore_eos": True, "cache_salt": salt}
     first: float | None = None
     stats: dict[str, Any] = {}
-    async with session.post(f"{url}/generate", data=orjson.dumps(body)) as resp:
+    data = orjson.dumps(body)
+    async with session.post(f"{url}/generate", data=data, headers=signed_headers("POST", "/generate", data)) as resp:
         assert resp.status == 200, await resp.text()
         async for line in resp.content:
             message = orjson.loads(line)

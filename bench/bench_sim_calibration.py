@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _support import REPO, bench_model
+from _support import ENGINE_AUTH, REPO, bench_model
 
 MODEL_DIR = REPO / ".tessera" / "models" / "tessera-bench-routing"
 RESULTS = REPO / "bench" / "results" / "sim_calibration.json"
@@ -88,7 +88,7 @@ async def stream(client: Any, url: str, prompt: list[int], max_tokens: int, time
             "ignore_eos": True}
     arrivals: list[float] = []
     stats: dict[str, Any] = {}
-    async with client.stream("POST", f"{url}/generate", content=orjson.dumps(body)) as response:
+    async with client.stream("POST", f"{url}/generate", content=orjson.dumps(body), auth=ENGINE_AUTH) as response:
         async for line in response.aiter_lines():
             if not line:
                 continue
@@ -134,7 +134,8 @@ async def measure_step_costs(url: str) -> dict[str, float]:
         for _ in range(3):
             body = {"request_id": f"p-{time.monotonic_ns()}", "max_tokens": 1, "ignore_eos": True,
                     "prompt_token_ids": [rng.randrange(100, 30000) for _ in range(1000)]}
-            lines = (await client.post(f"{url}/generate", content=orjson.dumps(body))).content.splitlines()
+            lines = (await client.post(f"{url}/generate", content=orjson.dumps(body),
+                                       auth=ENGINE_AUTH)).content.splitlines()
             prefills.append(float(orjson.loads(lines[-1])["stats"]["prefill_s"]))
     return {"step_s": step_s, "per_seq_s": max(0.0, (batched - step_s) / (BATCH - 1)),
             "per_prefill_token_s": max(0.0, (statistics.median(prefills) - step_s) / 1000)}

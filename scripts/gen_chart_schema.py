@@ -549,6 +549,13 @@ def chart_properties() -> dict[str, JSON]:
                 ),
             }
         ),
+        "dataPlane": obj(
+            {
+                "existingSecret": STRING,
+                "keyKey": {"type": "string", "minLength": 1},
+                "metricsTokenKey": {"type": "string", "minLength": 1},
+            }
+        ),
         "networkPolicy": obj(
             {
                 "enabled": BOOLEAN,

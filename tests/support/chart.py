@@ -198,14 +198,22 @@ SECRET_WORDS = ("PASSWORD", "TOKEN", "SECRET", "API_KEY", "APIKEY", "CREDENTIAL"
 def secret_handling_violations(spec: JSON) -> list[str]:
     """Secrets may reach a container only through secretKeyRef or a mounted Secret volume."""
     problems: list[str] = []
+    secret_volumes = {v["name"] for v in spec.get("volumes") or [] if "secret" in v}
     for container in [*(spec.get("initContainers") or []), *(spec.get("containers") or [])]:
         where = f"container {container['name']}"
         for source in container.get("envFrom") or []:
             if "secretRef" in source:
                 problems.append(f"{where} imports a whole Secret with envFrom (use secretKeyRef)")
+        secret_mounts = [m["mountPath"].rstrip("/") + "/" for m in container.get("volumeMounts") or []
+                         if m["name"] in secret_volumes]
         for env in container.get("env") or []:
             name, value = env["name"], env.get("value")
             looks_secret = any(word in name.upper() for word in SECRET_WORDS)
+            if looks_secret and name.upper().endswith("_FILE") and value is not None:
+                # A path, not a value: it must lie in a mounted Secret volume.
+                if not any(value.startswith(mount) for mount in secret_mounts):
+                    problems.append(f"{where} sets {name} to {value}, outside every mounted Secret volume")
+                continue
             if looks_secret and value is not None:
                 problems.append(f"{where} sets {name} from a literal value")
             if looks_secret and value is None and "secretKeyRef" not in (env.get("valueFrom") or {}):

@@ -403,6 +403,7 @@ a Hugging Face hub id, or "pvc://<claim>/<path>": that PersistentVolumeClaim is 
   value: "{{ .Values.rayService.engineWorkers.replicaPorts.start }}-{{ .Values.rayService.engineWorkers.replicaPorts.end }}"
 - name: TESSERA_KV_EVENTS_PORT_RANGE
   value: "{{ .Values.kvcontrol.kvEventsPorts.start }}-{{ .Values.kvcontrol.kvEventsPorts.end }}"
+{{ include "tessera.dataPlaneEnv" (list . true) }}
 {{ include "tessera.hubEnv" . }}
 {{- end }}
 
@@ -414,6 +415,7 @@ a Hugging Face hub id, or "pvc://<claim>/<path>": that PersistentVolumeClaim is 
     sizeLimit: {{ include "tessera.quantityText" .Values.rayService.engineWorkers.shmSizeLimit }}
 - name: ray-logs
   emptyDir: {}
+{{ include "tessera.dataPlaneVolume" (list . true) }}
 {{ include "tessera.hubCacheVolume" . }}
 {{- include "tessera.modelVolume" . }}
 {{- end }}
@@ -423,6 +425,7 @@ a Hugging Face hub id, or "pvc://<claim>/<path>": that PersistentVolumeClaim is 
   mountPath: /dev/shm
 - name: ray-logs
   mountPath: /tmp/ray
+{{ include "tessera.dataPlaneMount" . }}
 - name: hf-cache
   mountPath: {{ .Values.modelStorage.hubCache.mountPath }}
 {{- include "tessera.modelVolumeMount" . }}
@@ -431,11 +434,13 @@ a Hugging Face hub id, or "pvc://<claim>/<path>": that PersistentVolumeClaim is 
 {{- define "tessera.rayHeadVolumes" -}}
 - name: ray-logs
   emptyDir: {}
+{{ include "tessera.dataPlaneVolume" (list . true) }}
 {{- end }}
 
 {{- define "tessera.rayHeadMounts" -}}
 - name: ray-logs
   mountPath: /tmp/ray
+{{ include "tessera.dataPlaneMount" . }}
 {{- end }}
 
 {{/*
@@ -552,4 +557,44 @@ from:
 - namespaceSelector:
     matchLabels:
       kubernetes.io/metadata.name: {{ required "networkPolicy.kubeRayOperatorNamespace is required when networkPolicy.enabled" .Values.networkPolicy.kubeRayOperatorNamespace }}
+{{- end }}
+
+{{/* The Secret holding the data-plane key and the replicas' scrape token (secrets.yaml, or dataPlane.existingSecret). */}}
+{{- define "tessera.dataPlaneSecretName" -}}
+{{- default (include "tessera.componentName" (list . "data-plane")) .Values.dataPlane.existingSecret }}
+{{- end }}
+
+{{/*
+The data-plane credentials as files (docs/security.md "The data plane"). Argument: (list $ withScrapeToken).
+Engine pods get the key and the scrape token; the gateway and the KV controller, which only call replicas,
+the key alone. The operator and Redis get neither.
+*/}}
+{{- define "tessera.dataPlaneVolume" -}}
+{{- $ := index . 0 }}
+- name: data-plane
+  secret:
+    secretName: {{ include "tessera.dataPlaneSecretName" $ }}
+    defaultMode: 0440
+    items:
+      - key: {{ $.Values.dataPlane.keyKey }}
+        path: data-plane.key
+      {{- if index . 1 }}
+      - key: {{ $.Values.dataPlane.metricsTokenKey }}
+        path: metrics-token
+      {{- end }}
+{{- end }}
+
+{{- define "tessera.dataPlaneMount" -}}
+- name: data-plane
+  mountPath: /etc/tessera/data-plane
+  readOnly: true
+{{- end }}
+
+{{- define "tessera.dataPlaneEnv" -}}
+- name: TESSERA_DATA_PLANE_KEY_FILE
+  value: /etc/tessera/data-plane/data-plane.key
+{{- if index . 1 }}
+- name: TESSERA_METRICS_TOKEN_FILE
+  value: /etc/tessera/data-plane/metrics-token
+{{- end }}
 {{- end }}

@@ -61,14 +61,22 @@ def read_secret_file(path: Path, what: str, setting: str) -> bytes:
 
 
 def ensure_key_file(path: Path) -> Path:
-    """``path`` holding a key: made once (64 hex digits, mode 0600), reused as it is afterwards."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except FileExistsError:
+    """``path`` holding a key: made once (64 hex digits, mode 0600), reused as it is afterwards. The key is
+    written to a file of its own first and linked into place, so a process racing this one (two test workers,
+    two `tessera up`) finds either no file or the whole key, never a part of one."""
+    if path.exists():
         return path
-    with os.fdopen(fd, "w") as out:
-        out.write(secrets.token_hex(32) + "\n")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    draft = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
+    fd = os.open(draft, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        with os.fdopen(fd, "w") as out:
+            out.write(secrets.token_hex(32) + "\n")
+        os.link(draft, path)
+    except FileExistsError:
+        pass  # another process made it first: theirs is the key
+    finally:
+        draft.unlink()
     return path
 
 

@@ -87,7 +87,7 @@ def test_redis_password_reaches_pods_only_by_secret_key_ref() -> None:
 
 def test_generated_secrets_are_only_created_when_not_supplied() -> None:
     default = [d for d in render() if d["kind"] == "Secret"]
-    assert {d["metadata"]["name"] for d in default} == {"tessera-admin", "tessera-redis"}
+    assert {d["metadata"]["name"] for d in default} == {"tessera-admin", "tessera-redis", "tessera-data-plane"}
     for secret in default:
         assert secret["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
     production = render(load_values(CHART_DIR / "ci" / "production-external-redis-values.yaml"))
@@ -134,19 +134,19 @@ def _components(rule: dict[str, Any]) -> set[str]:
     }
 
 
-def test_engine_replica_ports_only_from_the_gateway() -> None:
-    """With disjoint ranges, the replica ports open to the gateway (and the Ray cluster) only, the KV
-    event ports to the controller only."""
+def test_engine_replica_ports_only_from_the_gateway_and_the_controller() -> None:
+    """With disjoint ranges, the replica ports open to the gateway and the controller (which polls and aborts
+    there), and the Ray cluster, only; the KV event ports to the controller only."""
     values = {
         "rayService": {"engineWorkers": {"replicaPorts": {"start": 30000, "end": 30063}}},
         "kvcontrol": {"kvEventsPorts": {"start": 31000, "end": 31063}},
     }
     policy = _policy(render(values), "engine")
     replica_rules = _rules_opening(policy, 30000, 30063)
-    assert [_components(r) for r in replica_rules] == [{"gateway"}, {"ray-head", "engine"}]
+    assert [_components(r) for r in replica_rules] == [{"gateway", "kvcontrol"}, {"ray-head", "engine"}]
     kv_rules = _rules_opening(policy, 31000, 31063)
     assert [_components(r) for r in kv_rules] == [{"kvcontrol"}, {"ray-head", "engine"}]
-    (gateway_rule,) = [r for r in replica_rules if _components(r) == {"gateway"}]
+    (gateway_rule,) = [r for r in replica_rules if "gateway" in _components(r)]
     assert gateway_rule["ports"] == [{"protocol": "TCP", "port": 30000, "endPort": 30063}]
 
 
