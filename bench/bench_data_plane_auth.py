@@ -21,7 +21,11 @@ def main() -> None:
         body = orjson.dumps({"request_id": "tenant/chatcmpl-0123456789abcdef", "max_tokens": 64, "priority": 0,
                              "prompt_token_ids": list(range(1000, 1000 + num_tokens))})
         number = 20_000 if num_tokens < 5_000 else 1_000
-        sign_s = min(timeit.repeat(lambda b=body: signer.sign("POST", "/generate", b), number=number, repeat=5))
+
+        def sign(b: bytes = body) -> None:
+            signer.sign("POST", "/generate", b)
+
+        sign_s = min(timeit.repeat(sign, number=number, repeat=5))
         # Signed as a GET so that the same signature verifies every round (the replay cache, a dict lookup,
         # remembers POSTs only); the work is the same: the header, the body's SHA-256 and the MAC.
         headers = {SIGNATURE_HEADER: signer.sign("GET", "/generate", body)}

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import typer
 
-from tessera.cli.engine_sim import sim
+from tessera.cli.engine_sim import require_data_plane_key, sim
 
 engine_app = typer.Typer(no_args_is_help=True, help="Run an engine host directly.")
 engine_app.command("sim")(sim)
@@ -38,10 +38,11 @@ def serve(
     except (ValidationError, json.JSONDecodeError) as exc:
         typer.echo(f"error: invalid engine config: {exc}", err=True)
         raise typer.Exit(2) from None
+    settings = load_settings()
+    require_data_plane_key(settings, "an engine replica")
     # NOTE: vLLM comes in only now, so a config error is reported without waiting seconds for it.
     from tessera.engine.host import EngineHost
 
-    settings = load_settings()
     host = EngineHost(engine_config, settings.redis_url, engine_id=engine_id,
                       advertise_host=settings.advertise_host).start()
     typer.echo(f"engine {host.engine_id} serving at {host.url}", err=True)

@@ -11,8 +11,23 @@ import asyncio
 import json
 import signal
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
+
+if TYPE_CHECKING:
+    from tessera.settings import TesseraSettings
+
+
+def require_data_plane_key(settings: TesseraSettings, who: str) -> None:
+    """Exits with the reason when there is no usable data-plane key: a replica never serves without one."""
+    from tessera.data_plane_auth import DataPlaneKeyError, guard_from_settings
+
+    try:
+        guard_from_settings(settings, who)
+    except DataPlaneKeyError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
 
 
 def sim(
@@ -40,6 +55,7 @@ def sim(
         typer.echo(f"error: invalid sim config: {exc}", err=True)
         raise typer.Exit(2) from None
     settings = load_settings()
+    require_data_plane_key(settings, "a simulated replica")
 
     async def run() -> None:
         fleet = await SimFleet(sim_config, num_engines, settings.redis_url or None, engine_id_prefix).start()
