@@ -10,6 +10,7 @@ import openai
 import pytest
 
 from tessera.local.platform import LocalPlatform
+from tests.support.data_plane import ENGINE_AUTH
 
 
 @pytest.fixture(scope="module")
@@ -114,10 +115,11 @@ def test_a_client_leaving_mid_stream_leaves_no_request_in_the_engine(platform_st
         next(lines)
         next(lines)
         # The replica knows the request by the gateway's id for it, which names the tenant.
-        assert any(r["request_id"].startswith("e2e-openai/") for r in httpx.get(f"{engine}/requests").json())
+        listing = httpx.get(f"{engine}/requests", auth=ENGINE_AUTH).json()
+        assert any(r["request_id"].startswith("e2e-openai/") for r in listing)
     left = time.monotonic()
-    while time.monotonic() - left < 2.0 and httpx.get(f"{engine}/requests").json():
+    while time.monotonic() - left < 2.0 and httpx.get(f"{engine}/requests", auth=ENGINE_AUTH).json():
         time.sleep(0.02)
     gone_after_s = time.monotonic() - left
-    assert httpx.get(f"{engine}/requests").json() == []
+    assert httpx.get(f"{engine}/requests", auth=ENGINE_AUTH).json() == []
     assert gone_after_s < whole_stream_s / 2, (gone_after_s, whole_stream_s)  # aborted, not finished

@@ -11,6 +11,7 @@ import httpx
 import pytest
 
 from tessera.local.platform import LocalPlatform
+from tests.support.data_plane import ENGINE_AUTH
 from tests.support.poll import wait_until
 
 SHARED_ID = "the-same-id-for-everyone"
@@ -37,7 +38,8 @@ def test_a_tenant_reusing_anothers_request_id_cannot_cut_its_stream(platform_sta
 
     running = threading.Thread(target=victim)
     running.start()
-    wait_until(lambda: any(r["tenant"] == "e2e-victim" for r in httpx.get(f"{engine_url}/requests").json()),
+    wait_until(lambda: any(r["tenant"] == "e2e-victim"
+                           for r in httpx.get(f"{engine_url}/requests", auth=ENGINE_AUTH).json()),
                timeout_s=60, what="the victim's request running in the engine")
     attacker = {"Authorization": f"Bearer {attacker_key}", "x-request-id": SHARED_ID}
     with httpx.stream("POST", url, json={**body, "max_tokens": 64}, headers=attacker, timeout=60) as response:

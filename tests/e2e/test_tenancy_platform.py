@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from tessera.local.platform import LocalPlatform
+from tests.support.data_plane import ENGINE_AUTH
 
 ADMIN_TOKEN = "e2e-admin-token"  # the platform_stack fixture's (tests/e2e/conftest.py)
 
@@ -77,7 +78,8 @@ def test_cache_isolation_and_priority_at_the_deployed_engine(platform_stack: Loc
                       timeout=60) as stream:
         assert stream.status_code == 200
         for _ in stream.iter_bytes():
-            seen.update({r["tenant"]: int(r["priority"]) for r in httpx.get(f"{url}/requests").json()})
+            listing = httpx.get(f"{url}/requests", auth=ENGINE_AUTH).json()
+            seen.update({r["tenant"]: int(r["priority"]) for r in listing})
             if name_a in seen:
                 break
     assert seen[name_a] == 0  # the critical class is vLLM priority 0
