@@ -254,6 +254,20 @@ def test_monitoring_objects() -> None:
     assert not [d for d in render() if d["kind"] in ("ServiceMonitor", "PodMonitor")], "off by default"
 
 
+def test_the_gateway_limits_reach_the_gateway() -> None:
+    """gateway.limits become the gateway's TESSERA_* limit settings (docs/security.md)."""
+    def env_of(values: dict[str, object]) -> dict[str, str]:
+        container = find(render(values), "Deployment", "-gateway")["spec"]["template"]["spec"]["containers"][0]
+        return {e["name"]: e.get("value") for e in container["env"]}
+
+    defaults = env_of({})
+    assert (defaults["TESSERA_MAX_URL_BYTES"], defaults["TESSERA_MAX_HEADER_BYTES"],
+            defaults["TESSERA_HEADER_TIMEOUT_S"], defaults["TESSERA_MAX_CONNECTIONS_PER_WORKER"],
+            defaults["TESSERA_MAX_IN_FLIGHT_PER_WORKER"]) == ("8192", "32768", "10", "2048", "1024")
+    tight = env_of({"gateway": {"limits": {"headerTimeoutS": 3, "maxInFlightPerWorker": 64}}})
+    assert (tight["TESSERA_HEADER_TIMEOUT_S"], tight["TESSERA_MAX_IN_FLIGHT_PER_WORKER"]) == ("3", "64")
+
+
 def test_grafana_dashboard() -> None:
     docs = render({"metrics": {"grafanaDashboard": {"enabled": True}}})
     config_map = find(docs, "ConfigMap", "-dashboard")
