@@ -22,6 +22,7 @@ import asyncio
 import shutil
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -37,11 +38,11 @@ from tessera.tenancy.store import TenantStore
 from tests.support.fake_engine import running_fake_engine
 from tests.support.gateways import GatewayProcess, running_gateways
 from tests.support.poll import async_wait_until
-from tests.support.sentinel_cluster import SentinelCluster
+from tests.support.sentinel_cluster import DOWN_AFTER_MS, SentinelCluster
 from tests.support.tenancy import GATEWAY_ENV, TenantHandle, create_tenant
 
-RPM_LIMIT = 240
-ADMITTED_BEFORE_KILL = 80  # the kill comes once this many were admitted, then load continues to the limit
+RPM_LIMIT = 160
+ADMITTED_BEFORE_KILL = 60  # the kill comes once this many were admitted, then load continues to the limit
 NUM_CLIENTS = 6
 # What a killed primary may take with it: admissions it acknowledged that never reached the replica (the
 # replication lag; Valkey sends a write to its replicas in the same event-loop pass as the reply).
@@ -163,9 +164,11 @@ async def test_a_replica_is_promoted_and_the_gateway_admits_again_without_double
             await redis.aclose()
 
     unavailable = [o for o in load.outcomes if o.status == 503]
+    # NOTE: engine_unavailable: admitted, then no live replica; the fake replica's registry entry (TTL 2 s)
+    # can lapse while its heartbeats wait for the new primary. Those count in the window and are billed.
     print(f"\nprimary SIGKILLed after {ADMITTED_BEFORE_KILL}+ admissions; gateway admitting again "
-          f"{admitting_again_at - killed_at:.2f} s later (Sentinel down-after 1 s); {len(unavailable)} answered "
-          f"503 meanwhile ({sorted({str(o.code) for o in unavailable})}); {len(admitted)} admitted of a "
-          f"{RPM_LIMIT} rpm limit, {num_in_window} in the new primary's window, {billed} billed; "
-          f"{len(in_lost_window)} acknowledged within {LOST_WINDOW_S} s before the kill")
+          f"{admitting_again_at - killed_at:.2f} s later (Sentinel down-after {DOWN_AFTER_MS} ms); "
+          f"503 meanwhile: {Counter(str(o.code) for o in unavailable)}; {len(admitted)} served (200) of a "
+          f"{RPM_LIMIT} rpm limit; {num_in_window} admissions in the new primary's window, {billed} billed; "
+          f"{len(in_lost_window)} served within {LOST_WINDOW_S} s before the kill")
 
