@@ -36,7 +36,7 @@ from tessera.engine.endpoints import EngineEndpoints
 from tessera.engine.heartbeat import deregister, heartbeat_loop
 from tessera.engine.in_flight import InFlight, InFlightRequests
 from tessera.engine.index_feed import index_feed_loop
-from tessera.engine.ports import below_ephemeral_range, free_port, reserve_port
+from tessera.engine.ports import below_ephemeral_range, free_port, kv_events_bind_endpoint, reserve_port
 from tessera.engine.root_cause import EngineErrorLog, start_failure_line
 from tessera.engine.speculation_control import SpeculationControl, speculation_control_for, speculation_loop
 from tessera.engine.stats import EngineLoad, LoadTracker
@@ -252,7 +252,7 @@ class EngineHost:
         # Before the model loads: what this platform can run of the config (a strict config stops here).
         self.resolution = resolve(self.config, self._ask_platform(self.config))
         self._error_log = EngineErrorLog()  # where vLLM's engine process logs why it failed, if it does
-        kv_bind = f"tcp://{self.bind_host}:{self.kv_events_port}" if self.kv_events_port else None
+        kv_bind = kv_events_bind_endpoint(self.bind_host, self.kv_events_port) if self.kv_events_port else None
         self.engine = build_engine(self.resolution, kv_bind, self.tracker, self.vllm_metrics)
         self.speculation = speculation_control_for(self.resolution.config.speculative)
         log_fallbacks(self.engine, self.engine_id, self.config, self.resolution, self.tracker)

@@ -3,6 +3,7 @@ NetworkPolicy can open to one peer each."""
 
 from __future__ import annotations
 
+import ipaddress
 import random
 import socket
 from pathlib import Path
@@ -61,3 +62,24 @@ def below_ephemeral_range(width: int = 10000) -> str | None:
     except (OSError, ValueError, IndexError):
         return None
     return f"{low - width}-{low - 1}" if low - width >= 1024 else None
+
+
+def kv_events_bind_endpoint(host: str, port: int) -> str:
+    """The ZMQ endpoint on which vLLM's KV-event publisher binds ``host``:``port`` and no other interface.
+
+    NOTE: vLLM binds an endpoint only when it contains "*" or "::" and connects to any other (its
+    ``ZmqEventPublisher._is_bind_endpoint``): "tcp://10.0.0.5:5557" would make the publisher connect to a port
+    nobody listens on. Written IPv4-mapped, "tcp://[::ffff:10.0.0.5]:5557" contains "::", and libzmq (IPv6 off,
+    as vLLM leaves it) binds it as the plain IPv4 address; tests/integration/platform/test_engine_data_plane.py
+    reads the listening socket. "0.0.0.0" means every interface ("*"); so does an IPv6 address, which libzmq
+    binds only with IPv6 on (docs/security.md names it).
+    """
+    if host in ("0.0.0.0", "*"):
+        return f"tcp://*:{port}"
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        address = ipaddress.ip_address(socket.gethostbyname(host))
+    if address.version == 6:
+        return f"tcp://*:{port}"
+    return f"tcp://[::ffff:{address}]:{port}"
