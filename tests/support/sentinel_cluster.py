@@ -101,12 +101,14 @@ class Node:
 
 @dataclass
 class SentinelCluster:
-    """``num_replicas`` replicas of one primary, and ``num_sentinels`` Sentinels watching it."""
+    """``num_replicas`` replicas of one primary, and ``num_sentinels`` Sentinels watching it;
+    ``data_config``: more valkey.conf lines for every data server (``min-replicas-to-write 1``...)."""
 
     root: Path
     num_replicas: int = 1
     num_sentinels: int = 3
     quorum: int = 2
+    data_config: list[str] = field(default_factory=list)
     data: list[Node] = field(default_factory=list)
     sentinels: list[Node] = field(default_factory=list)
 
@@ -114,7 +116,7 @@ class SentinelCluster:
         data_config = ["appendonly yes", "appendfsync no", 'save ""', "maxmemory-policy noeviction",
                        f"requirepass {PASSWORD}", f"masterauth {PASSWORD}",
                        # The first full sync at once, not after the default 5 s wait for more replicas.
-                       "repl-diskless-sync-delay 0"]
+                       "repl-diskless-sync-delay 0", *self.data_config]
         primary = Node("primary", free_port(), self.root / "primary", data_config)
         self.data = [primary] + [
             Node(f"replica-{i}", free_port(), self.root / f"replica-{i}",
@@ -188,6 +190,12 @@ class SentinelCluster:
             if address:
                 return str(address[0]), int(address[1])
         raise RuntimeError("no Sentinel names a primary")
+
+    def failover(self) -> None:
+        """SENTINEL FAILOVER: a replica is promoted while the primary still runs (as after a partition);
+        the Sentinel reconfigures the old primary as a replica only when it next looks at it."""
+        with self.sentinels[0].client() as client:
+            client.execute_command("SENTINEL", "FAILOVER", PRIMARY_NAME)
 
     def url(self, db: int = 0) -> str:
         hosts = ",".join(f"127.0.0.1:{n.port}" for n in self.sentinels)

@@ -7,8 +7,9 @@ from typing import Any
 
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
-from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
+from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool, SentinelManagedConnection
 from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 
 from tessera.redis_sentinel import SentinelConfig, is_sentinel_url, parse_sentinel_url
@@ -132,6 +133,21 @@ class _BlockingSentinelPool(SentinelConnectionPool, aioredis.BlockingConnectionP
     pool is."""
 
 
+class _SentinelConnection(SentinelManagedConnection):
+    """A NOREPLICAS reply (min-replicas-to-write: this primary lost its replicas, often to a failover it has
+    not heard of yet) drops the connection as READONLY does, so the next asks the Sentinels again, and is
+    raised as a lost connection (503, not 500, at the gateway)."""
+
+    async def read_response(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return await super().read_response(*args, **kwargs)
+        except ResponseError as exc:
+            if not str(exc).startswith("NOREPLICAS"):
+                raise
+            await self.disconnect()
+            raise RedisConnectionError(f"Redis is not a primary that takes writes: {exc}") from exc
+
+
 class _SentinelClient(aioredis.Redis):
     """A client of the Sentinels' primary that also closes its connections to the Sentinels."""
 
@@ -146,7 +162,8 @@ def _connect_sentinel(config: SentinelConfig, options: dict[str, Any]) -> aiored
     sentinel_options = {k: options[k] for k in ("socket_timeout", "socket_connect_timeout", "retry")}
     sentinel = Sentinel(list(config.sentinels), sentinel_kwargs={**sentinel_options, **config.sentinel_auth()})
     client = sentinel.master_for(config.primary_name, redis_class=_SentinelClient,
-                                 connection_pool_class=_BlockingSentinelPool, db=config.db,
+                                 connection_pool_class=_BlockingSentinelPool, connection_class=_SentinelConnection,
+                                 db=config.db,
                                  **config.data_server_auth(), **options)
     client.sentinels = sentinel
     return client

@@ -15,8 +15,9 @@ handle both clients alike (``NoScriptError`` for NOSCRIPT, ``OutOfMemoryError`` 
 Failover. With a ``redis+sentinel://`` URL each new connection first asks the Sentinels for the primary
 (``redis_sentinel.SentinelResolver``) and checks ``ROLE`` with its AUTH/SELECT before any command is sent: a
 server that is not (or no longer) the primary is refused as a failed connection. A ``READONLY`` reply (the
-server was demoted under an open connection) fails the whole call and every pending one with
-``ConnectionError`` and drops the connection, so the next call asks the Sentinels again; with a plain URL the
+server was demoted under an open connection) or ``NOREPLICAS`` (a primary that lost its replicas, often to a
+failover it has not heard of yet) fails the whole call and every pending one with ``ConnectionError`` and
+drops the connection, so the next call asks the Sentinels again; with a plain URL the
 next call connects again (a DNS name that follows the primary then resolves anew). Nothing is retried here:
 a call whose reply was lost may have run (an admission script that was applied), and only its caller can
 tell whether running it twice is safe (the gateway answers 503: docs/kubernetes.md "Redis high
@@ -32,7 +33,7 @@ from typing import Any
 import hiredis
 from redis.asyncio.connection import SSLConnection, UnixDomainSocketConnection, parse_url
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoScriptError, OutOfMemoryError, RedisError, ResponseError
+from redis.exceptions import NoScriptError, OutOfMemoryError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from tessera.redis_sentinel import SentinelResolver, is_sentinel_url, parse_sentinel_url
@@ -52,17 +53,20 @@ def pack_commands(commands: list[Command]) -> bytes:
     return b"".join(parts)
 
 
-def as_redis_error(reply: hiredis.ReplyError) -> RedisError:
+def as_redis_error(reply: hiredis.ReplyError) -> ResponseError:
     message = str(reply)
     if message.startswith("NOSCRIPT"):
         return NoScriptError(message)
     if message.startswith("OOM"):
         return OutOfMemoryError(message)  # noeviction at maxmemory: the billing queue waits on it (billing.py)
-    if message.startswith("NOREPLICAS"):
-        # A primary cut off from its replicas (min-replicas-to-write) refuses writes that a failover would
-        # lose: Redis is unavailable for writes, as when it is down (503, a finish parked and retried).
-        return RedisConnectionError(message)
     return ResponseError(message)
+
+
+# Replies from a server that must not take this connection's writes: a replica (READONLY: a failover demoted
+# it), or a primary that lost its replicas (NOREPLICAS, min-replicas-to-write: cut off from them, or replaced
+# by one of them and not yet told). Either fails the call as a lost connection (503, a finish parked and
+# retried) and drops it, so the next call asks the Sentinels again.
+NOT_WRITABLE = ("READONLY", "NOREPLICAS")
 
 
 class _Call:
@@ -92,8 +96,8 @@ class _Protocol(asyncio.Protocol):
             reply = self.reader.gets()
             if reply is False:
                 return
-            if isinstance(reply, hiredis.ReplyError) and str(reply).startswith("READONLY"):
-                self.demoted(str(reply))
+            if isinstance(reply, hiredis.ReplyError) and str(reply).startswith(NOT_WRITABLE):
+                self.not_writable(str(reply))
                 return
             call = self.waiting[0]
             call.replies.append(as_redis_error(reply) if isinstance(reply, hiredis.ReplyError) else reply)
@@ -107,9 +111,9 @@ class _Protocol(asyncio.Protocol):
         self.lost = RedisConnectionError(f"connection to Redis lost: {exc or 'closed by the server'}")
         self.fail_all(self.lost)
 
-    def demoted(self, message: str) -> None:
-        """The server became a replica (a failover demoted it): this connection is done for writes."""
-        self.lost = RedisConnectionError(f"Redis is no longer the primary: {message}")
+    def not_writable(self, message: str) -> None:
+        """The server takes no writes as a primary (``NOT_WRITABLE``): this connection is done."""
+        self.lost = RedisConnectionError(f"Redis is not a primary that takes writes: {message}")
         self.fail_all(self.lost)
         if self.transport is not None:
             self.transport.abort()

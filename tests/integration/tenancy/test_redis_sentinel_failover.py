@@ -24,14 +24,18 @@ import tempfile
 import time
 from collections import Counter
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from tessera.redis_conn import connect
+from tessera.redis_wire import RedisWire
 from tessera.tenancy.admission import limiter_keys, usage_key
 from tessera.tenancy.periods import period_window
 from tessera.tenancy.store import TenantStore
@@ -53,15 +57,23 @@ MODEL = "sentinel-failover"
 BUDGET = 10_000_000
 
 
-@pytest.fixture
-def cluster() -> Iterator[SentinelCluster]:
+@contextmanager
+def _cluster(**options: Any) -> Iterator[SentinelCluster]:
     # In memory where the machine has a tmpfs: the AOF must not wait on a busy disk.
     shm = Path("/dev/shm")
     root = Path(tempfile.mkdtemp(prefix="tessera-sentinel-", dir=shm if shm.is_dir() else None))
-    cluster = SentinelCluster(root, num_replicas=1, num_sentinels=3, quorum=2).start()
-    yield cluster
-    cluster.stop()
-    shutil.rmtree(root, ignore_errors=True)
+    cluster = SentinelCluster(root, num_sentinels=3, quorum=2, **options).start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture
+def cluster() -> Iterator[SentinelCluster]:
+    with _cluster(num_replicas=1) as cluster:
+        yield cluster
 
 
 @dataclass(slots=True)
@@ -172,3 +184,43 @@ async def test_a_replica_is_promoted_and_the_gateway_admits_again_without_double
           f"{RPM_LIMIT} rpm limit; {num_in_window} admissions in the new primary's window, {billed} billed; "
           f"{len(in_lost_window)} served within {LOST_WINDOW_S} s before the kill")
 
+
+
+async def test_a_primary_replaced_while_it_runs_loses_its_clients_to_the_new_one() -> None:
+    """SENTINEL FAILOVER promotes a replica while the old primary runs on (as a partition would leave it);
+    the Sentinels reconfigure the old one only when they next look at it, seconds later. With
+    min-replicas-to-write (the chart's setting), the old primary refuses writes once its replicas have left
+    it (NOREPLICAS), and both the lean connection and the redis-py client take that as a lost connection
+    and ask the Sentinels again: they write to the new primary while the old one still calls itself primary,
+    and never write to a replica (every refusal is a connection error, none a plain error reply)."""
+    with _cluster(num_replicas=2, data_config=["min-replicas-to-write 1", "min-replicas-max-lag 1"]) as cluster:
+        url = cluster.url()
+        wire, client = RedisWire(url, timeout_s=1.0), connect(url, timeout_s=1.0)
+        try:
+            assert await wire.execute([("SET", "wire", "0")]) == [b"OK"]
+            await client.set("client", "0")
+            old = cluster.primary()
+            cluster.failover()
+            await async_wait_until(lambda: cluster.primary() is not old, 30.0, "a replica promoted")
+            new = cluster.primary()
+            refusals: Counter[str] = Counter()
+
+            async def moved() -> bool:
+                try:
+                    (reply,) = await wire.execute([("INCR", "wire")])
+                    assert not isinstance(reply, Exception), f"an error reply in place: {reply}"
+                    await client.incr("client")
+                except RedisConnectionError as exc:
+                    refusals[str(exc).split(":")[0]] += 1
+                with new.client() as direct:
+                    return int(direct.get("wire") or 0) > 0 and int(direct.get("client") or 0) > 0
+
+            await async_wait_until(moved, 30.0, "both clients writing to the new primary")
+            with old.client() as direct:
+                role = direct.execute_command("ROLE")[0]
+            print(f"\nclients moved to the new primary while the old one's role was {role!r}; refused "
+                  f"meanwhile: {dict(refusals)}")
+            assert role == b"master", "the clients moved before the Sentinels demoted the old primary"
+        finally:
+            await wire.close()
+            await client.aclose()

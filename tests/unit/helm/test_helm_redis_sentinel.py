@@ -68,7 +68,7 @@ def test_the_network_policy_opens_the_sentinel_port() -> None:
 
 @pytest.mark.parametrize(("sentinel", "complaint"), [
     ({"replicas": 3, "quorum": 4}, "cannot exceed"),
-    ({"replicas": 2, "quorum": 1, "minReplicasToWrite": 2}, "must be below"),
+    ({"replicas": 2, "quorum": 1, "minReplicasToWrite": 1}, "must be at most"),
 ])
 def test_settings_that_could_never_fail_over_or_write_are_refused(sentinel: JSON, complaint: str) -> None:
     with pytest.raises(helm_python.HelmError, match=complaint):
