@@ -15,7 +15,7 @@ PYTEST_XDIST := $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist 
 
 .PHONY: install run test lint unit integration e2e bench bench-gateway bench-gateway-hops bench-admission bench-routing \
         bench-kvcontrol bench-loadgen bench-cli bench-stack bench-wires bench-gateway-cpu bench-gateway-ab bench-prefix-index \
-        bench-flood helm-check clean
+        bench-flood bench-soak bench-chaos helm-check clean
 
 install: $(STAMP)
 
@@ -113,6 +113,15 @@ bench-stack: install
 	test -x .venv-bench-stack/bin/litellm || .venv-bench-stack/bin/pip install --quiet "litellm[proxy]" || \
 		echo "bench-stack: litellm[proxy] did not install here; the bench skips its row"
 	$(BIN)/python bench/bench_stack.py $(BENCH_STACK_ARGS)
+
+# Long runs through the real platform (issue #16; not in `make test`). The soak's length and windows come from
+# SOAK_DURATION_S (default 1800) and SOAK_WINDOW_S (300); the chaos run's from CHAOS_DURATION_S (300) and
+# CHAOS_SEED. bench/results/soak.json and chaos.json.
+bench-soak: install
+	$(BIN)/python bench/bench_soak.py
+
+bench-chaos: install
+	$(BIN)/python bench/bench_chaos.py
 
 helm-check: install
 	$(BIN)/python scripts/helm_check.py

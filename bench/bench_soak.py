@@ -1,0 +1,147 @@
+"""make bench-soak: is the platform flat over a long steady multi-tenant load? (issue #16)
+
+Starts the local platform as ``tessera up`` does (bench/longrun/platform.py: embedded Redis with its AOF, one
+CPU vLLM engine replica under Ray Serve, a 2-worker gateway, the KV-eviction controller), creates a few
+tenants, and runs the project's load generator at a steady Poisson rate for ``SOAK_DURATION_S`` (default
+1800 s) after a warm-up, in windows of ``SOAK_WINDOW_S`` (default 300 s). At each window's end it samples
+the gateway's and the engine replica's RSS (their whole process trees), Redis's DBSIZE, used_memory and
+connected_clients, and the gateway's open sockets; per window it reports p50/p99 TTFT (the user's view:
+from the scheduled send), overall and per tenant. bench/longrun/soak.py judges the goals (p99 within 1.2x
+of the first window's, RSS growth < 5 %, Redis keys bounded once the per-request keys' TTLs have passed)
+and the bench prints PASS, FAIL or n/a per goal. Writes bench/results/soak.json.
+
+Short run: ``SOAK_DURATION_S=240 SOAK_WINDOW_S=60 make bench-soak`` (or ``--duration-s``/``--window-s``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _support import bench_model, percentiles, print_table, write_results
+from longrun import platform as plat
+from longrun.load import start_load, tenant_workload
+from longrun.soak import WINDOW_HEADERS, Window, judge, verdict_word, window_row
+
+from tests.support.machine import free_port
+
+TENANTS = ("soak-a", "soak-b", "soak-c")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--duration-s", type=float, default=float(os.environ.get("SOAK_DURATION_S", 1800)),
+                        help="Measured load, seconds (env SOAK_DURATION_S; default 1800).")
+    parser.add_argument("--window-s", type=float, default=float(os.environ.get("SOAK_WINDOW_S", 300)),
+                        help="Window length, seconds (env SOAK_WINDOW_S; default 300).")
+    parser.add_argument("--warmup-s", type=float, default=float(os.environ.get("SOAK_WARMUP_S", 30)),
+                        help="Load before the first window, not measured (env SOAK_WARMUP_S; default 30).")
+    parser.add_argument("--rate-rps", type=float, default=float(os.environ.get("SOAK_RATE_RPS", 1.5)),
+                        help="Requests per second, all tenants together (env SOAK_RATE_RPS; default 1.5).")
+    parser.add_argument("--prompt-tokens", type=int, default=64, help="Prompt length, the model's tokens.")
+    parser.add_argument("--max-tokens", type=int, default=16, help="Tokens out per request (ignore_eos).")
+    parser.add_argument("--seed", type=int, default=0, help="Seed of the load's schedule.")
+    args = parser.parse_args(argv)
+    if args.duration_s <= 0 or args.window_s <= 0 or args.window_s > args.duration_s:
+        parser.error("need 0 < window <= duration")
+    return args
+
+
+def sample(platform: Any) -> dict[str, int]:
+    stats = plat.redis_stats(platform.redis_url)
+    gateway = plat.gateway_pid(platform)
+    return {"gateway_rss_bytes": plat.rss_bytes([gateway]), "engine_rss_bytes": plat.rss_bytes(plat.replica_pids()),
+            "redis_keys": stats.keys, "redis_used_memory_bytes": stats.used_memory_bytes,
+            "redis_clients": stats.connected_clients, "gateway_sockets": plat.inet_sockets(gateway)}
+
+
+def build_windows(records: list[Any], t_measure: float, window_s: float, samples: list[dict[str, Any]]) -> list[Window]:
+    """One Window per sample: the requests scheduled in it (warm-up excluded), TTFT from the scheduled send."""
+    ttfts: dict[int, list[tuple[str, float]]] = {}
+    counts: dict[int, list[int]] = {}
+    for record in records:
+        if record.warmup:
+            continue
+        index = math.floor((record.t_sched - t_measure) / window_s)
+        if not 0 <= index < len(samples):
+            continue
+        count = counts.setdefault(index, [0, 0])
+        count[0] += 1
+        if not record.ok:
+            count[1] += 1
+        elif record.t_first is not None:
+            ttfts.setdefault(index, []).append((record.tenant, record.t_first - record.t_sched))
+    windows = []
+    for index, taken in enumerate(samples):
+        values = ttfts.get(index, [])
+        p50, p99 = percentiles([v for _, v in values])
+        tenants = sorted({t for t, _ in values})
+        per_tenant = {t: percentiles([v for name, v in values if name == t], (99,))[0] for t in tenants}
+        num, failed = counts.get(index, [0, 0])
+        windows.append(Window(index=index, end_s=(index + 1) * window_s, num_requests=num, num_failed=failed,
+                              ttft_p50_s=p50, ttft_p99_s=p99, tenant_ttft_p99_s=per_tenant,
+                              **{k: v for k, v in taken.items() if k != "at_s"}))
+    return windows
+
+
+def main() -> None:
+    args = parse_args()
+    num_windows = math.ceil(args.duration_s / args.window_s)
+    work = Path(tempfile.mkdtemp(prefix="bench-soak-"))
+    print(f"soak: {args.duration_s:g} s in {num_windows} windows of {args.window_s:g} s after {args.warmup_s:g} s "
+          f"of warm-up, {args.rate_rps:g} req/s over {len(TENANTS)} tenants (logs in {work})", flush=True)
+    platform = plat.start_platform(work, bench_model("tessera-small"), gateway_port=free_port())
+    samples: list[dict[str, Any]] = []
+    try:
+        keys = plat.create_tenants(platform, TENANTS)
+        workload = tenant_workload(keys, rate_rps=args.rate_rps, duration_s=num_windows * args.window_s,
+                                   prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens,
+                                   request_timeout_s=120.0, seed=args.seed, name="soak")
+        workload = workload.model_copy(update={"warmup_s": args.warmup_s})
+        before = sample(platform)
+        started = time.perf_counter()
+        load = start_load(workload, platform.base_url, work / "loadgen")
+        t_measure = started + args.warmup_s
+        for index in range(num_windows):
+            due = t_measure + (index + 1) * args.window_s
+            while (left := due - time.perf_counter()) > 0:
+                time.sleep(min(left, 5.0))
+                if not load.is_alive():
+                    break
+            taken = {"at_s": round(time.perf_counter() - t_measure, 1), **sample(platform)}
+            samples.append(taken)
+            print(f"  window {index + 1}/{num_windows}: {taken}", flush=True)
+        output = load.result()
+    finally:
+        platform.stop()
+    # The loadgen's t0 is its first arrival; the windows count from the end of its warm-up.
+    windows = build_windows(output.records, output.t0 + args.warmup_s, args.window_s, samples)
+    verdicts = judge(windows)
+    print()
+    print_table(WINDOW_HEADERS, [window_row(w) for w in windows])
+    tenants = sorted({t for w in windows for t in w.tenant_ttft_p99_s})
+    print()
+    print_table(["win", *(f"{t} p99 ms" for t in tenants)],
+                [[w.index, *(f"{w.tenant_ttft_p99_s.get(t, math.nan) * 1000:.1f}" for t in tenants)]
+                 for w in windows])
+    print()
+    print_table(["goal", "verdict", "detail"], [[v.goal, verdict_word(v.passed), v.detail] for v in verdicts])
+    path = write_results("soak", {
+        "args": vars(args), "num_windows": num_windows, "before_load": before,
+        "windows": [asdict(w) for w in windows], "samples": samples,
+        "goals": [asdict(v) for v in verdicts],
+        "loadgen_summary": output.result["summary"]["overall"] | {"latency": None},
+        "machine": {"cpus": os.cpu_count(), "loadavg_at_end": os.getloadavg()}})
+    print(f"results: {path}")
+
+
+if __name__ == "__main__":
+    main()

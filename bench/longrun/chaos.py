@@ -1,0 +1,128 @@
+"""The chaos run's schedule and its verdicts (pure: no process, no Redis).
+
+``schedule`` draws, from a seed, when each target dies. ``classify`` sorts one request, from what its client
+saw, into one of three outcomes (issue #16):
+
+- ``succeeded``: a complete answer (with ``ignore_eos``: exactly ``max_tokens`` tokens);
+- ``failed``: the client was told: an HTTP error status with its error type, an SSE error event, a refused
+  connection, or a connection closed before any response head (every OpenAI client raises on that);
+- ``lost``: no answer and no error: a hang (the client's timeout), a 200 stream cut without an error event,
+  or a stream that ended cleanly short of ``max_tokens``.
+
+A lost or failed request is attributed to the last kill between its send and its end, if any.
+
+``bill`` compares, per tenant, the completion tokens Redis charged with the tokens the clients received. A
+request that did not succeed may be charged for tokens its client never got (generated, then cut), at most
+``max_tokens - received`` each: that is the documented bound. Charged above served + bound is double-billed;
+charged below served is unbilled.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+SUCCEEDED, FAILED, LOST = "succeeded", "failed", "lost"
+TARGETS = ("engine", "gateway", "redis")
+
+
+@dataclass(frozen=True, slots=True)
+class Kill:
+    at_s: float  # from the start of the load
+    target: str
+
+
+def schedule(seed: int, duration_s: float, targets: Sequence[str] = TARGETS) -> list[Kill]:
+    """One kill per target, in a seeded random order, at random times in the middle 70 % of the run, at
+    least ``duration_s / (2 * len(targets))`` apart (so each recovery can be told from the next kill)."""
+    if duration_s <= 0 or not targets:
+        raise ValueError("need a positive duration and at least one target")
+    rng = random.Random(seed)
+    order = list(targets)
+    rng.shuffle(order)
+    gap = duration_s / (2 * len(order))
+    start, end = 0.1 * duration_s, 0.8 * duration_s
+    # Spread the slack left after the mandatory gaps randomly between the kills.
+    slack = max(0.0, end - start - gap * (len(order) - 1))
+    cuts = sorted(rng.uniform(0, slack) for _ in order)
+    return [Kill(round(start + cut + i * gap, 3), target)
+            for i, (cut, target) in enumerate(zip(cuts, order, strict=True))]
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """What the client saw of one request; times in seconds from the start of the load."""
+
+    ok: bool
+    error_kind: str | None
+    http_status: int | None
+    t_send_s: float | None
+    t_done_s: float | None
+    tokens_received: int
+    max_tokens: int
+    error_detail: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Classified:
+    outcome: str  # SUCCEEDED, FAILED or LOST
+    reason: str  # e.g. "http_503", "stream_error", "hang", "cut_stream"
+    killed: str | None  # the last kill between send and end, if any
+
+
+def _killed(outcome: Outcome, kills: Sequence[Kill]) -> str | None:
+    if outcome.t_send_s is None or outcome.t_done_s is None:
+        return None
+    during = [k for k in kills if outcome.t_send_s <= k.at_s <= outcome.t_done_s]
+    return max(during, key=lambda k: k.at_s).target if during else None
+
+
+def _complete(outcome: Outcome) -> bool:
+    return outcome.ok and outcome.tokens_received >= outcome.max_tokens
+
+
+def classify(outcome: Outcome, kills: Sequence[Kill] = ()) -> Classified:
+    kind = outcome.error_kind
+    if outcome.ok:
+        if _complete(outcome):
+            return Classified(SUCCEEDED, "complete", None)
+        return Classified(LOST, "short_stream", _killed(outcome, kills))
+    killed = _killed(outcome, kills)
+    if kind is not None and kind.startswith("http_"):
+        return Classified(FAILED, kind, killed)
+    if kind in ("stream_error", "connect", "bad_response"):
+        return Classified(FAILED, kind, killed)
+    if kind == "broken_stream":
+        # Closed before a response head: the client's call raises (a connection error), nothing hangs.
+        if outcome.http_status is None:
+            return Classified(FAILED, "closed_before_response", killed)
+        return Classified(LOST, "cut_stream", killed)
+    if kind in ("timeout", "incomplete"):
+        return Classified(LOST, "hang", killed)
+    return Classified(LOST, kind or "unknown", killed)
+
+
+@dataclass(frozen=True, slots=True)
+class Bill:
+    tenant: str
+    served_tokens: int  # completion tokens the tenant's clients received
+    bound_tokens: int  # what a non-succeeded request may be charged beyond what its client got, summed
+    charged_tokens: int  # completion tokens in the tenant's usage in Redis
+    served_requests: int
+    charged_requests: int
+
+    @property
+    def double_billed_tokens(self) -> int:
+        return max(0, self.charged_tokens - self.served_tokens - self.bound_tokens)
+
+    @property
+    def unbilled_tokens(self) -> int:
+        return max(0, self.served_tokens - self.charged_tokens)
+
+
+def bill(tenant: str, outcomes: Sequence[Outcome], charged_tokens: int, charged_requests: int) -> Bill:
+    served = sum(o.tokens_received for o in outcomes)
+    bound = sum(max(0, o.max_tokens - o.tokens_received) for o in outcomes if not _complete(o))
+    num_ok = sum(1 for o in outcomes if o.ok)
+    return Bill(tenant, served, bound, charged_tokens, num_ok, charged_requests)

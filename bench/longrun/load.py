@@ -1,0 +1,41 @@
+"""The steady multi-tenant load of the long-running benches, through the project's load generator.
+
+Each tenant has open-loop Poisson arrivals of streamed chats (``continuous_usage_stats`` on, so the client
+counts every token it received; ``ignore_eos``, so a complete answer is exactly ``max_tokens`` long). The run
+goes in a background thread; the bench's main thread samples the platform meanwhile.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from tessera_loadgen import RunOutput, Target, Workload, execute
+
+from .platform import Background
+
+
+def tenant_workload(keys: dict[str, str], *, rate_rps: float, duration_s: float, prompt_tokens: int,
+                    max_tokens: int, request_timeout_s: float, seed: int, name: str) -> Workload:
+    """``rate_rps`` in all, split evenly over the tenants of ``keys`` (name -> API key)."""
+    tenants: list[dict[str, Any]] = [
+        {"name": tenant, "api_key": key, "model": "tessera-small",
+         "arrival": {"process": "poisson", "rate_rps": rate_rps / len(keys)},
+         "classes": [{"name": "chat", "prompt": {"tokens": prompt_tokens}, "output_tokens": max_tokens}]}
+        for tenant, key in keys.items()]
+    return Workload.model_validate({
+        "name": name, "seed": seed, "duration_s": duration_s, "request_timeout_s": request_timeout_s,
+        "ignore_eos": True, "continuous_usage_stats": True,
+        # A 429 is the tenant's limit, not a fault: count it and move on rather than wait out Retry-After.
+        "retry": {"on_429": "count"}, "tenants": tenants})
+
+
+def start_load(workload: Workload, target_url: str, run_dir: Path) -> Background:
+    """The run, started in a thread; ``.result()`` is its ``RunOutput`` once every request has ended."""
+    def run() -> RunOutput:
+        return execute(workload, Target.parse(target_url), run_dir, progress=False, plots=False,
+                       models={t.name: "tessera-small" for t in workload.tenants})
+
+    thread = Background(run, "loadgen")
+    thread.start()
+    return thread

@@ -1,0 +1,133 @@
+"""The local platform for the long-running benches, and what they read of it.
+
+``start_platform`` is ``LocalPlatform`` as ``tessera up`` and the end-to-end tests start it (embedded Redis
+with its append-only file, Ray Serve with the engine replicas, the gateway, the KV-eviction controller), in
+this process's session. The readers walk only this process's own descendants: other engineers' Ray clusters
+on the same machine have processes with the same titles.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psutil
+import redis
+
+from tessera.local.platform import LocalPlatform, LocalPlatformOptions
+from tessera.tenancy.policy import TenantPolicy
+
+REPLICA_TITLE = "ServeReplica:tessera-engines"
+
+
+def start_platform(work: Path, model_dir: Path, *, num_engines: int = 1, gateway_port: int,
+                   extra_env: dict[str, str] | None = None, max_model_len: int = 1024) -> LocalPlatform:
+    platform = LocalPlatform(LocalPlatformOptions(
+        state_dir=work / "state", model_dir=model_dir, num_engines=num_engines, gateway_port=gateway_port,
+        gateway_workers=2, trace_dir=work / "traces", extra_env=extra_env or {},
+        engine_overrides={"served_model_name": "tessera-small", "max_model_len": max_model_len}))
+    try:
+        platform.start()
+    except BaseException:
+        platform.stop()
+        raise
+    return platform
+
+
+def create_tenants(platform: LocalPlatform, names: Iterable[str],
+                   policy: TenantPolicy | None = None) -> dict[str, str]:
+    """name -> a new API key, each tenant created with ``policy`` (None: the defaults)."""
+    import asyncio
+
+    return {name: asyncio.run(platform.create_tenant(name, policy)) for name in names}
+
+
+def _tree(pid: int) -> list[psutil.Process]:
+    try:
+        root = psutil.Process(pid)
+        return [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def replica_pids() -> list[int]:
+    """The engine replica actors among this process's descendants (``ray::ServeReplica:tessera-engines:...``)."""
+    found = []
+    for proc in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            if REPLICA_TITLE in " ".join([proc.name(), *proc.cmdline()]):
+                found.append(proc.pid)
+    return found
+
+
+def rss_bytes(pids: Iterable[int]) -> int:
+    """Resident memory of these processes and all their descendants (each counted once)."""
+    seen: dict[int, int] = {}
+    for pid in pids:
+        for proc in _tree(pid):
+            with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+                seen[proc.pid] = proc.memory_info().rss
+    return sum(seen.values())
+
+
+def inet_sockets(pid: int) -> int:
+    """Open TCP/UDP sockets of a process tree (the gateway's: client, engine and Redis connections)."""
+    total = 0
+    for proc in _tree(pid):
+        with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            total += len(proc.net_connections(kind="inet"))
+    return total
+
+
+@dataclass(frozen=True, slots=True)
+class RedisStats:
+    keys: int
+    used_memory_bytes: int
+    connected_clients: int
+
+
+def redis_stats(url: str) -> RedisStats:
+    with redis.Redis.from_url(url, socket_timeout=5) as client:
+        memory: dict[str, Any] = client.info("memory")
+        clients: dict[str, Any] = client.info("clients")
+        return RedisStats(int(client.dbsize()), int(memory["used_memory"]), int(clients["connected_clients"]))
+
+
+class Background(threading.Thread):
+    """Runs ``target()`` in a thread and keeps its result or its exception for ``result()``."""
+
+    def __init__(self, target: Any, name: str) -> None:
+        super().__init__(name=name, daemon=True)
+        self._target_fn = target
+        self._result: Any = None
+        self._error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            self._result = self._target_fn()
+        except BaseException as exc:  # handed to the caller by result()
+            self._error = exc
+
+    def result(self) -> Any:
+        self.join()
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+
+def gateway_pid(platform: LocalPlatform) -> int:
+    assert platform.gateway is not None, "start() first"
+    return platform.gateway.pid
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True

@@ -1,0 +1,68 @@
+"""The soak's judge (bench/longrun/soak.py) and its windowing (bench/bench_soak.py's build_windows): pure,
+no process started."""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "bench"))
+from longrun.soak import KEY_SETTLE_S, P99_RATIO_LIMIT, Window, judge
+
+MIB = 2**20
+
+
+def window(index: int, *, p99: float = 0.1, gw: int = 100 * MIB, engine: int = 1000 * MIB, keys: int = 500,
+           end_s: float | None = None, tenants: dict[str, float] | None = None) -> Window:
+    return Window(index=index, end_s=(index + 1) * 300.0 if end_s is None else end_s, gateway_rss_bytes=gw,
+                  engine_rss_bytes=engine, redis_keys=keys, redis_used_memory_bytes=MIB, redis_clients=10,
+                  gateway_sockets=20, num_requests=100, num_failed=0, ttft_p50_s=p99 / 2, ttft_p99_s=p99,
+                  tenant_ttft_p99_s=tenants or {})
+
+
+def verdicts(windows: list[Window]) -> dict[str, bool | None]:
+    return {v.goal: v.passed for v in judge(windows)}
+
+
+def test_a_flat_soak_passes_every_goal() -> None:
+    got = verdicts([window(i, tenants={"a": 0.1, "b": 0.2}) for i in range(6)])
+    assert got == {"ttft_p99": True, "ttft_p99[a]": True, "ttft_p99[b]": True, "gateway_rss_growth": True,
+                   "engine_rss_growth": True, "redis_keys_bounded": True}
+
+
+def test_p99_limit_is_relative_to_the_first_window_exactly() -> None:
+    at_limit = [window(0, p99=0.100), window(1, p99=0.100 * P99_RATIO_LIMIT)]
+    above = [window(0, p99=0.100), window(1, p99=0.100 * P99_RATIO_LIMIT * 1.01)]
+    assert verdicts(at_limit)["ttft_p99"] is True
+    assert verdicts(above)["ttft_p99"] is False
+
+
+def test_one_tenants_p99_fails_alone() -> None:
+    windows = [window(0, tenants={"a": 0.1, "b": 0.1}), window(1, tenants={"a": 0.1, "b": 0.5})]
+    got = verdicts(windows)
+    assert got["ttft_p99[a]"] is True and got["ttft_p99[b]"] is False
+
+
+def test_rss_growth_of_five_percent_fails_and_below_passes() -> None:
+    assert verdicts([window(0, gw=100 * MIB), window(1, gw=int(104.9 * MIB))])["gateway_rss_growth"] is True
+    assert verdicts([window(0, gw=100 * MIB), window(1, gw=105 * MIB)])["gateway_rss_growth"] is False
+    assert verdicts([window(0, engine=1000 * MIB), window(1, engine=1100 * MIB)])["engine_rss_growth"] is False
+
+
+def test_keys_are_not_judged_before_their_ttl_has_passed() -> None:
+    short = [window(i, end_s=60.0 * (i + 1), keys=100 * (i + 1)) for i in range(4)]
+    assert verdicts(short)["redis_keys_bounded"] is None
+
+
+def test_keys_growing_after_the_settle_time_fail() -> None:
+    grown = [window(0, end_s=KEY_SETTLE_S, keys=1000), window(1, end_s=KEY_SETTLE_S + 300, keys=1000),
+             window(2, end_s=KEY_SETTLE_S + 600, keys=1300)]
+    flat = [window(0, end_s=KEY_SETTLE_S, keys=1000), window(1, end_s=KEY_SETTLE_S + 300, keys=1140)]
+    assert verdicts(grown)["redis_keys_bounded"] is False
+    assert verdicts(flat)["redis_keys_bounded"] is True  # 1000 * 1.1 + 50
+
+
+def test_a_single_window_or_no_ttft_is_not_judged() -> None:
+    assert verdicts([window(0)])["ttft_p99"] is None
+    assert verdicts([window(0, p99=math.nan), window(1)])["ttft_p99"] is None
