@@ -105,7 +105,8 @@ def _redacted(url: str) -> str:
     return f"{scheme}://***@{rest.rpartition('@')[2]}" if "@" in rest else url
 
 
-def pack(*args: str | int) -> bytes:
+def _pack(*args: str | int) -> bytes:
+    """One command as a RESP array, as ``redis_wire.pack_commands`` writes them (that module imports this one)."""
     parts = [b"*%d\r\n" % len(args)]
     for arg in args:
         data = str(arg).encode()
@@ -147,9 +148,9 @@ class SentinelResolver:
             auth = self.config.sentinel_auth()
             request = b""
             if auth:
-                request += (pack("AUTH", auth["username"], auth["password"]) if auth["username"]
-                            else pack("AUTH", auth["password"]))
-            request += pack("SENTINEL", "GET-MASTER-ADDR-BY-NAME", self.config.primary_name)
+                request += (_pack("AUTH", auth["username"], auth["password"]) if auth["username"]
+                            else _pack("AUTH", auth["password"]))
+            request += _pack("SENTINEL", "GET-MASTER-ADDR-BY-NAME", self.config.primary_name)
             writer.write(request)
             replies = await _read_replies(reader, 2 if auth else 1)
         finally:
