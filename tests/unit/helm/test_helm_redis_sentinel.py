@@ -7,6 +7,7 @@ primary the Sentinels name; pod 0 when none answers) is the part that decides wh
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import subprocess
 from pathlib import Path
@@ -14,6 +15,7 @@ from typing import Any
 
 import helm_python
 import pytest
+import yaml
 
 from tessera.redis_sentinel import parse_sentinel_url
 from tests.support.chart import NAMESPACE, find, render
@@ -53,6 +55,8 @@ def test_every_component_gets_the_sentinel_url_of_every_pod() -> None:
     urls = {e["value"] for d in docs if d["kind"] in ("Deployment", "StatefulSet")
             for c in d["spec"]["template"]["spec"].get("containers", []) for e in c.get("env", [])
             if e["name"] == "TESSERA_REDIS_URL"}
+    # The engine replicas (the RayService's pods) too.
+    urls |= set(re.findall(r"redis\+sentinel://[^\s'\"]+", yaml.safe_dump(find(docs, "RayService"))))
     assert len(urls) == 1, urls
     config = parse_sentinel_url(urls.pop().replace("$(REDIS_PASSWORD)", "pw"))
     assert config.sentinels == tuple((f"tessera-redis-{i}.{HEADLESS}", 26379) for i in range(3))
