@@ -12,7 +12,16 @@ import redis.asyncio as aioredis
 
 from tessera.engine.protocol import encode_usage, usage_record_key
 from tessera.gateway.settler import Settler
-from tessera.tenancy.admission import OPEN_TICKETS_KEY, TICKETS_KEY, Admission, Lease, Rejection, leases_key
+from tessera.tenancy.admission import (
+    FINISH_MARKER_TTL_S,
+    OPEN_TICKETS_KEY,
+    TICKETS_KEY,
+    Admission,
+    Lease,
+    Rejection,
+    finish_marker_key,
+    leases_key,
+)
 from tessera.tenancy.policy import TenantPolicy
 from tessera.tenancy.settlement import Charge, SettleKind, Ticket, parse_ticket, ticket_member
 from tests.support.poll import async_wait_until
@@ -65,6 +74,8 @@ async def test_an_expired_ticket_is_billed_from_the_engine_record_once(redis_cli
     assert billed["usage"] == {"requests": 1, "prompt_tokens": PROMPT, "completion_tokens": 37, "total_tokens": 57,
                                "settled_from_engine": 1, "charged_reservation": 0, "charged_reservation_tokens": 0}
     assert (billed["budget"], billed["tpm"], billed["leased"], billed["open"]) == (57, 57, False, False)
+    # A settled lease's marker outlives any journal the dead gateway may replay later (billing.replayable).
+    assert await redis_client.ttl(finish_marker_key(lease.tenant, lease.lease_id)) > FINISH_MARKER_TTL_S
 
     # Every second path is a no-op: another pass, the same settlement again, the gateway's late finish.
     await settler.settle_due()
@@ -80,7 +91,10 @@ async def test_a_lease_its_gateway_finished_is_never_settled(redis_client: aiore
     assert await admission.finish(lease, PROMPT, 10)
     billed = await state(admission, redis_client, lease)
     assert (billed["budget"], billed["open"], billed["usage"]["total_tokens"]) == (30, False, 30)
-    # A settler that read the ticket just before the finish: finish.lua refuses it.
+    # A settler that read the ticket just before the finish: finish.lua refuses it, also once the finish's
+    # done marker has expired (a settler stalled for longer than it lives): the ticket is closed.
+    assert not await admission.settle(ticket, Charge(SettleKind.RESERVATION, PROMPT, 100), ticket_time(ticket))
+    await redis_client.delete(finish_marker_key(lease.tenant, lease.lease_id))
     assert not await admission.settle(ticket, Charge(SettleKind.RESERVATION, PROMPT, 100), ticket_time(ticket))
     assert await state(admission, redis_client, lease) == billed
 
