@@ -9,7 +9,8 @@ saw, into one of three outcomes (issue #16):
 - ``lost``: no answer and no error: a hang (the client's timeout), a 200 stream cut without an error event,
   or a stream that ended cleanly short of ``max_tokens``.
 
-A lost or failed request is attributed to the last kill between its send and its end, if any.
+A lost or failed request is attributed to the outage it overlaps (a kill until the killed part was back),
+the latest-starting one when several.
 
 ``bill`` compares, per tenant, the completion tokens Redis charged with the tokens the clients received. A
 request that did not succeed may be charged for tokens its client never got (generated, then cut), at most
@@ -19,8 +20,9 @@ charged below served is unbilled.
 
 from __future__ import annotations
 
+import itertools
 import random
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 SUCCEEDED, FAILED, LOST = "succeeded", "failed", "lost"
@@ -31,23 +33,31 @@ TARGETS = ("engine", "gateway", "redis")
 class Kill:
     at_s: float  # from the start of the load
     target: str
+    back_s: float = 0.0  # how long after the kill the part was serving again (0: unknown or not yet)
 
 
-def schedule(seed: int, duration_s: float, targets: Sequence[str] = TARGETS) -> list[Kill]:
+def schedule(seed: int, duration_s: float, targets: Sequence[str] = TARGETS,
+             recovery_s: Mapping[str, float] | None = None) -> list[Kill]:
     """One kill per target, in a seeded random order, at random times in the middle 70 % of the run, at
-    least ``duration_s / (2 * len(targets))`` apart (so each recovery can be told from the next kill)."""
+    least ``duration_s / (2 * len(targets))`` apart (so each recovery can be told from the next kill), and
+    after a target named in ``recovery_s`` at least that long, where the run is long enough for every such
+    gap (else the plain gaps: outages then overlap, which the classification shows)."""
     if duration_s <= 0 or not targets:
         raise ValueError("need a positive duration and at least one target")
     rng = random.Random(seed)
     order = list(targets)
     rng.shuffle(order)
-    gap = duration_s / (2 * len(order))
     start, end = 0.1 * duration_s, 0.8 * duration_s
+    base = duration_s / (2 * len(order))
+    gaps = [max(base, (recovery_s or {}).get(t, 0.0)) for t in order[:-1]]
+    if sum(gaps) > end - start:
+        gaps = [base] * (len(order) - 1)
     # Spread the slack left after the mandatory gaps randomly between the kills.
-    slack = max(0.0, end - start - gap * (len(order) - 1))
+    slack = max(0.0, end - start - sum(gaps))
     cuts = sorted(rng.uniform(0, slack) for _ in order)
-    return [Kill(round(start + cut + i * gap, 3), target)
-            for i, (cut, target) in enumerate(zip(cuts, order, strict=True))]
+    offsets = [0.0, *itertools.accumulate(gaps)]
+    return [Kill(round(start + cut + offset, 3), target)
+            for cut, offset, target in zip(cuts, offsets, order, strict=True)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,13 +78,13 @@ class Outcome:
 class Classified:
     outcome: str  # SUCCEEDED, FAILED or LOST
     reason: str  # e.g. "http_503", "stream_error", "hang", "cut_stream"
-    killed: str | None  # the last kill between send and end, if any
+    killed: str | None  # the outage the request overlapped, if any
 
 
 def _killed(outcome: Outcome, kills: Sequence[Kill]) -> str | None:
     if outcome.t_send_s is None or outcome.t_done_s is None:
         return None
-    during = [k for k in kills if outcome.t_send_s <= k.at_s <= outcome.t_done_s]
+    during = [k for k in kills if k.at_s <= outcome.t_done_s and outcome.t_send_s <= k.at_s + k.back_s]
     return max(during, key=lambda k: k.at_s).target if during else None
 
 

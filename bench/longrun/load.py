@@ -10,7 +10,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from tessera_loadgen import RunOutput, Target, Workload, execute
+from tessera_loadgen.client import Target
+from tessera_loadgen.execute import RunOutput, execute
+from tessera_loadgen.workload import Workload
 
 from .platform import Background
 

@@ -30,6 +30,15 @@ def test_schedule_is_seeded_one_kill_per_target_inside_the_run_and_spaced() -> N
     assert {tuple(k.target for k in schedule(s, 120.0)) for s in range(20)} != {tuple(TARGETS)}  # order varies
 
 
+def test_schedule_leaves_a_slow_targets_recovery_before_the_next_kill_when_it_fits() -> None:
+    for seed in range(20):
+        kills = schedule(seed, 300.0, recovery_s={"engine": 75.0})
+        after = [b.at_s - a.at_s for a, b in itertools.pairwise(kills) if a.target == "engine"]
+        assert all(gap >= 75.0 for gap in after)
+    # 120 s cannot hold a 75 s gap besides a 20 s one inside its 84 s window: the plain gaps then.
+    assert schedule(3, 120.0, recovery_s={"engine": 75.0}) == schedule(3, 120.0)
+
+
 def test_schedule_rejects_an_empty_run() -> None:
     with pytest.raises(ValueError):
         schedule(0, 0.0)
@@ -52,10 +61,12 @@ def test_classify(given: Outcome, expected: tuple[str, str]) -> None:
     assert (got.outcome, got.reason) == expected
 
 
-def test_a_request_is_attributed_to_the_last_kill_during_it() -> None:
-    kills = [Kill(5.0, "redis"), Kill(11.0, "engine"), Kill(11.5, "gateway"), Kill(30.0, "redis")]
+def test_a_request_is_attributed_to_the_latest_outage_it_overlaps() -> None:
+    kills = [Kill(5.0, "redis", 2.0), Kill(11.0, "engine", 60.0), Kill(11.5, "gateway", 3.0), Kill(90.0, "redis")]
     assert classify(outcome(False, "broken_stream", 200, 3, send=10.0, done=12.0), kills).killed == "gateway"
-    assert classify(outcome(False, "http_503", 503, 0, send=20.0, done=21.0), kills).killed is None
+    assert classify(outcome(False, "http_503", 503, 0, send=20.0, done=21.0), kills).killed == "engine"
+    assert classify(outcome(False, "http_503", 503, 0, send=7.5, done=8.0), kills).killed is None
+    assert classify(outcome(False, "http_503", 503, 0, send=7.0, done=7.1), kills).killed == "redis"  # edge
 
 
 def test_bill_allows_undelivered_tokens_of_requests_that_did_not_succeed() -> None:
