@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import math
 import os
 import signal
 import subprocess
@@ -268,7 +269,8 @@ def report(args: argparse.Namespace, kills: list[Kill], chaos: Chaos, output: An
     done = chaos.events
     # The kills' times count from the load's start; the records' from the loadgen's first arrival (t0).
     shift = output.t0 - chaos.started
-    actual = [Kill(e["at_s"] - shift, e["target"], e.get("back_after_s", 0.0)) for e in done]
+    # A part not back by the end of the load counts as down until then.
+    actual = [Kill(e["at_s"] - shift, e["target"], e.get("back_after_s", math.inf)) for e in done]
     outcomes: dict[str, list[Outcome]] = {t: [] for t in TENANTS}
     counts: Counter[tuple[str, str, str]] = Counter()
     for record in output.records:
