@@ -23,7 +23,7 @@ body, an app that answers at once) in this process, in alternating rounds; the C
 the difference are printed.
 
 Options: ``--requests`` per phase (default 150), ``--only-defaults`` (skip the no-limits run),
-``--protocol-only`` (only the hot-path comparison).
+``--protocol-only`` (only the hot-path comparison), ``--slow``, ``--bombers``, ``--wide`` (the attack's size).
 """
 
 from __future__ import annotations
@@ -85,9 +85,7 @@ async def _slow(port: int, end: float, stats: Counter[str]) -> None:
             while time.monotonic() < end and not reader.at_eof():
                 await asyncio.sleep(0.5)
                 writer.write(b"x")
-                await writer.drain()
-                if reader._buffer:  # type: ignore[attr-defined]  # the gateway answered (408) and closes
-                    break
+                await writer.drain()  # fails once the gateway closes (after its 408 and a linger)
         except ConnectionError:
             pass
         if time.monotonic() < end:
@@ -112,16 +110,16 @@ async def _repeat(port: int, end: float, pieces: list[bytes], stats: Counter[str
         await _send_and_read(port, pieces, stats, kind)
 
 
-async def attack(port: int, duration_s: float, out: Path) -> None:
+async def attack(port: int, duration_s: float, out: Path, num_slow: int, num_bombers: int, num_wide: int) -> None:
     end = time.monotonic() + duration_s
     stats: Counter[str] = Counter()
     bomb = [b"GET /v1/models HTTP/1.1\r\nhost: gateway\r\nx-bomb: "]
     bomb += [b"a" * 65536] * (BOMB_BYTES // 65536) + [b"\r\n\r\n"]
     wide = [b"GET /v1/models HTTP/1.1\r\nhost: gateway\r\n" + b"".join(b"x-h%d: v\r\n" % i for i in range(5000))
             + b"\r\n"]
-    await asyncio.gather(*(_slow(port, end, stats) for _ in range(SLOW_CONNECTIONS)),
-                         *(_repeat(port, end, bomb, stats, "bomb") for _ in range(BOMBERS)),
-                         *(_repeat(port, end, wide, stats, "wide") for _ in range(WIDE)))
+    await asyncio.gather(*(_slow(port, end, stats) for _ in range(num_slow)),
+                         *(_repeat(port, end, bomb, stats, "bomb") for _ in range(num_bombers)),
+                         *(_repeat(port, end, wide, stats, "wide") for _ in range(num_wide)))
     out.write_text(json.dumps(dict(stats)))
 
 
@@ -233,7 +231,8 @@ async def victim(url: str, key: str, num_requests: int) -> list[float]:
 
 
 def run_case(name: str, extra_env: dict[str, str], redis_url: str, key: str, work: Path,
-             num_requests: int) -> dict[str, Any]:
+             args: argparse.Namespace) -> dict[str, Any]:
+    num_requests = args.requests
     gateway, url = start_gateway({"TESSERA_REDIS_URL": redis_url, "TESSERA_TRACE_EXPORTER": "none", **extra_env},
                                  work / f"gateway-{name}.log")
     try:
@@ -242,7 +241,7 @@ def run_case(name: str, extra_env: dict[str, str], redis_url: str, key: str, wor
         duration_s = RAMP_S + num_requests * GAP_S * 1.5 + 5
         stats_path = work / f"attack-{name}.json"
         attacker = subprocess.Popen([sys.executable, __file__, "--attacker", url.rsplit(":", 1)[1], str(duration_s),
-                                     str(stats_path)])
+                                     str(stats_path), str(args.slow), str(args.bombers), str(args.wide)])
         time.sleep(RAMP_S)
         load = os.getloadavg()[0]
         flooded = asyncio.run(victim(url, key, num_requests))
@@ -256,6 +255,7 @@ def run_case(name: str, extra_env: dict[str, str], redis_url: str, key: str, wor
             "flood_ttft_ms": {"p50": round(f50, 2), "p99": round(f99, 2)}, "p99_ratio": round(f99 / q99, 2),
             "goal_ratio": GOAL_RATIO, "met": f99 / q99 <= GOAL_RATIO, "gateway_survived": alive,
             "load_1min_at_flood": round(load, 2), "attack": json.loads(stats_path.read_text()),
+            "attackers": {"slow_connections": args.slow, "bombers": args.bombers, "wide": args.wide},
             "requests_per_phase": num_requests}
 
 
@@ -264,6 +264,9 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=150)
     parser.add_argument("--only-defaults", action="store_true")
     parser.add_argument("--protocol-only", action="store_true")
+    parser.add_argument("--slow", type=int, default=SLOW_CONNECTIONS, help="slow-head connections")
+    parser.add_argument("--bombers", type=int, default=BOMBERS, help="connections sending 8 MiB headers at a time")
+    parser.add_argument("--wide", type=int, default=WIDE, help="connections sending 5,000 headers at a time")
     args = parser.parse_args()
     cost = protocol_cost_us()
     print_table(["protocol", "CPU per request, us (median of rounds)"], list(cost.items()))
@@ -285,7 +288,7 @@ def main() -> None:
             if not args.only_defaults:
                 cases.append(("no limits (before #15)", NO_LIMITS_ENV))
             for name, env in cases:
-                results.append(run_case(name, env, redis.url, key, work, args.requests))
+                results.append(run_case(name, env, redis.url, key, work, args))
     finally:
         redis.stop()
     print_table(["gateway", "quiet p50/p99 ms", "flood p50/p99 ms", "p99 ratio (goal <= 1.5)", "load", "attack"],
@@ -298,7 +301,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 5 and sys.argv[1] == "--attacker":
-        asyncio.run(attack(int(sys.argv[2]), float(sys.argv[3]), Path(sys.argv[4])))
+    if len(sys.argv) == 8 and sys.argv[1] == "--attacker":
+        asyncio.run(attack(int(sys.argv[2]), float(sys.argv[3]), Path(sys.argv[4]), *map(int, sys.argv[5:8])))
     else:
         main()

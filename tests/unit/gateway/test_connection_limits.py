@@ -24,7 +24,7 @@ class RecordingTransport(asyncio.Transport):
         super().__init__()
         self.port = port
         self.sent = bytearray()
-        self.closed = self.eof = False
+        self.closed = self.eof = self.paused = False
 
     def get_extra_info(self, name: str, default: Any = None) -> Any:
         return {"sockname": ("127.0.0.1", self.port), "peername": ("127.0.0.1", 40000)}.get(name, default)
@@ -45,7 +45,7 @@ class RecordingTransport(asyncio.Transport):
         return self.closed
 
     def pause_reading(self) -> None:
-        pass
+        self.paused = True
 
     def resume_reading(self) -> None:
         pass
@@ -127,9 +127,9 @@ async def test_a_url_still_arriving_is_414_once_over_the_limit_and_the_rest_is_d
     assert not transport.sent
     protocol.data_received(b"a" * 100)
     assert status_of(transport) == 414 and error_of(transport)["code"] == "url_too_long"
-    assert transport.eof and not transport.closed  # lingering: the write side shut, still reading
+    assert transport.eof and transport.paused and not transport.closed  # answered, reading stopped, closed soon
     before = len(transport.sent)
-    protocol.data_received(b"a" * 1000 + b" HTTP/1.1\r\n\r\n" + request())  # read and dropped
+    protocol.data_received(b"a" * 1000 + b" HTTP/1.1\r\n\r\n" + request())  # in flight as reading paused: dropped
     assert len(transport.sent) == before and stack.paths == []
 
 
@@ -153,6 +153,29 @@ async def test_the_header_limit_holds_to_the_byte(num_header_bytes: int, status:
     # Each header counts its name, its value, ": " and CRLF: "host: gw" is 10 bytes, "x-pad: " + CRLF 9 more.
     protocol.data_received(request(headers=[("x-pad", "p" * (num_header_bytes - 19))]))
     assert await answered(transport) == status
+
+
+@pytest.mark.parametrize("first_read_bytes", [100, 600, 1000])
+async def test_headers_over_the_limit_split_over_reads_are_431(first_read_bytes: int) -> None:
+    """Wherever the reads split a head, its headers are counted whole (a head that began in a large first
+    read and ended in a small second one was once measured by the second alone)."""
+    stack = Stack()
+    protocol, transport = stack.connect()
+    raw = request(headers=[(f"x-h{i}", "v" * 20) for i in range(60)])
+    protocol.data_received(raw[:first_read_bytes])
+    protocol.data_received(raw[first_read_bytes:])
+    assert await answered(transport) == 431 and stack.paths == []
+
+
+async def test_a_pipelined_head_is_not_charged_for_the_request_before_it() -> None:
+    stack = Stack()
+    protocol, transport = stack.connect()
+    first = b"POST /first HTTP/1.1\r\nhost: gw\r\ncontent-length: 1000\r\n\r\n" + b"x" * 1000
+    second = request("/second", [("x-pad", "p" * 900)])
+    protocol.data_received(first + second[:100])  # 1,100 bytes in one read, the second head only begun
+    protocol.data_received(second[100:])
+    await async_wait_until(lambda: stack.paths == ["/first", "/second"], 5, "both requests served")
+    assert b" 431 " not in transport.sent
 
 
 async def test_a_header_value_that_never_ends_is_431_before_it_is_read_whole() -> None:

@@ -18,9 +18,11 @@ is that protocol with:
   ``Retry-After``.
 
 ``/health`` is answered beyond the two caps (a liveness probe must not fail because the worker is busy:
-Kubernetes would restart it). A refused connection lingers: the answer is written, the write side shut, and
-what the client still sends is read and dropped for at most ``REFUSED_LINGER_S`` (closing with unread data
-would reset the connection, and the client could lose the answer).
+Kubernetes would restart it). A connection refused before its head was complete (408, or a head over a limit
+still arriving) gets its answer and the write side shut at once, then reads nothing more and closes
+``REFUSED_LINGER_S`` later, time for the answer to reach the client before the close resets the connection
+(it does, with unread data). Reading and dropping the rest instead cost the worker a core under a flood of
+8 MiB headers (``make bench-flood``); unread, the rest waits in the kernel and the sender's window closes.
 
 Cost per request on the hot path: a few comparisons per read and per head, no callback per header and no
 timer unless a head arrives in more than one read (``make bench-flood`` prints the protocol's CPU per request
@@ -46,8 +48,8 @@ from tessera.asgi import Receive, Scope, Send
 from tessera.gateway.errors import error_body
 from tessera.gateway.metrics import metrics_app
 
-# A refused connection reads and drops what the client still sends for at most this long, seconds, then
-# closes (see the module docstring).
+# A connection refused before its head was complete closes this long after its answer, seconds (see the
+# module docstring).
 REFUSED_LINGER_S = 2.0
 # What a 503 for a full worker asks the client to wait, seconds.
 BUSY_RETRY_AFTER_S = 1
@@ -102,8 +104,11 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._metrics_port = metrics_port
         self._max_head_bytes = limits.max_url_bytes + limits.max_header_bytes + _REQUEST_LINE_SLACK
         self._connection_app: Any = self.app
-        self._num_head_bytes = 0  # read so far of a head that spans reads
-        self._num_read_bytes = 0  # ... and with the current read: at most this many in the head completing now
+        # Bytes read so far of a head that spans reads: at least (reads that may hold the message before it not
+        # counted) and at most (such reads counted whole).
+        self._num_head_bytes_low = 0
+        self._num_head_bytes_high = 0
+        self._num_read_bytes = 0  # the high count with the current read: a bound on the head completing in it
         self._over_cap = False
         self._refused = False
         self._head_timer: asyncio.TimerHandle | None = None
@@ -127,18 +132,24 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
 
     def data_received(self, data: bytes) -> None:
         if self._refused:
-            return  # lingering: read and dropped
+            return  # refused: what was in flight when reading paused
         scope_before = self.scope
-        self._num_read_bytes = self._num_head_bytes + len(data)
+        self._num_read_bytes = self._num_head_bytes_high + len(data)
         super().data_received(data)
         if not self._head_incomplete() or self.transport.is_closing():
             return
-        # Bytes read before this head began belong to the message before: count this read only if the head
-        # began in an earlier one (the bound is then one read looser).
-        self._num_head_bytes = self._num_head_bytes + len(data) if self.scope is scope_before else 0
+        # A head still incomplete. Bytes of this read before the head began belong to the message before (if
+        # there was one): the refusal counts a read where the head began only on a fresh connection, so a
+        # pipelined request is never refused for its predecessor's bytes (the bound is one read looser).
+        if self.scope is scope_before:
+            self._num_head_bytes_low += len(data)
+            self._num_head_bytes_high += len(data)
+        else:
+            self._num_head_bytes_low = len(data) if scope_before is None else 0
+            self._num_head_bytes_high = len(data)
         if len(self.url) > self._limits.max_url_bytes:
             self._refuse(*self._url_too_long())
-        elif self._num_head_bytes > self._max_head_bytes:
+        elif self._num_head_bytes_low > self._max_head_bytes:
             self._refuse(*self._headers_too_large())
         elif self._head_timer is None:
             self._head_timer = self.loop.call_later(self._limits.header_timeout_s, self._head_timed_out)
@@ -150,7 +161,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             app = self._checked_size(app)  # rare: a head (or a read) this large is measured exactly
         if app is self._connection_app and (self._over_cap or len(self.tasks) >= self._limits.max_in_flight):
             app = self._answer_busy
-        self._num_head_bytes = 0
+        self._num_head_bytes_low = self._num_head_bytes_high = 0
         # uvicorn's on_headers_complete starts ``self.app`` for the request.
         self.app = app
         super().on_headers_complete()
@@ -202,13 +213,15 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
                      f"{self._limits.header_timeout_s:g} s.")
 
     def _refuse(self, status: int, code: str, message: str) -> None:
-        """Answers ``status`` outside any request cycle and closes, lingering (module docstring); a response
-        under way on this connection is cut instead (a pipelined head the client itself sent too large)."""
+        """Answers ``status`` outside any request cycle, stops reading and closes soon after (module
+        docstring); a response under way on this connection is cut instead (a pipelined head the client itself
+        sent too large)."""
         self._refused = True
         self._cancel_head_timer()
         if self.cycle is not None and not self.cycle.response_complete:
             self.transport.close()
             return
+        self.transport.pause_reading()
         self.transport.write(raw_error_response(status, code, message, self.server_state.default_headers))
         if self.transport.can_write_eof():
             self.transport.write_eof()
