@@ -15,7 +15,9 @@ the gateway quiet, then while the attacker, a process of its own (``--attacker``
 
 It runs twice: the gateway with its default limits (``TESSERA_HEADER_TIMEOUT_S`` 10 s, 32 KiB of headers,
 ...), and with the limits out of reach (as the gateway was before issue #15: no header limit, no header
-timeout). The machine is shared: read the ratio with the load beside it (``os.getloadavg`` is recorded).
+timeout). The attacker runs on the first core and everything else on the others (``--no-pinning``: unpinned):
+what is measured is what the flood costs the gateway, not what generating it costs the machine. The machine
+is shared: read the ratio with the load beside it (``os.getloadavg`` is recorded).
 
 Before the flood, the limits' cost on the hot path: uvicorn's own httptools protocol and the gateway's
 (``connection_limits.LimitedHttpToolsProtocol``) parse the same kept-alive chat requests (a 600-byte head and
@@ -45,6 +47,8 @@ import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _support import REPO, bench_model, issue_keys, percentiles, print_table, start_gateway, stop, write_results
+
+from tests.support.machine import pin_this_process, pinned, split_cores
 
 GAP_S = 0.1
 MAX_TOKENS = 16
@@ -231,17 +235,19 @@ async def victim(url: str, key: str, num_requests: int) -> list[float]:
 
 
 def run_case(name: str, extra_env: dict[str, str], redis_url: str, key: str, work: Path,
-             args: argparse.Namespace) -> dict[str, Any]:
+             args: argparse.Namespace, cpus: tuple[str | None, str | None]) -> dict[str, Any]:
     num_requests = args.requests
+    attacker_cpus, defender_cpus = cpus
     gateway, url = start_gateway({"TESSERA_REDIS_URL": redis_url, "TESSERA_TRACE_EXPORTER": "none", **extra_env},
-                                 work / f"gateway-{name}.log")
+                                 work / f"gateway-{name}.log", cpus=defender_cpus)
     try:
         asyncio.run(victim(url, key, 20))  # warm: caches, connections
         quiet = asyncio.run(victim(url, key, num_requests))
         duration_s = RAMP_S + num_requests * GAP_S * 1.5 + 5
         stats_path = work / f"attack-{name}.json"
-        attacker = subprocess.Popen([sys.executable, __file__, "--attacker", url.rsplit(":", 1)[1], str(duration_s),
-                                     str(stats_path), str(args.slow), str(args.bombers), str(args.wide)])
+        attacker = subprocess.Popen(pinned([sys.executable, __file__, "--attacker", url.rsplit(":", 1)[1],
+                                            str(duration_s), str(stats_path), str(args.slow), str(args.bombers),
+                                            str(args.wide)], attacker_cpus))
         time.sleep(RAMP_S)
         load = os.getloadavg()[0]
         flooded = asyncio.run(victim(url, key, num_requests))
@@ -256,6 +262,7 @@ def run_case(name: str, extra_env: dict[str, str], redis_url: str, key: str, wor
             "goal_ratio": GOAL_RATIO, "met": f99 / q99 <= GOAL_RATIO, "gateway_survived": alive,
             "load_1min_at_flood": round(load, 2), "attack": json.loads(stats_path.read_text()),
             "attackers": {"slow_connections": args.slow, "bombers": args.bombers, "wide": args.wide},
+            "attacker_cpus": attacker_cpus, "defender_cpus": defender_cpus,
             "requests_per_phase": num_requests}
 
 
@@ -267,6 +274,7 @@ def main() -> None:
     parser.add_argument("--slow", type=int, default=SLOW_CONNECTIONS, help="slow-head connections")
     parser.add_argument("--bombers", type=int, default=BOMBERS, help="connections sending 8 MiB headers at a time")
     parser.add_argument("--wide", type=int, default=WIDE, help="connections sending 5,000 headers at a time")
+    parser.add_argument("--no-pinning", action="store_true")
     args = parser.parse_args()
     cost = protocol_cost_us()
     print_table(["protocol", "CPU per request, us (median of rounds)"], list(cost.items()))
@@ -276,6 +284,10 @@ def main() -> None:
     from tessera.redis_conn import EmbeddedRedis
     from tests.support.fake_engine import running_fake_engine
 
+    # The attacker on a core of its own (its machine, in a real attack), the rest here: what is measured is
+    # what the flood costs the gateway, not what generating it costs the machine.
+    cpus = (None, None) if args.no_pinning else split_cores()
+    pin_this_process(cpus[1])
     work = Path(REPO / ".tessera" / "bench-flood")
     work.mkdir(parents=True, exist_ok=True)
     model_dir = bench_model("tessera-small")
@@ -288,7 +300,7 @@ def main() -> None:
             if not args.only_defaults:
                 cases.append(("no limits (before #15)", NO_LIMITS_ENV))
             for name, env in cases:
-                results.append(run_case(name, env, redis.url, key, work, args))
+                results.append(run_case(name, env, redis.url, key, work, args, cpus))
     finally:
         redis.stop()
     print_table(["gateway", "quiet p50/p99 ms", "flood p50/p99 ms", "p99 ratio (goal <= 1.5)", "load", "attack"],
