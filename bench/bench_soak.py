@@ -120,6 +120,7 @@ def main() -> None:
             samples.append(taken)
             print(f"  window {index + 1}/{num_windows}: {taken}", flush=True)
         output = load.result()
+        families = plat.key_families(platform.redis_url)
     finally:
         platform.stop()
     # The loadgen's t0 is its first arrival; the windows count from the end of its warm-up.
@@ -133,11 +134,13 @@ def main() -> None:
                 [[w.index, *(f"{w.tenant_ttft_p99_s.get(t, math.nan) * 1000:.1f}" for t in tenants)]
                  for w in windows])
     print()
+    print("Redis keys at the end, by family: " + ", ".join(f"{k} {n}" for k, n in families.items()))
+    print()
     print_table(["goal", "verdict", "detail"], [[v.goal, verdict_word(v.passed), v.detail] for v in verdicts])
     path = write_results("soak", {
         "args": vars(args), "num_windows": num_windows, "before_load": before,
         "windows": [asdict(w) for w in windows], "samples": samples,
-        "goals": [asdict(v) for v in verdicts],
+        "goals": [asdict(v) for v in verdicts], "redis_key_families_at_end": families,
         "loadgen_summary": output.result["summary"]["overall"] | {"latency": None},
         "machine": {"cpus": os.cpu_count(), "loadavg_at_end": os.getloadavg()}})
     print(f"results: {path}")

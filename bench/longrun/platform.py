@@ -98,6 +98,19 @@ def redis_stats(url: str) -> RedisStats:
         return RedisStats(int(client.dbsize()), int(memory["used_memory"]), int(clients["connected_clients"]))
 
 
+def key_families(url: str, depth: int = 2) -> dict[str, int]:
+    """Keys by their first ``depth`` colon-separated parts (``tessera:pfx``...), most numerous first:
+    which family a growing key count comes from."""
+    from collections import Counter
+
+    families: Counter[str] = Counter()
+    with redis.Redis.from_url(url, socket_timeout=5) as client:
+        for key in client.scan_iter(count=1000):
+            text = key.decode(errors="replace") if isinstance(key, bytes) else str(key)
+            families[":".join(text.split(":")[:depth])] += 1
+    return dict(families.most_common(15))
+
+
 class Background(threading.Thread):
     """Runs ``target()`` in a thread and keeps its result or its exception for ``result()``."""
 
