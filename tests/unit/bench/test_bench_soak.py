@@ -7,6 +7,8 @@ import math
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "bench"))
 from longrun.soak import KEY_SETTLE_S, P99_RATIO_LIMIT, Window, judge
 
@@ -66,3 +68,22 @@ def test_keys_growing_after_the_settle_time_fail() -> None:
 def test_a_single_window_or_no_ttft_is_not_judged() -> None:
     assert verdicts([window(0)])["ttft_p99"] is None
     assert verdicts([window(0, p99=math.nan), window(1)])["ttft_p99"] is None
+
+
+def test_windows_take_the_requests_scheduled_in_them_and_skip_the_warm_up() -> None:
+    from types import SimpleNamespace
+
+    from bench_soak import build_windows
+
+    def record(t_sched: float, ttft: float | None, tenant: str = "a", warmup: bool = False) -> SimpleNamespace:
+        return SimpleNamespace(t_sched=t_sched, warmup=warmup, tenant=tenant, ok=ttft is not None,
+                               t_first=None if ttft is None else t_sched + ttft)
+
+    sample = {"at_s": 0.0, "gateway_rss_bytes": 1, "engine_rss_bytes": 2, "redis_keys": 3,
+              "redis_used_memory_bytes": 4, "redis_clients": 5, "gateway_sockets": 6}
+    records = [record(100.0, 9.0, warmup=True), record(101.0, 0.5), record(109.9, 0.1, "b"), record(111.0, None),
+               record(115.0, 0.2), record(125.0, 0.3)]  # the last is past the two windows: dropped
+    first, second = build_windows(records, t_measure=100.0, window_s=10.0, samples=[sample, sample])
+    assert (first.num_requests, first.num_failed, second.num_requests, second.num_failed) == (2, 0, 2, 1)
+    assert set(first.tenant_ttft_p99_s) == {"a", "b"} and second.ttft_p50_s == pytest.approx(0.2)
+    assert (first.end_s, second.end_s, second.redis_keys) == (10.0, 20.0, 3)
