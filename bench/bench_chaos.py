@@ -136,8 +136,9 @@ class Chaos:
                 return event | {"skipped": "no engine replica process found"}
             replica = psutil.Process(pids[0])
             self.orphans = [p.pid for p in replica.children(recursive=True)]
+            registered = [e.engine_id for e in self.platform.engines()]
             replica.kill()
-            event |= {"pid": pids[0], "children": self.orphans}
+            event |= {"pid": pids[0], "children": self.orphans, "registered": registered}
         elif target == "gateway":
             assert self.gateway.proc is not None
             event["pid"] = self.gateway.proc.pid
@@ -156,7 +157,9 @@ class Chaos:
 
     def recovered(self, target: str, event: dict[str, Any]) -> bool:
         if target == "engine":
-            return bool(set(plat.replica_pids()) - {event.get("pid")}) and bool(self.platform.engines())
+            # Back once a replica registered that was not there at the kill (the dead one's record may linger).
+            old = set(event.get("registered", []))
+            return any(e.engine_id not in old for e in self.platform.engines())
         if target == "gateway":
             return self.gateway.healthy()
         with contextlib.suppress(Exception):
