@@ -16,6 +16,11 @@ from tests.support.parallel import assign_groups
 
 REPO = Path(__file__).resolve().parents[1]
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+# One unbound OpenMP thread per test engine: vLLM's CPU worker otherwise binds a thread to every core, so two
+# engines (two xdist workers, or a test's two replicas) pin their threads onto the same cores and spin on
+# each other; every engine test then ran about twice as long as alone. The tiny model gains nothing from more.
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 # The data-plane key, set before anything starts: every replica, gateway and controller a test starts (in
 # process, as a subprocess or in a Ray worker) inherits it; tests/support/data_plane.py signs with it.
 os.environ.setdefault("TESSERA_DATA_PLANE_KEY_FILE",
