@@ -11,7 +11,7 @@ ENGINES ?= 1
 MODEL ?=
 PYTEST_ARGS ?=
 PYTEST_WORKERS ?= 2
-PYTEST_XDIST := $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadgroup --no-loadscope-reorder)
+PYTEST_XDIST := $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadscope --no-loadscope-reorder)
 
 .PHONY: install run test lint unit integration e2e bench bench-gateway bench-gateway-hops bench-admission bench-routing \
         bench-kvcontrol bench-loadgen bench-cli bench-stack bench-wires bench-gateway-cpu bench-gateway-ab bench-prefix-index \

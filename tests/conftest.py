@@ -12,7 +12,7 @@ import pytest
 from tessera.data_plane_auth import ensure_key_file
 from tessera.engine.small_model import is_small_model_dir, make_small_model
 from tessera.redis_conn import EmbeddedRedis
-from tests.support.parallel import assign_groups
+from tests.support.parallel import GroupScheduling, order_by_group
 
 REPO = Path(__file__).resolve().parents[1]
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -50,6 +50,11 @@ def small_model_dir() -> Path:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    # Only in an xdist worker (`make test` runs two): how the suite is split is in tests/support/parallel.py.
+    # Only in an xdist worker (`make test` runs two): longest groups first (tests/support/parallel.py).
     if hasattr(config, "workerinput"):
-        assign_groups(items, REPO)
+        order_by_group(items)
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> GroupScheduling:
+    # Each group (Ray, a shared engine, else a module) runs whole on one worker (tests/support/parallel.py).
+    return GroupScheduling(config, log)
