@@ -4,6 +4,7 @@ and the OpenAI-style error body; with the settings the shared gateways run with.
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +20,8 @@ MODEL = "tenancy-small"
 # tests of the lease TTL itself start their own gateway with SHORT_LEASE_TTL_S.
 LEASE_TTL_S = 20.0
 SHORT_LEASE_TTL_S = 10.0
+# How long create_tenant retries a gateway answering 503 (its Redis just restarted by an earlier test).
+STORE_BACK_WITHIN_S = 15.0
 GATEWAY_ENV = {"TESSERA_ADMIN_TOKEN": ADMIN_TOKEN, "TESSERA_LEASE_TTL_S": str(LEASE_TTL_S),
                "TESSERA_KEY_CACHE_TTL_S": "1.0", "TESSERA_REDIS_TIMEOUT_S": "2.0"}
 SHORT_LEASE_ENV = {**GATEWAY_ENV, "TESSERA_LEASE_TTL_S": str(SHORT_LEASE_TTL_S)}
@@ -43,8 +46,15 @@ def admin_headers() -> dict[str, str]:
 def create_tenant(gateway: GatewayProcess, policy: dict[str, Any] | None = None, prefix: str = "t") -> TenantHandle:
     """A fresh tenant and key, made through the admin API."""
     name = f"{prefix}-{uuid.uuid4().hex[:10]}"
-    created = httpx.post(f"{gateway.url}/admin/tenants", json={"name": name, "policy": policy or {}},
-                         headers=admin_headers(), timeout=10)
+    # The package's Redis may have just been restarted by an earlier test (the fault and crash tests): a
+    # gateway's first call on a pooled connection to the old server is a 503 "retry shortly", so retry, briefly.
+    deadline = time.monotonic() + STORE_BACK_WITHIN_S
+    while True:
+        created = httpx.post(f"{gateway.url}/admin/tenants", json={"name": name, "policy": policy or {}},
+                             headers=admin_headers(), timeout=10)
+        if created.status_code != 503 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
     assert created.status_code == 201, created.text
     issued = httpx.post(f"{gateway.url}/admin/tenants/{name}/keys", headers=admin_headers(), timeout=10)
     assert issued.status_code == 201, issued.text

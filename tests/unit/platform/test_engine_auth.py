@@ -4,6 +4,8 @@ generation starts, nothing is listed or aborted, and the body is not even parsed
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import orjson
 import pytest
 
@@ -44,15 +46,16 @@ async def test_unsigned_calls_are_401_and_the_engine_does_nothing() -> None:
 
 
 @pytest.mark.adversarial
-@pytest.mark.parametrize("headers", [
-    signature("POST", "/generate", generate_body(request_id="other-tenant/1")),  # signed another body
-    signature("POST", "/generate", ATTACK, key=b"a guessed key, thirty-two chars!"),
-    signature("POST", "/abort", ATTACK),  # signed for another route
-])
-async def test_a_signature_for_another_call_or_key_is_401(headers: list[tuple[bytes, bytes]]) -> None:
+# Signed when the test runs, not at collection: a signature made then is stale by the time a late test runs.
+@pytest.mark.parametrize("sign", [
+    lambda: signature("POST", "/generate", generate_body(request_id="other-tenant/1")),  # signed another body
+    lambda: signature("POST", "/generate", ATTACK, key=b"a guessed key, thirty-two chars!"),
+    lambda: signature("POST", "/abort", ATTACK),  # signed for another route
+], ids=["another-body", "another-key", "another-route"])
+async def test_a_signature_for_another_call_or_key_is_401(sign: Callable[[], list[tuple[bytes, bytes]]]) -> None:
     engine = CountingEngine()
     endpoints, in_flight, _ = make(engine)
-    response = await call(endpoints, "POST", "/generate", ATTACK, headers=headers, signed=False)
+    response = await call(endpoints, "POST", "/generate", ATTACK, headers=sign(), signed=False)
     assert response.status == 401 and "does not match this call" in response.json()["error"]
     assert engine.generated == [] and len(in_flight) == 0
 
