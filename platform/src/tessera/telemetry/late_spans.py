@@ -13,20 +13,27 @@ engine's spans are children of ``engine.call``. ``LateTrace`` draws that span's 
 up front and announces them to ``AnnouncedIds``, the provider's id generator, which hands exactly those ids
 to the spans when they are made. Without an SDK provider using ``AnnouncedIds`` (tracing off, or a
 provider configured elsewhere) nothing is announced and the incoming context, if any, is passed on as is.
+
+With the local ``jsonl`` exporter ``emit`` skips the SDK's span objects altogether and writes the lines the
+SDK path would have written (span_lines.py); an exception to record or a value to clean still goes the SDK way.
 """
 
 from __future__ import annotations
 
+import random
 import time
 from contextvars import ContextVar
 from typing import Any
 
+import orjson
 from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.propagate import inject
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
 from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind, Status, StatusCode, TraceFlags, Tracer
+
+from tessera.telemetry.span_lines import PLAIN_VALUES, LineTracerProvider, SpanLines
 
 _next_trace_id: ContextVar[int | None] = ContextVar("tessera_next_trace_id", default=None)
 _next_span_id: ContextVar[int | None] = ContextVar("tessera_next_span_id", default=None)
@@ -73,7 +80,8 @@ class LateTrace:
         self._call_started_ns: int | None = None
         self._call_context: SpanContext | None = None
         self._new_trace_id: int | None = None
-        provider = provider or trace.get_tracer_provider()
+        self._parent_span_id: int | None = None
+        self._provider = provider = provider or trace.get_tracer_provider()
         if isinstance(provider, TracerProvider) and isinstance(provider.id_generator, AnnouncedIds):
             self._call_context = self._announced_call_context(provider)
 
@@ -81,7 +89,9 @@ class LateTrace:
         parent = trace.get_current_span(self._parent_context).get_span_context()
         ids = provider.id_generator
         trace_id = parent.trace_id if parent.is_valid else ids.generate_trace_id()
-        if not parent.is_valid:
+        if parent.is_valid:
+            self._parent_span_id = parent.span_id
+        else:
             self._new_trace_id = trace_id
         # The sampler decides again, alike, when ``emit`` makes the span (the SDK's samplers are functions of
         # the parent and the trace id); the engine needs the decision now, in the flags it receives.
@@ -117,6 +127,12 @@ class LateTrace:
     def emit(self, error: BaseException | None = None) -> None:
         """Makes the spans (once); ``error``: the exception the request ended with, as the SDK records it."""
         end_ns = time.time_ns()
+        provider = self._provider
+        lines = provider.lines if isinstance(provider, LineTracerProvider) else None
+        if lines is not None and self._emit_lines(lines, end_ns, error):
+            self._children.clear()
+            self._events.clear()
+            return
         _announce(self._new_trace_id, None)
         request = self._tracer.start_span("gateway.request", context=self._parent_context, kind=SpanKind.SERVER,
                                           attributes=self.attributes, start_time=self.start_ns)
@@ -136,6 +152,52 @@ class LateTrace:
         request.end(end_time=end_ns)
         self._children.clear()
         self._events.clear()
+
+    def _emit_lines(self, lines: SpanLines, end_ns: int, error: BaseException | None) -> bool:
+        """The spans as ``span_to_dict`` makes them of the SDK's, straight to the span file (span_lines.py);
+        False, having done nothing, where the SDK must make them (an exception to record, a value to clean)."""
+        call = self._call_context
+        if call is None or error is not None or not _plain(self.attributes):
+            return False
+        for _, _, _, attributes, child_error in self._children:
+            if child_error is not None or not _plain(attributes):
+                return False
+        if not call.trace_flags.sampled:
+            return True  # the SDK would record nothing either (the sampler decides alike, see __init__)
+        trace_id = f"{call.trace_id:032x}"
+        request_id = _span_id()
+        service = lines.service_name
+        out = []
+        for name, start_ns, child_end_ns, attributes, _ in self._children:
+            span_id = call.span_id if name == "engine.call" else _span_id()
+            out.append(orjson.dumps({
+                "trace_id": trace_id, "span_id": f"{span_id:016x}", "parent_span_id": f"{request_id:016x}",
+                "name": name, "service": service, "start_ns": start_ns, "end_ns": child_end_ns, "status": "UNSET",
+                "attributes": attributes, "events": [], "links": []}, default=str))
+        parent = self._parent_span_id
+        out.append(orjson.dumps({
+            "trace_id": trace_id, "span_id": f"{request_id:016x}",
+            "parent_span_id": None if parent is None else f"{parent:016x}", "name": "gateway.request",
+            "service": service, "start_ns": self.start_ns, "end_ns": end_ns, "status": "UNSET",
+            "attributes": self.attributes,
+            "events": [{"name": name, "ts_ns": ts_ns, "attributes": {}} for name, ts_ns in self._events],
+            "links": []}, default=str))
+        out.append(b"")
+        lines.add(b"\n".join(out))
+        return True
+
+
+def _plain(attributes: dict[str, Any]) -> bool:
+    """Values the SDK keeps as they are (it drops None, turns bytes to str and lists to tuples)."""
+    return all(isinstance(value, PLAIN_VALUES) for value in attributes.values())
+
+
+def _span_id() -> int:
+    """A span id as the SDK's ``RandomIdGenerator`` draws it."""
+    span_id = random.getrandbits(64)
+    while span_id == 0:
+        span_id = random.getrandbits(64)
+    return span_id
 
 
 def _record(span: trace.Span, error: BaseException | None, ts_ns: int) -> None:

@@ -21,6 +21,7 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, Spa
 from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 
 from tessera.telemetry.late_spans import AnnouncedIds
+from tessera.telemetry.span_lines import LineTracerProvider, SpanLines
 
 _configured_lock = threading.Lock()
 _configured = False
@@ -60,10 +61,13 @@ class JsonlSpanExporter(SpanExporter):
         self._lock = threading.Lock()
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
-        data = b"".join(orjson.dumps(span_to_dict(s), default=str) + b"\n" for s in spans)
+        self.write(b"".join(orjson.dumps(span_to_dict(s), default=str) + b"\n" for s in spans))
+        return SpanExportResult.SUCCESS
+
+    def write(self, data: bytes) -> None:
+        """Appends encoded lines (also ``SpanLines``', the spans made without the SDK: span_lines.py)."""
         with self._lock, open(self._path, "ab") as handle:
             handle.write(data)
-        return SpanExportResult.SUCCESS
 
     def shutdown(self) -> None:
         return None
@@ -76,7 +80,7 @@ def configure_tracing(service_name: str, exporter: str, run_dir: Path | None = N
     with _configured_lock:
         if _configured or exporter == "none":
             return None
-        provider = TracerProvider(
+        provider = LineTracerProvider(
             resource=Resource.create({"service.name": service_name}),
             sampler=ParentBased(TraceIdRatioBased(sample_ratio)),
             # Random ids, and the ones the gateway announced for spans it makes after the fact (late_spans.py).
@@ -97,6 +101,11 @@ def configure_tracing(service_name: str, exporter: str, run_dir: Path | None = N
         else:
             raise ValueError(f"unknown trace exporter {exporter!r}; valid: jsonl, otlp-http, otlp-grpc, none")
         provider.add_span_processor(BatchSpanProcessor(span_exporter, schedule_delay_millis=500))
+        if isinstance(span_exporter, JsonlSpanExporter):
+            # The gateway's request spans skip the SDK's span objects on the way to this file (span_lines.py).
+            lines = SpanLines(span_exporter.write, service_name, delay_s=0.5)
+            provider.add_span_processor(lines)
+            provider.lines = lines
         trace.set_tracer_provider(provider)
         _configured = True
         return provider

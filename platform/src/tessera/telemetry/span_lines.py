@@ -1,0 +1,110 @@
+"""Spans written as JSONL lines straight from plain values, without OpenTelemetry SDK span objects.
+
+The gateway notes each request's spans as tuples and makes them after the response (late_spans.py). Made
+through the SDK, each of a request's four spans costs a ``Span`` (sampler, id generator, attribute
+validation, locks), the batch processor's queue, and then ``span_to_dict`` in the export thread; with the
+local ``jsonl`` exporter none of that is needed to write the line ``tessera traces analyze`` reads. So a
+provider that ``configure_tracing`` sets up for the ``jsonl`` exporter (``LineTracerProvider``) carries a
+``SpanLines``: ``LateTrace.emit`` hands it the request's spans as the dicts ``span_to_dict`` would have made
+of the SDK's spans, and it appends them to the same file, in batches, from a thread of its own (as the SDK's
+batch processor does, ``delay_s`` after the first line of a batch; no wakeups while nothing comes).
+
+What the SDK path still does (``LateTrace.emit`` falls back to it): a request or a child that ended with an
+exception (the SDK's exception event and status), attribute values other than str/bool/int/float, and any
+provider on which a span processor was added after ``configure_tracing`` (that processor must see every span:
+the lines are then off). ``make bench-gateway-cpu`` measures the gateway's CPU per request with the lines.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
+
+# Span processors ``configure_tracing`` adds itself; another one added later turns the lines off.
+_OWN_PROCESSORS = 2
+# The attribute values a line carries as the SDK would (anything else: the SDK path, which cleans them).
+PLAIN_VALUES = (str, bool, int, float)
+
+
+class SpanLines(SpanProcessor):
+    """Encoded span lines waiting for their batch's write. A span processor only to be flushed and shut down
+    with the provider's others (``flush_tracing``, the provider's exit hook): it sees no SDK span."""
+
+    def __init__(self, write: Callable[[bytes], None], service_name: str, delay_s: float = 0.5) -> None:
+        """``write``: appends bytes to the span file (``JsonlSpanExporter.write``, under its lock)."""
+        self._write = write
+        self.service_name = service_name
+        self._delay_s = delay_s
+        self._lines: list[bytes] = []
+        self._lock = threading.Lock()
+        self._due = threading.Event()  # set by the first line of a batch
+        self._thread: threading.Thread | None = None
+        self._stopped = False
+        os.register_at_fork(after_in_child=self._forget_thread)
+
+    def add(self, lines: bytes) -> None:
+        """Takes one or more encoded lines (each ending in a newline)."""
+        with self._lock:
+            if self._stopped:
+                return
+            self._lines.append(lines)
+            if len(self._lines) == 1:
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._run, name="tessera-span-lines", daemon=True)
+                    self._thread.start()
+                self._due.set()
+
+    def _run(self) -> None:
+        while True:
+            self._due.wait()
+            if self._stopped:
+                return
+            # Lines that come meanwhile join this batch: one write per ``delay_s`` under load.
+            time.sleep(self._delay_s)
+            self._due.clear()
+            self._flush()
+
+    def _flush(self) -> None:
+        with self._lock:
+            lines, self._lines = self._lines, []
+        if lines:
+            self._write(b"".join(lines))
+
+    def _forget_thread(self) -> None:
+        """A forked child has no copy of the thread (and writes its own file: a new provider)."""
+        self._thread = None
+        self._lock = threading.Lock()
+        self._lines = []
+
+    def on_start(self, span: Any, parent_context: Any = None) -> None:
+        return None
+
+    def on_end(self, span: Any) -> None:
+        return None
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        self._flush()
+        return True
+
+    def shutdown(self) -> None:
+        self._stopped = True
+        self._due.set()
+        self._flush()
+
+
+class LineTracerProvider(TracerProvider):
+    """The SDK's provider with ``lines``: where spans made without the SDK go (None: none may, see above)."""
+
+    lines: SpanLines | None = None
+    _num_processors = 0
+
+    def add_span_processor(self, span_processor: SpanProcessor) -> None:
+        super().add_span_processor(span_processor)
+        self._num_processors += 1
+        if self._num_processors > _OWN_PROCESSORS:
+            self.lines = None  # a processor of someone else's: it must see the SDK's spans of every request
