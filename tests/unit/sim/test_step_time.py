@@ -56,3 +56,21 @@ def test_configs_are_strict_and_chosen_by_kind() -> None:
         adapter.validate_python({"kind": "roofline", "gpus": "h100-sxm"})
     with pytest.raises(ValueError, match="llama-3-70b"):
         step_time_fn(RooflineStepTime(model="llama-9"))
+
+
+def test_the_mix_and_attention_terms_add_per_prefill_sequence_and_per_query_key_pair() -> None:
+    base = MeasuredStepTime(step_s=0.01, per_seq_s=0.001, per_prefill_token_s=0.0001)
+    full = base.model_copy(update={"per_prefill_seq_s": 0.002, "per_attention_pair_s": 1e-8})
+    # Two prefills (98 tokens) and one decode: two prefill sequences, 5,000 query-key pairs.
+    step = StepShape(99, 98, 1, 3, 5000.0, 500)
+    assert step_time_fn(full)(step) == pytest.approx(step_time_fn(base)(step) + 2 * 0.002 + 5000 * 1e-8)
+    # A decode-only step pays no mix term.
+    assert step_time_fn(full)(decode(3, 10)) == pytest.approx(step_time_fn(base)(decode(3, 10)) + 3 * 11 * 1e-8)
+
+
+def test_a_measured_config_without_the_new_terms_stays_valid_and_unchanged() -> None:
+    config = MeasuredStepTime.model_validate({"step_s": 0.01, "per_seq_s": 0.001, "per_prefill_token_s": 0.0001})
+    assert (config.per_prefill_seq_s, config.per_attention_pair_s) == (0.0, 0.0)
+    with pytest.raises(ValidationError):
+        MeasuredStepTime.model_validate({"step_s": 0.01, "per_seq_s": 0.0, "per_prefill_token_s": 0.0,
+                                         "per_prefill_seq_s": -1.0})

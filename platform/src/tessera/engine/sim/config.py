@@ -35,6 +35,10 @@ class SimEngineConfig(BaseModel):
     time_scale: float = Field(default=1.0, gt=0.0, description=(
         "Wall-clock seconds per simulated second: 10 runs the fleet ten times slower than real time, so a "
         "busy process keeps up. Every latency the sim reports is in simulated seconds."))
+    timer_slack_s: float = Field(default=0.005, ge=0.0, description=(
+        "Wall seconds the event loop may wake late (timer resolution, a busy loop) at a step's end while the "
+        "next step still starts at that end in simulated time, so modelled step times hold exactly; a "
+        "lateness beyond it is lag, and shows as latency."))
     http_host: str = Field(default="127.0.0.1", description="Address the replicas' HTTP servers bind.")
     advertise_host: str = Field(default="127.0.0.1", description="Host in the URLs the replicas register.")
     heartbeat_interval_s: float = Field(default=1.0, gt=0.0, description="Registry heartbeat period (wall s).")

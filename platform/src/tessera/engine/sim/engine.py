@@ -3,8 +3,10 @@ whoever streams them.
 
 Time: a ``SimClock`` maps wall-clock time to simulated time (``time_scale`` wall seconds per simulated
 second). A step that the model says takes ``dt`` simulated seconds ends ``dt`` simulated seconds after it
-began; if the process falls behind (a thousand engines on two cores), simulated time still follows the
-wall clock, so lag shows up as latency rather than vanishing. Every duration in a request's stats is
+began, and the next one begins at that end (or at the last arrival, if later) as long as the loop woke no
+more than ``timer_slack_s`` late: asyncio's timers wake a millisecond or so late, which would otherwise add
+to every step. If the process falls further behind (a thousand engines on two cores), simulated time
+follows the wall clock, so lag shows up as latency rather than vanishing. Every duration in a request's stats is
 simulated; the ``*_ts`` timestamps are the clock's epoch plus simulated time. KV-event batches carry the
 wall-clock time they were published, as vLLM's do.
 """
@@ -82,6 +84,8 @@ class SimEngine:
         self._work = asyncio.Event()
         self.num_steps = 0
         self.busy_s = 0.0  # simulated seconds spent in steps
+        self._last_end_s = 0.0  # simulated end of the last step
+        self._last_add_s = 0.0  # simulated arrival of the last request
         self.prefix_queries = 0
         self.prefix_hits = 0
 
@@ -98,9 +102,10 @@ class SimEngine:
                                   f"({self.num_gpu_blocks - 1} blocks of {self.config.block_size})")
         if body.request_id in self._streams:
             raise ValueError(f"request {body.request_id!r} is already running")
+        self._last_add_s = self.clock.now()
         request = SimRequest(body.request_id, list(body.prompt_token_ids), body.max_tokens,
                              BlockHashChain(body.prompt_token_ids, self.config.block_size, body.cache_salt),
-                             priority=body.priority, cache_salt=body.cache_salt, arrival_s=self.clock.now())
+                             priority=body.priority, cache_salt=body.cache_salt, arrival_s=self._last_add_s)
         self.scheduler.add_request(request)
         stream = RequestStream(request)
         self._streams[body.request_id] = stream
@@ -147,13 +152,20 @@ class SimEngine:
         key = f"{request.request_id}:{len(request.output_token_ids)}".encode()
         return zlib.crc32(key) % self.config.vocab_size
 
+    def _step_start(self) -> float:
+        """When the next step begins in simulated time: where the last step ended (or the last request
+        arrived, if later) when the loop is at most ``timer_slack_s`` late for it, else now (lag)."""
+        now_s = self.clock.now()
+        start_s = max(self._last_end_s, self._last_add_s)
+        return start_s if now_s - start_s <= self.config.timer_slack_s / self.clock.time_scale else now_s
+
     async def run(self) -> None:
         """Steps while there is work, until cancelled."""
         while True:
             if not self.scheduler.has_work():
                 self._work.clear()
                 await self._work.wait()
-            start_s = self.clock.now()
+            start_s = self._step_start()
             batch = self.scheduler.schedule(start_s)
             if not batch.num_new_tokens and batch.preempted:
                 continue  # the running requests preempted each other: the next schedule admits from the queue
@@ -165,6 +177,7 @@ class SimEngine:
             dt = self._step_time(batch.shape)
             await self.clock.sleep_until(start_s + dt)
             end_s = start_s + dt
+            self._last_end_s = end_s
             self.num_steps += 1
             self.busy_s += dt
             out = self.scheduler.update(batch, end_s, self._next_token)

@@ -7,8 +7,10 @@
   (scheduler, sampling, TP all-reduces). The roofline is a lower bound; the efficiencies say how far from
   it the modelled engine runs.
 * ``measured``: a linear model fitted on a real engine (the CPU engine's step costs): a fixed cost per
-  step, per sequence in the batch, and per prefill token. Calibration (``bench/bench_sim_calibration.py``)
-  configures the sim this way.
+  step, per sequence in the batch, per prefill token, and optionally per sequence still in its prompt (the
+  mix term: a prefill's inputs, metadata and first sample cost more than a decode's) and per query-key pair
+  of causal attention (a long prompt's quadratic part). Calibration (``bench/bench_sim_calibration.py``)
+  fits these on the CPU engine's own step timings (``step_time_fit.py``) and configures the sim with them.
 """
 
 from __future__ import annotations
@@ -56,7 +58,8 @@ class RooflineStepTime(BaseModel):
 
 
 class MeasuredStepTime(BaseModel):
-    """Step time from a real engine's measured costs: ``step + per_seq·seqs + per_prefill_token·tokens``."""
+    """Step time from a real engine's measured costs: ``step + per_seq·(seqs − 1) + per_prefill_token·tokens
+    + per_prefill_seq·prefill_seqs + per_attention_pair·pairs`` (the last two default to 0)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -64,6 +67,12 @@ class MeasuredStepTime(BaseModel):
     step_s: float = Field(ge=0.0, description="Seconds per step whatever it holds (a 1-sequence decode).")
     per_seq_s: float = Field(ge=0.0, description="Seconds per sequence in the batch beyond the first.")
     per_prefill_token_s: float = Field(ge=0.0, description="Seconds per prompt token computed.")
+    per_prefill_seq_s: float = Field(
+        default=0.0, ge=0.0,
+        description="Seconds per sequence computing prompt tokens in the step (beyond its per-sequence cost).")
+    per_attention_pair_s: float = Field(
+        default=0.0, ge=0.0,
+        description="Seconds per query-key pair of causal attention (the step's ``attention_pairs``).")
 
 
 StepTimeConfig = Annotated[RooflineStepTime | MeasuredStepTime, Field(discriminator="kind")]
@@ -94,8 +103,11 @@ def measured_step_time(config: MeasuredStepTime) -> StepTimeFn:
     def step_time(step: StepShape) -> float:
         if step.num_scheduled_tokens == 0:
             return 0.0
+        num_prefill_seqs = step.num_seqs - step.num_decode_seqs
         return (config.step_s + config.per_seq_s * max(0, step.num_seqs - 1)
-                + config.per_prefill_token_s * step.num_prefill_tokens)
+                + config.per_prefill_token_s * step.num_prefill_tokens
+                + config.per_prefill_seq_s * num_prefill_seqs
+                + config.per_attention_pair_s * step.attention_pairs)
 
     return step_time
 

@@ -1,0 +1,89 @@
+"""The ``measured`` step-time model fitted on a real engine's own step timings.
+
+A sample is one engine step as the engine saw it: what it computed (sequences, of them how many still in
+their prompt, prompt tokens, query-key pairs of causal attention) and how long it took, wall clock, from the
+end of the step before to its own end — so the fit holds the engine's whole per-step cost (scheduling,
+input preparation, the forward pass, sampling, output handling), not the forward pass alone.
+
+The fit is a least-squares over step shapes, made robust for a noisy shared machine:
+
+* samples of the same shape are reduced to their median (a step slowed down by a neighbour's burst moves
+  a median little; one outlier cannot pull the line);
+* each shape's row is weighted by ``sqrt(count) / median``, i.e. the fit minimises *relative* error, so the
+  many short decode steps (which set ITL) are not drowned by a few long prefills (which set TTFT);
+* coefficients are non-negative (a term the data does not support is dropped and the rest refitted), as
+  the model's config requires.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from tessera.engine.sim.scheduler import StepShape
+from tessera.engine.sim.step_time import MeasuredStepTime, measured_step_time
+
+# The model's terms, in MeasuredStepTime's field names; ``step_s`` (the intercept) is always fitted.
+TERMS = ("step_s", "per_seq_s", "per_prefill_token_s", "per_prefill_seq_s", "per_attention_pair_s")
+
+
+@dataclass(frozen=True, slots=True)
+class StepSample:
+    """One measured engine step."""
+
+    duration_s: float  # wall seconds from the previous step's end to this one's
+    num_seqs: int
+    num_prefill_seqs: int  # sequences computing prompt tokens (vLLM: context requests)
+    num_prefill_tokens: int
+    attention_pairs: float  # Σ new × (context + (new + 1) / 2), as StepShape counts them
+
+    def shape(self) -> StepShape:
+        num_decode = self.num_seqs - self.num_prefill_seqs
+        return StepShape(self.num_prefill_tokens + num_decode, self.num_prefill_tokens, num_decode, self.num_seqs,
+                         self.attention_pairs, 0)
+
+
+def _features(sample: StepSample) -> list[float]:
+    return [1.0, float(max(0, sample.num_seqs - 1)), float(sample.num_prefill_tokens),
+            float(sample.num_prefill_seqs), float(sample.attention_pairs)]
+
+
+def fit_measured_step_time(samples: Iterable[StepSample], terms: Sequence[str] = TERMS) -> MeasuredStepTime:
+    """The non-negative, relative-error least-squares fit of ``terms`` (others stay 0); ``ValueError``
+    without samples or with an unknown term."""
+    unknown = set(terms) - set(TERMS)
+    if unknown:
+        raise ValueError(f"unknown step-time terms {sorted(unknown)}; valid: {', '.join(TERMS)}")
+    groups: dict[tuple[float, ...], list[float]] = defaultdict(list)
+    for sample in samples:
+        if sample.duration_s > 0:
+            groups[tuple(_features(sample))].append(sample.duration_s)
+    if not groups:
+        raise ValueError("no step samples to fit")
+    rows = np.array(list(groups), dtype=float)
+    medians = np.array([statistics.median(d) for d in groups.values()])
+    weights = np.sqrt([len(d) for d in groups.values()]) / medians
+    active = [0] + [TERMS.index(t) for t in terms if t != "step_s"]
+    coefficients = np.zeros(len(TERMS))
+    while True:
+        columns = rows[:, active]
+        # Columns scaled to unit size: pairs run to 1e6 where the intercept is 1 (conditioning).
+        scale = np.maximum(np.abs(columns).max(axis=0), 1e-12)
+        solution, *_ = np.linalg.lstsq(columns / scale * weights[:, None], medians * weights, rcond=None)
+        solution = solution / scale
+        negative = [i for i, value in enumerate(solution) if value < 0 and active[i] != 0]
+        if not negative:
+            break
+        active.pop(min(negative, key=lambda i: solution[i]))
+    coefficients[active] = solution
+    return MeasuredStepTime(**{name: max(0.0, float(value)) for name, value in zip(TERMS, coefficients, strict=True)})
+
+
+def relative_errors(config: MeasuredStepTime, samples: Iterable[StepSample]) -> list[float]:
+    """Each sample's (modelled − measured) / measured step time: how well ``config`` explains the steps."""
+    model = measured_step_time(config)
+    return [(model(s.shape()) - s.duration_s) / s.duration_s for s in samples if s.duration_s > 0]

@@ -1,0 +1,65 @@
+"""Fitting the measured step-time model on a real engine's step timings (step_time_fit.py)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from tessera.engine.sim.step_time import MeasuredStepTime, measured_step_time
+from tessera.engine.sim.step_time_fit import StepSample, fit_measured_step_time, relative_errors
+
+TRUE = MeasuredStepTime(step_s=0.004, per_seq_s=0.0004, per_prefill_token_s=0.00002, per_prefill_seq_s=0.0015,
+                        per_attention_pair_s=2e-9)
+
+
+def sample(num_decode: int, prompts: list[int], noise: float = 0.0, rng: random.Random | None = None) -> StepSample:
+    pairs = sum(n * (n + 1) / 2 for n in prompts) + num_decode * 40.0
+    shape = StepSample(0.0, num_decode + len(prompts), len(prompts), sum(prompts), pairs).shape()
+    duration = measured_step_time(TRUE)(shape) * (1 + (rng.uniform(-noise, noise) if rng else 0.0))
+    return StepSample(duration, num_decode + len(prompts), len(prompts), sum(prompts), pairs)
+
+
+def probe_steps(rng: random.Random | None = None, noise: float = 0.0) -> list[StepSample]:
+    steps = []
+    for _ in range(5):
+        steps += [sample(b, [], noise, rng) for b in (1, 2, 4, 8)]
+        steps += [sample(1, [n], noise, rng) for n in (32, 128, 512, 1024, 1536)]
+        steps += [sample(0, [16] * k, noise, rng) for k in (1, 2, 3)]
+    return steps
+
+
+def test_exact_steps_give_back_the_model_that_made_them() -> None:
+    fitted = fit_measured_step_time(probe_steps())
+    for name in ("step_s", "per_seq_s", "per_prefill_token_s", "per_prefill_seq_s", "per_attention_pair_s"):
+        assert getattr(fitted, name) == pytest.approx(getattr(TRUE, name), rel=1e-6, abs=1e-12)
+
+
+def test_medians_per_shape_shrug_off_a_few_slow_outliers() -> None:
+    rng = random.Random(1)
+    steps = probe_steps(rng, noise=0.02)
+    # A neighbour's burst: one in ten decode steps ten times slower.
+    steps += [StepSample(0.05, 2, 0, 0, 80.0) for _ in range(2)]
+    fitted = fit_measured_step_time(steps)
+    assert fitted.step_s == pytest.approx(TRUE.step_s, rel=0.1)
+    assert fitted.per_prefill_token_s == pytest.approx(TRUE.per_prefill_token_s, rel=0.1)
+    errors = relative_errors(fitted, probe_steps())
+    assert max(abs(e) for e in errors) < 0.05
+
+
+def test_a_term_the_data_contradicts_is_dropped_not_negative() -> None:
+    # Prefill steps cheaper per sequence than the decode line predicts: the mix term would come out negative.
+    steps = [StepSample(0.004 + 0.0004 * (b - 1), b, 0, 0, 0.0) for b in (1, 2, 4, 8)]
+    steps += [StepSample(0.004 + 0.00002 * n - 0.001, 2, 1, n, 0.0) for n in (64, 256, 1024)]
+    fitted = fit_measured_step_time(steps, terms=("step_s", "per_seq_s", "per_prefill_token_s", "per_prefill_seq_s"))
+    assert fitted.per_prefill_seq_s == 0.0
+    assert fitted.per_seq_s >= 0.0 and fitted.per_prefill_token_s > 0.0
+
+
+def test_only_the_chosen_terms_are_fitted() -> None:
+    fitted = fit_measured_step_time(probe_steps(), terms=("step_s", "per_seq_s", "per_prefill_token_s"))
+    assert (fitted.per_prefill_seq_s, fitted.per_attention_pair_s) == (0.0, 0.0)
+    with pytest.raises(ValueError, match="per_seq_s"):
+        fit_measured_step_time(probe_steps(), terms=("step_s", "per_token"))
+    with pytest.raises(ValueError, match="no step samples"):
+        fit_measured_step_time([])
