@@ -16,6 +16,8 @@ KVCacheDtype = Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"]
 SpeculativeMethod = Literal["ngram", "eagle", "eagle3", "draft_model", "mtp"]
 # Methods that need a separate draft checkpoint; mtp and ngram draft from the target model itself.
 DRAFT_MODEL_METHODS: frozenset[str] = frozenset({"eagle", "eagle3", "draft_model"})
+# What a replica runs: vLLM, or the simulated engine (engine/sim/) for fleet-scale tests on Ray.
+EngineBackend = Literal["vllm", "sim"]
 
 
 class AdaptiveSpeculation(BaseModel):
@@ -100,6 +102,60 @@ class KVEventsSettings(BaseModel):
     topic: str = Field(default="kv", description="ZMQ topic prefix of published event batches.")
 
 
+class SimulatedEngineSettings(BaseModel):
+    """What only a simulated engine needs (``backend: sim``; engine/sim/serve_replica.py builds it).
+
+    Everything a vLLM replica is also configured with comes from the ``EngineConfig`` itself: servedModelName,
+    maxModelLen, blockSize, maxNumSeqs, maxNumBatchedTokens, enablePrefixCaching, schedulingPolicy, the KV
+    block count (numGpuBlocksOverride, else the planner's capacity for gpu, modelPreset, tensorParallelSize
+    and kvCacheDtype), the tokenizer the gateways read (tokenizer, else model), and Ray's placement."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, alias_generator=to_camel, populate_by_name=True)
+
+    step_time: Literal["roofline", "measured"] = Field(
+        default="roofline",
+        description="How long a step takes: 'roofline' (the planner's bounds for gpu, modelPreset and "
+        "tensorParallelSize) or 'measured' (stepS, perSeqS, perPrefillTokenS of a real engine).",
+    )
+    gpu: str = Field(default="h100-sxm", description="roofline: the planner's GPU preset.")
+    model_preset: str = Field(default="llama-3-70b", description="roofline: the planner's model preset.")
+    weight_dtype: Literal["bf16", "fp8", "int8", "int4"] = Field(
+        default="bf16", description="roofline: the modelled weights' dtype."
+    )
+    compute_efficiency: float | None = Field(
+        default=None, gt=0.0, le=1.0, description="roofline: share of peak FLOP/s reached (null: the sim's default)."
+    )
+    memory_efficiency: float | None = Field(
+        default=None, gt=0.0, le=1.0, description="roofline: share of HBM bandwidth reached (null: the sim's default)."
+    )
+    step_overhead_s: float | None = Field(
+        default=None, ge=0.0, description="roofline: fixed seconds per step (null: the sim's default)."
+    )
+    step_s: float | None = Field(default=None, ge=0.0, description="measured: seconds per one-sequence step.")
+    per_seq_s: float | None = Field(default=None, ge=0.0, description="measured: seconds per extra sequence.")
+    per_prefill_token_s: float | None = Field(
+        default=None, ge=0.0, description="measured: seconds per prompt token computed."
+    )
+    time_scale: float = Field(
+        default=1.0, gt=0.0,
+        description="Wall-clock seconds per simulated second (10: ten times slower than real time); every "
+        "latency the replica reports is simulated.",
+    )
+    enable_chunked_prefill: bool = Field(default=True, description="Split prompts over the step's token budget.")
+
+    @model_validator(mode="after")
+    def _step_time_fields(self) -> SimulatedEngineSettings:
+        measured = {"stepS": self.step_s, "perSeqS": self.per_seq_s, "perPrefillTokenS": self.per_prefill_token_s}
+        if self.step_time == "measured":
+            missing = sorted(name for name, value in measured.items() if value is None)
+            if missing:
+                raise ValueError(f"sim.stepTime 'measured' needs {', '.join(missing)}")
+        elif any(value is not None for value in measured.values()):
+            raise ValueError(f"sim.{', sim.'.join(sorted(n for n, v in measured.items() if v is not None))} "
+                             "only apply to stepTime 'measured'")
+        return self
+
+
 class EngineConfig(BaseModel):
     """One engine replica: a vLLM ``AsyncLLM`` plus the lean HTTP endpoint the gateway streams from."""
 
@@ -107,7 +163,18 @@ class EngineConfig(BaseModel):
         extra="forbid", frozen=True, protected_namespaces=(), alias_generator=to_camel, populate_by_name=True
     )
 
-    model: str = Field(description="Model directory (Hugging Face layout) or hub id.")
+    model: str = Field(
+        description="Model directory (Hugging Face layout) or hub id; backend 'sim' reads only its tokenizer."
+    )
+    backend: EngineBackend = Field(
+        default="vllm",
+        description="What each replica runs: 'vllm' (the real engine) or 'sim' (a simulated engine, no vLLM: "
+        "the same replica protocol, registry, heartbeat, KV events, index feed and Ray placement; settings in "
+        "`sim`).",
+    )
+    sim: SimulatedEngineSettings | None = Field(
+        default=None, description="The simulated engine's own settings (backend 'sim' only; null: defaults)."
+    )
     served_model_name: str = Field(default="tessera-small", description="Name clients use in the `model` field.")
     tokenizer: str | None = Field(default=None, description="Tokenizer path; default: the model directory.")
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
@@ -190,6 +257,12 @@ class EngineConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> EngineConfig:
+        if self.sim is not None and self.backend != "sim":
+            raise ValueError(f"sim settings apply to backend 'sim' only, not {self.backend!r}")
+        if (self.backend == "sim" and self.sim is not None and self.sim.step_time == "measured"
+                and self.num_gpu_blocks_override is None):
+            raise ValueError("backend 'sim' with sim.stepTime 'measured' needs numGpuBlocksOverride (the planner "
+                             "sizes the KV cache only for the roofline model)")
         if self.kv_scale_mode == "dynamic" and self.kv_cache_dtype not in ("fp8", "fp8_e4m3"):
             raise ValueError(
                 f"kv_scale_mode='dynamic' needs kv_cache_dtype 'fp8' or 'fp8_e4m3', not {self.kv_cache_dtype!r}"
@@ -209,6 +282,11 @@ class EngineConfig(BaseModel):
         if self.kv_scale_mode == "dynamic":
             return "fp8_per_token_head"
         return self.kv_cache_dtype
+
+    @property
+    def sim_settings(self) -> SimulatedEngineSettings:
+        """The simulated engine's settings (backend 'sim'), defaults where the config gives none."""
+        return self.sim or SimulatedEngineSettings()
 
     @property
     def tokenizer_path(self) -> str:

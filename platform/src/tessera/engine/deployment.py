@@ -8,27 +8,88 @@ Serve config (what the operator writes into ``serveConfigV2`` for a Model, or th
     args: {engine: {<EngineConfig, camelCase>}, replicas: 1}
 
 What a replica asks Ray for (its GPUs, or a placement group for tensor parallelism) is decided by
-engine/placement.py from the config alone. How many replicas run is ``replicas`` (fixed) or, exclusively,
-``engine.autoscaling`` (engine/autoscaling.py: each replica reports its load, a Tessera policy in Serve's
-controller sizes the deployment, and a removed replica drains before it stops, engine/drain.py).
+engine/placement.py from the config alone. What each replica runs is ``engine.backend``: vLLM (engine/host.py)
+or a simulated engine (engine/sim/serve_replica.py), with the same placement, registry, heartbeat, KV events,
+index feed, drain and Ray replacement; a simulated replica never imports vLLM. How many replicas run is
+``replicas`` (fixed) or, exclusively, ``engine.autoscaling`` (engine/autoscaling.py: each replica reports its
+load, a Tessera policy in Serve's controller sizes the deployment, and a removed replica drains before it
+stops, engine/drain.py).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
 from ray import serve
 
 from tessera.engine.autoscaling import ReplicaLoad, replica_count_options, replica_signals, serve_shutdown_options
-from tessera.engine.config import EngineConfig
+from tessera.engine.config import EngineBackend, EngineConfig
 from tessera.engine.devices import ReplicaDevices, current_devices
-from tessera.engine.host import EngineHost
 from tessera.engine.placement import deployment_options, installed_vllm_build, resolve_accelerator
 from tessera.settings import load_settings
 
 logger = logging.getLogger(__name__)
+
+
+class LoadView(Protocol):
+    """What the deployment reads of a replica's load."""
+
+    @property
+    def num_waiting(self) -> int: ...
+
+    @property
+    def kv_cache_usage(self) -> float: ...
+
+
+class ReplicaHost(Protocol):
+    """What ``EngineReplica`` needs of the engine it hosts (``EngineHost``, ``SimReplicaHost``)."""
+
+    engine_id: str
+
+    @property
+    def url(self) -> str: ...
+
+    @property
+    def in_flight(self) -> Any: ...
+
+    def is_healthy(self) -> bool: ...
+
+    def load(self) -> LoadView: ...
+
+    def drain(self, timeout_s: float | None = None) -> Any: ...
+
+
+def _vllm_host(config: EngineConfig, redis_url: str | None, engine_id: str, advertise_host: str) -> ReplicaHost:
+    # Imported here: engine/host.py imports vLLM, which a simulated replica never loads.
+    from tessera.engine.host import EngineHost
+
+    return EngineHost(config, redis_url, engine_id=engine_id, advertise_host=advertise_host).start()
+
+
+def _sim_host(config: EngineConfig, redis_url: str | None, engine_id: str, advertise_host: str) -> ReplicaHost:
+    from tessera.engine.sim.serve_replica import SimReplicaHost
+
+    return SimReplicaHost(config, redis_url, engine_id=engine_id, advertise_host=advertise_host).start()
+
+
+# The engine each backend runs in a replica (EngineConfig.backend), started and serving once returned.
+REPLICA_HOSTS: dict[EngineBackend, Callable[[EngineConfig, str | None, str, str], ReplicaHost]] = {
+    "vllm": _vllm_host,
+    "sim": _sim_host,
+}
+
+
+def start_host(config: EngineConfig, redis_url: str | None, engine_id: str, advertise_host: str) -> ReplicaHost:
+    """The started host of ``config.backend`` (ValueError naming the valid ones for any other)."""
+    try:
+        make = REPLICA_HOSTS[config.backend]
+    except KeyError:
+        raise ValueError(f"unknown engine backend {config.backend!r}; valid: {', '.join(sorted(REPLICA_HOSTS))}") \
+            from None
+    return make(config, redis_url, engine_id, advertise_host)
 
 
 @serve.deployment(
@@ -49,8 +110,8 @@ class EngineReplica:
         logger.info("engine replica %s on node %s: GPUs %s (CUDA_VISIBLE_DEVICES=%s), placement group %s",
                     replica_id, self.devices.node_id, self.devices.gpu_ids, self.devices.cuda_visible_devices,
                     self.devices.placement_group_id)
-        self.host = EngineHost(config, settings.redis_url, engine_id=f"{config.served_model_name}-{replica_id}",
-                               advertise_host=settings.advertise_host).start()
+        self.host: ReplicaHost = start_host(config, settings.redis_url, f"{config.served_model_name}-{replica_id}",
+                                            settings.advertise_host)
 
     def check_health(self) -> None:
         """Ray calls this periodically; raising marks the replica unhealthy and Ray replaces it."""
@@ -59,8 +120,9 @@ class EngineReplica:
 
     async def __call__(self, request: Any) -> dict[str, Any]:
         # Not the data path: a discovery endpoint answering where this replica streams from, and on which
-        # node and devices it runs.
-        return {"engine_id": self.host.engine_id, "url": self.host.url, "devices": self.devices.to_dict()}
+        # node and devices it runs (and its process, which a test kills to see Ray replace it).
+        return {"engine_id": self.host.engine_id, "url": self.host.url, "devices": self.devices.to_dict(),
+                "pid": os.getpid()}
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Serve's autoscaler reads the replica's load here (every metrics interval while the deployment
@@ -73,7 +135,7 @@ class EngineReplica:
         # Serve calls this when it removes the replica (scale-down, redeploy), then kills the actor after
         # graceful_shutdown_timeout_s: leave the registry and finish the open streams first (drain.py).
         # A replica whose host never started (its constructor raised) has no host to stop.
-        host: EngineHost | None = getattr(self, "host", None)
+        host: ReplicaHost | None = getattr(self, "host", None)
         if host is not None:
             host.drain()
 
@@ -92,6 +154,11 @@ def resolved_engine(args: dict[str, Any]) -> EngineConfig:
     if unknown:
         raise ValueError(f"unknown args {sorted(unknown)}; valid: engine, replicas")
     engine = EngineConfig.model_validate(args["engine"])
+    if engine.backend == "sim":
+        # Where the application is built, not in every replica: a sim config that cannot run fails the deploy.
+        from tessera.engine.sim.serve_replica import sim_engine_config
+
+        sim_engine_config(engine)
     # NOTE: 'auto' is resolved here, where the application is built (the same image as the replicas), and
     # the replicas get the resolved config: what they ask Ray for and what vLLM is told agree.
     return engine.model_copy(update={"accelerator": resolve_accelerator(engine.accelerator, installed_vllm_build())})
