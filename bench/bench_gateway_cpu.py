@@ -205,7 +205,7 @@ def main() -> None:
     trees = Path(tempfile.mkdtemp(prefix="bench-gateway-cpu-trees-"))
     sources = {name: None if name == WORKING_TREE else checkout(name, trees) for name in dict.fromkeys(names)}
     # A revision named twice runs two gateways of it: the spread between them is the noise floor (A/A).
-    revs = [(name + "'" * names[:i].count(name), sources[name]) for i, name in enumerate(names)]
+    revs = [(Path(name).name + "'" * names[:i].count(name), sources[name]) for i, name in enumerate(names)]
     runs: list[dict[str, dict[str, Any]]] = []
     try:
         for i in range(args.runs):
