@@ -4,6 +4,9 @@ OpenAI API so routers other than Tessera's can sit in front of the same fleet.
   POST /generate              NDJSON lines (engine/protocol.py: delta_line … done_line | error_line)
   POST /v1/completions        OpenAI completions, streamed (SSE) or whole
   POST /v1/chat/completions   OpenAI chat completions, streamed (SSE) or whole
+  POST /v1/completions/render, /v1/chat/completions/render
+                              vLLM's render routes: the prompt's token ids, generating nothing (vllm-router's
+                              kv_aware policy asks a worker for them, then matches them to KV events)
   POST /abort                 {"request_id", "reason"}: the KV-eviction controller's abort (a retryable error)
   GET  /health, /stats, /requests (in-flight requests with tenant and priority, as the real replica lists them)
 
@@ -119,6 +122,8 @@ class SimEndpoints:
             await self.openai(receive, send, "text_completion")
         elif path == "/v1/chat/completions" and method == "POST":
             await self.openai(receive, send, "chat.completion")
+        elif path in ("/v1/completions/render", "/v1/chat/completions/render") and method == "POST":
+            await self.render(receive, send, chat=path.startswith("/v1/chat/"))
         elif path == "/health":
             await respond_json(send, 200, {"healthy": True, "engine_id": self.engine.engine_id})
         elif path == "/v1/models":
@@ -260,6 +265,31 @@ class SimEndpoints:
             await self._until_done_or_gone(stream, self._write_sse(stream, send, kind, created), receive)
         else:
             await self._until_done_or_gone(stream, self._write_whole(stream, send, kind, created), receive)
+
+    async def render(self, receive: Receive, send: Send, chat: bool) -> None:
+        """vLLM's ``/v1/(chat/)completions/render``: the request as vLLM would generate it (its
+        ``GenerateRequest``: token ids and sampling parameters), a list of one for completions, as vLLM
+        answers. Tokenized as the generating routes tokenize, so the ids are the ones the engine caches."""
+        raw = await self._body(receive, send)
+        if raw is None:
+            return
+        try:
+            body = OpenAIBody.model_validate_json(raw)
+            if chat and body.messages is None:
+                raise ValueError("messages is required")
+            token_ids = body.token_ids()
+            if not token_ids:
+                raise ValueError("the prompt is empty")
+        except ValidationError as exc:
+            await respond_json(send, 400, openai_error(str(exc.errors(include_url=False)), 400))
+            return
+        except ValueError as exc:
+            await respond_json(send, 400, openai_error(str(exc), 400))
+            return
+        rendered = {"request_id": uuid.uuid4().hex, "token_ids": token_ids, "model": self.model_name,
+                    "sampling_params": {"max_tokens": body.max_completion_tokens or body.max_tokens},
+                    "cache_salt": body.cache_salt, "priority": body.priority, "stream": body.stream}
+        await respond_json(send, 200, rendered if chat else [rendered])
 
     def _choice(self, kind: str, text: str, finish: str | None, delta: bool) -> dict[str, Any]:
         if kind == "text_completion":
