@@ -15,7 +15,7 @@ PYTEST_XDIST := $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist 
 
 .PHONY: install run test lint unit integration e2e bench bench-gateway bench-gateway-hops bench-admission bench-routing \
         bench-kvcontrol bench-loadgen bench-cli bench-stack bench-wires bench-gateway-cpu bench-gateway-ab bench-prefix-index \
-        bench-flood bench-soak bench-chaos helm-check clean
+        bench-flood bench-soak bench-chaos bench-fleet helm-check clean
 
 install: $(STAMP)
 
@@ -113,6 +113,14 @@ bench-stack: install
 	test -x .venv-bench-stack/bin/litellm || .venv-bench-stack/bin/pip install --quiet "litellm[proxy]" || \
 		echo "bench-stack: litellm[proxy] did not install here; the bench skips its row"
 	$(BIN)/python bench/bench_stack.py $(BENCH_STACK_ARGS)
+
+# Routing at fleet scale (issue #17): Tessera's policies and vllm-router over 16 / 64 / 256 / 1,000 simulated
+# H100 engines (bench/results/fleet.json and fleet.png). A short run: BENCH_FLEET_ARGS="--sizes 16,64".
+bench-fleet: install
+	test -x .venv-bench-stack/bin/pip || $(PYTHON) -m venv .venv-bench-stack
+	test -x .venv-bench-stack/bin/vllm-router || .venv-bench-stack/bin/pip install --quiet vllm-router==0.1.17 || \
+		echo "bench-fleet: vllm-router did not install here; the bench skips its rows"
+	$(BIN)/python bench/bench_fleet.py $(BENCH_FLEET_ARGS)
 
 # Long runs through the real platform (issue #16; not in `make test`). The soak's length and windows come from
 # SOAK_DURATION_S (default 1800) and SOAK_WINDOW_S (300); the chaos run's from CHAOS_DURATION_S (300) and

@@ -1,0 +1,215 @@
+"""Driving one policy over the workload: Tessera's ``Router`` in this process (as bench_routing does, two
+router instances standing for two gateway workers, then the chosen replica's own ``/generate``), or an
+OpenAI client in front of vllm-router; and a probe of the fleet's event loop while it runs.
+
+Time: arrivals are simulated seconds, sent at ``start + arrival_s * time_scale`` wall seconds; a TTFT is
+``(first token - scheduled) / time_scale``. The fleet's clock is scaled the same way, so its step times
+and these TTFTs are in the same simulated seconds. What runs in real time (the Python client, Redis,
+vllm-router's own work) shrinks by ``time_scale`` in those figures; decision latencies are reported in
+real (wall) microseconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import sys
+import time
+from collections.abc import Callable, Coroutine, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import orjson
+
+from fleet.summary import Outcome, percentile
+from fleet.workload import FleetRequest
+
+# approx_prefix routes on the prompt's leading characters (the gateway's APPROX_PREFIX_CHARS).
+APPROX_PREFIX_CHARS = 4096
+PROBE_INTERVAL_S = 0.05
+
+
+@dataclass
+class RunResult:
+    outcomes: list[Outcome]
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _session() -> aiohttp.ClientSession:
+    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60)
+    return aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=900))
+
+
+async def _replay(requests: Sequence[FleetRequest], time_scale: float,
+                  one: Callable[[FleetRequest, float, float], Coroutine[Any, Any, Outcome]]) -> list[Outcome]:
+    """Sends each request at its scheduled wall time; ``one(request, scheduled, start)`` returns its outcome."""
+    start = time.perf_counter() + 0.3
+    tasks: list[asyncio.Task[Outcome]] = []
+    for request in requests:
+        scheduled = start + request.arrival_s * time_scale
+        delay = scheduled - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(one(request, scheduled, start)))
+    return list(await asyncio.gather(*tasks))
+
+
+def _failed(request: FleetRequest, scheduled: float, start: float, time_scale: float) -> Outcome:
+    now = time.perf_counter()
+    return Outcome((now - scheduled) / time_scale, (now - start) / time_scale, 0, request.num_prompt_tokens, 0,
+                   ok=False)
+
+
+class LoopProbe:
+    """GETs /health of a random replica every PROBE_INTERVAL_S while a run lasts: the round trip, in wall
+    ms, is how late the fleet's one event loop answers — when it grows past a step's length (times the time
+    scale), the fleet is behind and its latencies include that lag."""
+
+    def __init__(self, urls: list[str]) -> None:
+        self._urls = urls
+        self.rtts_ms: list[float] = []
+        self._task: asyncio.Task[None] | None = None
+
+    async def _run(self) -> None:
+        rng = random.Random(5)
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+            while True:
+                t = time.perf_counter()
+                try:
+                    async with session.get(f"{rng.choice(self._urls)}/health") as resp:
+                        await resp.read()
+                    self.rtts_ms.append((time.perf_counter() - t) * 1e3)
+                except aiohttp.ClientError:
+                    pass
+                await asyncio.sleep(PROBE_INTERVAL_S)
+
+    def __enter__(self) -> LoopProbe:
+        self._task = asyncio.get_running_loop().create_task(self._run())
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+    def summary(self) -> dict[str, float]:
+        return {"fleet_probe_p50_ms_wall": percentile(self.rtts_ms, 50),
+                "fleet_probe_p99_ms_wall": percentile(self.rtts_ms, 99)}
+
+
+def index_bytes(index: Any) -> int:
+    """Bytes a ``LocalPrefixIndex`` holds: its maps and the ints in them (sys.getsizeof; small ints are
+    shared in CPython and counted anyway, so this errs high)."""
+    holders, extra = index._holders, index._extra
+    total = sys.getsizeof(holders) + sys.getsizeof(extra)
+    for key, value in holders.items():
+        total += sys.getsizeof(key) + sys.getsizeof(value)
+    for key, inner in extra.items():
+        total += sys.getsizeof(key) + sys.getsizeof(inner)
+        total += sum(sys.getsizeof(k) + sys.getsizeof(v) for k, v in inner.items())
+    return int(total)
+
+
+async def run_tessera(policy: str, requests: Sequence[FleetRequest], chains: Sequence[tuple[int, ...]],
+                      redis_url: str, model: str, time_scale: float, num_workers: int,
+                      index_source: str) -> RunResult:
+    from _support import signed_headers
+
+    from tessera.redis_conn import connect
+    from tessera.routing.prefix_index import PrefixIndex
+    from tessera.routing.router import Router
+    from tessera.routing.snapshot import RouteRequest
+
+    redis = connect(redis_url, timeout_s=5.0)
+    routers = [Router(redis, policy, PrefixIndex(redis), index_source=index_source) for _ in range(num_workers)]
+    for router in routers:
+        await router.start_local_index()
+    session = _session()
+
+    async def one(request: FleetRequest, scheduled: float, start: float) -> Outcome:
+        router = routers[request.worker]
+        try:
+            t = time.perf_counter()
+            decision, records = await router.route(RouteRequest(
+                request.tenant, model, request.num_prompt_tokens, chains[request.index],
+                request.text[:APPROX_PREFIX_CHARS] if policy == "approx_prefix" else "", request.session_id))
+            decision_us = (time.perf_counter() - t) * 1e6
+            engine_id = decision.ranked[0]
+            body = orjson.dumps({"request_id": f"fleet-{request.index}-{time.monotonic_ns()}",
+                                 "prompt_token_ids": request.token_ids(), "max_tokens": request.max_tokens,
+                                 "ignore_eos": True})
+            first: float | None = None
+            stats: dict[str, Any] = {}
+            with router.in_flight(engine_id):
+                async with session.post(f"{records[engine_id].url}/generate", data=body,
+                                        headers=signed_headers("POST", "/generate", body)) as resp:
+                    if resp.status != 200:
+                        return _failed(request, scheduled, start, time_scale)
+                    async for line in resp.content:
+                        message = orjson.loads(line)
+                        if "t" in message and first is None:
+                            first = time.perf_counter()
+                        elif message.get("done"):
+                            stats = message["stats"]
+                        elif "error" in message:
+                            return _failed(request, scheduled, start, time_scale)
+        except (TimeoutError, aiohttp.ClientError, OSError):
+            return _failed(request, scheduled, start, time_scale)
+        now = time.perf_counter()
+        return Outcome(((first or now) - scheduled) / time_scale, (now - start) / time_scale,
+                       int(stats.get("num_cached_tokens", 0)), request.num_prompt_tokens,
+                       int(stats.get("num_output_tokens", 0)), True, engine_id, decision_us)
+
+    try:
+        outcomes = await _replay(requests, time_scale, one)
+        extra: dict[str, Any] = {}
+        feeds = [r.local_feed for r in routers if r.local_feed is not None]
+        if feeds:
+            lags = [lag for f in feeds if (lag := f.lag_p99_s()) is not None]
+            extra["event_lag_p99_ms"] = max(lags) * 1e3 if lags else None
+            # One worker's index (each holds the same blocks).
+            extra["index_bytes"] = index_bytes(feeds[0].index)
+            extra["index_blocks"] = feeds[0].index.num_blocks
+        return RunResult(outcomes, extra)
+    finally:
+        await session.close()
+        for router in routers:
+            await router.close()
+        await redis.aclose()
+
+
+async def run_openai(base_url: str, requests: Sequence[FleetRequest], model: str, time_scale: float) -> RunResult:
+    """The workload through an OpenAI-compatible router: streamed ``/v1/completions`` with the prompt as
+    text (the sim tokenizes it to the same bytes the Tessera path sends as token ids)."""
+    session = _session()
+
+    async def one(request: FleetRequest, scheduled: float, start: float) -> Outcome:
+        body = {"model": model, "prompt": request.text, "max_tokens": request.max_tokens, "stream": True,
+                "stream_options": {"include_usage": True}}
+        first: float | None = None
+        usage: dict[str, Any] = {}
+        try:
+            async with session.post(f"{base_url}/v1/completions", json=body) as resp:
+                if resp.status != 200:
+                    return _failed(request, scheduled, start, time_scale)
+                async for raw in resp.content:
+                    line = raw.strip()
+                    if not line.startswith(b"data:") or line == b"data: [DONE]":
+                        continue
+                    chunk = orjson.loads(line[5:])
+                    if first is None and any(c.get("text") for c in chunk.get("choices", [])):
+                        first = time.perf_counter()
+                    if chunk.get("usage"):
+                        usage = chunk["usage"]
+        except (TimeoutError, aiohttp.ClientError, OSError):
+            return _failed(request, scheduled, start, time_scale)
+        now = time.perf_counter()
+        details = usage.get("prompt_tokens_details") or {}
+        return Outcome(((first or now) - scheduled) / time_scale, (now - start) / time_scale,
+                       int(details.get("cached_tokens") or 0), request.num_prompt_tokens,
+                       int(usage.get("completion_tokens") or 0))
+
+    try:
+        return RunResult(await _replay(requests, time_scale, one))
+    finally:
+        await session.close()
