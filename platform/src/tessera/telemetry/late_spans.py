@@ -188,8 +188,8 @@ class LateTrace:
 
 
 def _plain(attributes: dict[str, Any]) -> bool:
-    """Values the SDK keeps as they are (it drops None, turns bytes to str and lists to tuples)."""
-    return all(isinstance(value, PLAIN_VALUES) for value in attributes.values())
+    """Values the SDK keeps as they are (it turns bytes to str and lists to tuples, warns about others)."""
+    return PLAIN_VALUES.issuperset(map(type, attributes.values()))
 
 
 def _span_id() -> int:

@@ -27,8 +27,9 @@ from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
 
 # Span processors ``configure_tracing`` adds itself; another one added later turns the lines off.
 _OWN_PROCESSORS = 2
-# The attribute values a line carries as the SDK would (anything else: the SDK path, which cleans them).
-PLAIN_VALUES = (str, bool, int, float)
+# The attribute value types a line carries as the SDK would (exactly these; anything else, a subclass too,
+# goes the SDK path, which cleans it).
+PLAIN_VALUES = frozenset({str, bool, int, float})
 
 
 class SpanLines(SpanProcessor):
