@@ -15,7 +15,7 @@ PYTEST_XDIST := $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist 
 
 .PHONY: install run test lint unit integration e2e bench bench-gateway bench-gateway-hops bench-admission bench-routing \
         bench-kvcontrol bench-loadgen bench-cli bench-stack bench-wires bench-gateway-cpu bench-gateway-ab bench-prefix-index \
-        bench-flood bench-soak bench-chaos bench-fleet helm-check clean
+        bench-flood bench-soak bench-chaos bench-fleet bench-sim-calibration helm-check clean
 
 install: $(STAMP)
 
@@ -130,6 +130,13 @@ bench-soak: install
 
 bench-chaos: install
 	$(BIN)/python bench/bench_chaos.py
+
+# The simulated engine against the real CPU engine (vLLM, one OMP thread) on one seeded workload: TTFT and ITL
+# p50/p99 side by side (issue #17: within 15 %); bench/results/sim_calibration.json. BENCH_SIM_CALIBRATION_ARGS
+# passes options (--sim-only reruns the sim against the saved real half).
+BENCH_SIM_CALIBRATION_ARGS ?=
+bench-sim-calibration: install
+	$(BIN)/python bench/bench_sim_calibration.py $(BENCH_SIM_CALIBRATION_ARGS)
 
 helm-check: install
 	$(BIN)/python scripts/helm_check.py
