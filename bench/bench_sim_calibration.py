@@ -319,7 +319,8 @@ def run_real(requests: list[Request], repeats: int) -> dict[str, Any]:
 # ---- the sim -------------------------------------------------------------------------------------------------
 
 
-def run_sim(costs: dict[str, float], requests: list[Request], time_scale: float) -> list[Outcome]:
+def run_sim(costs: dict[str, float], requests: list[Request], time_scale: float) -> tuple[list[Outcome], int]:
+    """The workload against one simulated replica: its outcomes and how many steps it took."""
     from tessera.engine.sim.config import SimEngineConfig
     from tessera.engine.sim.fleet import SimFleet
 
@@ -330,10 +331,10 @@ def run_sim(costs: dict[str, float], requests: list[Request], time_scale: float)
         "step_time": {"kind": "measured", **costs},
     })
 
-    async def run() -> list[Outcome]:
+    async def run() -> tuple[list[Outcome], int]:
         fleet = await SimFleet(config, 1, redis_url=None).start()
         try:
-            return await run_workload(fleet.replicas[0].url, requests, time_scale)
+            return await run_workload(fleet.replicas[0].url, requests, time_scale), fleet.replicas[0].engine.num_steps
         finally:
             await fleet.stop()
 
@@ -432,8 +433,8 @@ def main() -> None:
         real = run_real(requests, args.repeats)
         probe = step_samples(real["probe_steps"])
         workload = [s for run in real["runs"] for s in step_samples(run["steps"])]
-        real_summaries = [{**summarize(r["outcomes"]), "load_average_1m": r["load_average_1m"]}
-                          for r in real["runs"]]
+        real_summaries = [{**summarize(r["outcomes"]), "load_average_1m": r["load_average_1m"],
+                           "num_steps": len(r["steps"])} for r in real["runs"]]
         overheads = sorted(o for r in real["runs"] for o in frontend_overhead_s(r["outcomes"]))
         core_itls = sorted(i for r in real["runs"] for i in r["core_itls_s"])
         real_extra = {"frontend_overhead_p50_s": percentile(overheads, 50),
@@ -451,9 +452,12 @@ def main() -> None:
           f"{real_extra.get('core_itl_p99_s', float('nan')) * 1000:.2f} ms", flush=True)
     sim_summaries = []
     for repeat in range(args.sim_repeats):
-        sim_summaries.append(summarize(run_sim(costs, requests, args.time_scale)))
+        outcomes, num_steps = run_sim(costs, requests, args.time_scale)
+        sim_summaries.append({**summarize(outcomes), "num_steps": num_steps})
         print(f"sim run {repeat + 1}/{args.sim_repeats}: {fmt_summary(sim_summaries[-1])}", flush=True)
     print(f"sim configured with: {json.dumps(costs)} (fitted on {args.fit_on if not args.step_costs else '-'})")
+    print(f"engine steps per workload run: real {[r.get('num_steps') for r in real_summaries]}, "
+          f"sim {[r['num_steps'] for r in sim_summaries]}")
     rows = compare(real_summaries, sim_summaries)
     met = all(rows[k]["error"] <= GOAL_ERROR for k in METRICS)
     print(f"goal (TTFT and ITL p50/p99 within {GOAL_ERROR:.0%} of the real median): {'met' if met else 'NOT met'}")
