@@ -8,7 +8,9 @@ Setup: block size 16 (vLLM's default; a 1,000-token prompt is a 62-block chain);
 prefixes of 64 blocks, each cached on one or two engines at random; half the routed requests hit a stored
 prefix (all of it, or its first 8, 16 or 32 blocks, plus new blocks), half miss. The Router reads a real
 registry (embedded Redis) and answers lookups from its local index: it is the gateway's own code path
-(``Router.route`` = plan + decide), minus admission, which costs the same with either index.
+(``Router.route`` = plan + decide), minus admission, which costs the same with either index. The table
+splits the route into the index lookup, the policy, and the rest (``route_parts``), so a miss of the
+route's goal names its cause.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
+import os
 import random
 import sys
 import time
@@ -27,9 +30,10 @@ from tessera.redis_conn import EmbeddedRedis, connect
 from tessera.registry import EngineRecord, EngineRegistry
 from tessera.routing.local_feed import LocalIndexFeed
 from tessera.routing.local_index import LocalPrefixIndex
+from tessera.routing.policies import make_policy
 from tessera.routing.prefix_index import PrefixIndex, pack_hashes, unpack_hashes
-from tessera.routing.router import Router
-from tessera.routing.snapshot import RouteRequest
+from tessera.routing.router import Router, engine_view
+from tessera.routing.snapshot import RouteRequest, RouteSnapshot
 
 BLOCK = 16
 CHAIN_BLOCKS = 64
@@ -146,6 +150,7 @@ async def measure_route(redis_url: str, num_engines: int, num_blocks: int) -> di
         await router.route(request())
     route_us: list[float] = []
     hits = 0
+    routed: list[RouteRequest] = []
     for _ in range(6):
         await heartbeat()
         await router.num_live_engines()  # a fresh registry copy, outside the timing
@@ -155,12 +160,56 @@ async def measure_route(redis_url: str, num_engines: int, num_blocks: int) -> di
             decision, _ = await router.route(req)
             route_us.append((time.perf_counter_ns() - t) / 1e3)
             hits += decision.expected_cached_tokens > 0
+            routed.append(req)
+    parts = route_parts(feed.index, records, routed)
+    pages = huge_pages()  # while the index is alive
     await router.close()
     for engine_id in engine_ids:
         await registry.deregister(engine_id)
     await redis.aclose()
     return {"num_engines": num_engines, "num_blocks": feed.index.num_blocks, "route": pct(route_us),
-            "credited_share": hits / len(route_us), "lookup_1000_tokens": lookup}
+            "route_mean_us": sum(route_us) / len(route_us), "parts": parts,
+            "credited_share": hits / len(route_us), "lookup_1000_tokens": lookup, "huge_pages": pages}
+
+
+def route_parts(index: LocalPrefixIndex, records: list[EngineRecord], routed: list[RouteRequest]) -> dict[str, Any]:
+    """Where a route's time goes, for the requests just routed: the index lookup alone and the policy alone
+    (a fresh ``prefix_affinity`` instance over the same engines, cached prefixes and requests; its
+    per-registry-read state is built before the timing, as the router's was). What the route costs beyond
+    both (plan, registry copy, snapshot, awaits) is the difference of the means: means add, percentiles
+    do not."""
+    live = index.live_mask(r.engine_id for r in records)
+    lookup_us, cached = [], []
+    for req in routed:
+        t = time.perf_counter_ns()
+        found = index.longest_prefixes(req.block_hashes, live)
+        lookup_us.append((time.perf_counter_ns() - t) / 1e3)
+        cached.append(found)
+    policy = make_policy("prefix_affinity")
+    views = tuple(engine_view(r) for r in records)
+    policy(RouteSnapshot(views, {}, {}), routed[0])
+    policy_us = []
+    for req, found in zip(routed, cached, strict=True):
+        snapshot = RouteSnapshot(views, found, {})
+        t = time.perf_counter_ns()
+        policy(snapshot, req)
+        policy_us.append((time.perf_counter_ns() - t) / 1e3)
+    return {"lookup": pct(lookup_us), "lookup_mean_us": sum(lookup_us) / len(lookup_us),
+            "policy": pct(policy_us), "policy_mean_us": sum(policy_us) / len(policy_us)}
+
+
+def huge_pages() -> dict[str, Any]:
+    """Whether the process's heap sat in transparent huge pages (``GLIBC_TUNABLES=glibc.malloc.hugetlb=1``
+    puts the index's dict table there: fewer TLB misses per probe; docs/routing.md has both runs)."""
+    anon_kib = 0
+    try:
+        with open("/proc/self/smaps_rollup") as smaps:
+            for line in smaps:
+                if line.startswith("AnonHugePages:"):
+                    anon_kib = int(line.split()[1])
+    except OSError:
+        pass
+    return {"glibc_tunables": os.environ.get("GLIBC_TUNABLES", ""), "anon_huge_pages_mib": anon_kib / 1024}
 
 
 async def measure_lag(redis_url: str) -> dict[str, Any]:
@@ -194,16 +243,27 @@ async def measure_lag(redis_url: str) -> dict[str, Any]:
 
 def print_table(result: dict[str, Any]) -> None:
     r64, r1k = result["route_64"], result["route_1000"]
-    rows = [
-        ("lookup, 1,000-token chain (62 blocks, all cached), 1,000 engines / 1M blocks",
-         f"p50 {r1k['lookup_1000_tokens']['p50_us']:.1f} / p99 {r1k['lookup_1000_tokens']['p99_us']:.1f} us",
-         f"<= {GOALS['lookup_p99_us']:.0f} us", r1k["lookup_1000_tokens"]["p99_us"] <= GOALS["lookup_p99_us"]),
-        ("whole Router decision, 64 engines / 100k blocks",
-         f"p50 {r64['route']['p50_us']:.1f} / p99 {r64['route']['p99_us']:.1f} us",
-         f"<= {GOALS['route_p99_us_64']:.0f} us p99", r64["route"]["p99_us"] <= GOALS["route_p99_us_64"]),
-        ("whole Router decision, 1,000 engines / 1M blocks",
-         f"p50 {r1k['route']['p50_us']:.1f} / p99 {r1k['route']['p99_us']:.1f} us",
-         f"<= {GOALS['route_p99_us_1000']:.0f} us p99", r1k["route"]["p99_us"] <= GOALS["route_p99_us_1000"]),
+    rows = []
+    for r, fleet_name in ((r64, "64 engines / 100k blocks"), (r1k, "1,000 engines / 1M blocks")):
+        lk = r["lookup_1000_tokens"]
+        rows.append((f"lookup, 1,000-token chain (62 blocks, all cached), {fleet_name}",
+                     f"p50 {lk['p50_us']:.1f} / p99 {lk['p99_us']:.1f} us", f"<= {GOALS['lookup_p99_us']:.0f} us",
+                     lk["p99_us"] <= GOALS["lookup_p99_us"]))
+    for r, fleet_name, goal in ((r64, "64 engines / 100k blocks", "route_p99_us_64"),
+                                (r1k, "1,000 engines / 1M blocks", "route_p99_us_1000")):
+        parts = r["parts"]
+        rows += [
+            (f"whole Router decision, {fleet_name}",
+             f"p50 {r['route']['p50_us']:.1f} / p99 {r['route']['p99_us']:.1f} us",
+             f"<= {GOALS[goal]:.0f} us p99", r["route"]["p99_us"] <= GOALS[goal]),
+            ("  of which the index lookup (these requests)",
+             f"p50 {parts['lookup']['p50_us']:.1f} / p99 {parts['lookup']['p99_us']:.1f} us", "", None),
+            ("  of which the prefix_affinity policy",
+             f"p50 {parts['policy']['p50_us']:.1f} / p99 {parts['policy']['p99_us']:.1f} us", "", None),
+            ("  the rest (mean route - mean lookup - mean policy)",
+             f"{r['route_mean_us'] - parts['lookup_mean_us'] - parts['policy_mean_us']:.1f} us", "", None),
+        ]
+    rows += [
         ("ingest (unpack + apply), block events/s", f"{result['ingest']['events_per_s']:,.0f}",
          f">= {GOALS['ingest_events_per_s']:,}", result["ingest"]["events_per_s"] >= GOALS["ingest_events_per_s"]),
         ("event-to-visible lag through the stream", f"p50 {result['lag']['lag_p50_ms']:.2f} / "
@@ -212,7 +272,10 @@ def print_table(result: dict[str, Any]) -> None:
     rows += [(f"bytes per indexed block, {m['num_engines']} engines / {m['num_blocks']:,} blocks",
               f"{m['bytes_per_block']:.0f} B ({m['bytes'] / 2**20:.0f} MiB)", "reported", None)
              for m in result["memory"]]
-    print(f"\n{'measure':<80}{'result':<30}{'goal':<18}met")
+    hp = r1k["huge_pages"]
+    print(f"\nGLIBC_TUNABLES={hp['glibc_tunables']!r}, transparent huge pages at 1,000 engines: "
+          f"{hp['anon_huge_pages_mib']:.0f} MiB")
+    print(f"{'measure':<80}{'result':<30}{'goal':<18}met")
     print("-" * 132)
     for name, value, goal, met in rows:
         print(f"{name:<80}{value:<30}{goal:<18}{'' if met is None else ('yes' if met else 'NO')}")
