@@ -359,7 +359,7 @@ def summarize(outcomes: list[Outcome]) -> dict[str, float]:
             "itl_mean_s": statistics.fmean(itls) if itls else float("nan")}
 
 
-def fmt_summary(summary: dict[str, float]) -> str:
+def fmt_summary(summary: dict[str, Any]) -> str:
     return "  ".join(f"{k.removesuffix('_s')} {summary[k] * 1000:.1f} ms" for k in METRICS)
 
 
@@ -385,7 +385,7 @@ def fit_report(name: str, config: Any, own: list[Any], other: list[Any], other_n
     return report
 
 
-def compare(real_runs: list[dict[str, float]], sim_runs: list[dict[str, float]]) -> dict[str, Any]:
+def compare(real_runs: list[dict[str, Any]], sim_runs: list[dict[str, Any]]) -> dict[str, Any]:
     rows: dict[str, Any] = {}
     print(f"{'metric':<18} {'real (median; min-max of runs)':>34} {'sim':>10} {'error':>8}")
     for key in [*METRICS, "client_ttft_p50_s", "client_ttft_p99_s", "itl_mean_s"]:
@@ -398,6 +398,16 @@ def compare(real_runs: list[dict[str, float]], sim_runs: list[dict[str, float]])
         goal = "" if key in METRICS else "  (diagnostic)"
         print(f"{key.removesuffix('_s'):<18} {spread:>34} {sim * 1000:>7.1f} ms {error:>7.1%}{goal}")
     return rows
+
+
+def paired_ttft_errors(real_runs: list[dict[str, Any]], sim_ttfts: list[float]) -> dict[str, float]:
+    """The same request's TTFT in the sim against its median over the real runs: (sim − real) / real."""
+    runs = [r["ttfts_s"] for r in real_runs if len(r.get("ttfts_s", [])) == len(sim_ttfts)]
+    if not runs:
+        return {}
+    errors = sorted((sim - statistics.median(reals)) / statistics.median(reals)
+                    for sim, *reals in zip(sim_ttfts, *runs, strict=True) if statistics.median(reals) > 0)
+    return {"p10": percentile(errors, 10), "p50": percentile(errors, 50), "p90": percentile(errors, 90)}
 
 
 def main() -> None:
@@ -434,7 +444,8 @@ def main() -> None:
         probe = step_samples(real["probe_steps"])
         workload = [s for run in real["runs"] for s in step_samples(run["steps"])]
         real_summaries = [{**summarize(r["outcomes"]), "load_average_1m": r["load_average_1m"],
-                           "num_steps": len(r["steps"])} for r in real["runs"]]
+                           "num_steps": len(r["steps"]), "ttfts_s": [o.ttft_s for o in r["outcomes"]]}
+                          for r in real["runs"]]
         overheads = sorted(o for r in real["runs"] for o in frontend_overhead_s(r["outcomes"]))
         core_itls = sorted(i for r in real["runs"] for i in r["core_itls_s"])
         real_extra = {"frontend_overhead_p50_s": percentile(overheads, 50),
@@ -450,15 +461,19 @@ def main() -> None:
           f"{real_extra.get('frontend_overhead_p90_s', float('nan')) * 1000:.2f} ms; its own ITL (core clock) "
           f"p50 {real_extra.get('core_itl_p50_s', float('nan')) * 1000:.2f} ms, p99 "
           f"{real_extra.get('core_itl_p99_s', float('nan')) * 1000:.2f} ms", flush=True)
-    sim_summaries = []
+    sim_summaries: list[dict[str, Any]] = []
     for repeat in range(args.sim_repeats):
         outcomes, num_steps = run_sim(costs, requests, args.time_scale)
-        sim_summaries.append({**summarize(outcomes), "num_steps": num_steps})
+        sim_summaries.append({**summarize(outcomes), "num_steps": num_steps, "ttfts_s": [o.ttft_s for o in outcomes]})
         print(f"sim run {repeat + 1}/{args.sim_repeats}: {fmt_summary(sim_summaries[-1])}", flush=True)
     print(f"sim configured with: {json.dumps(costs)} (fitted on {args.fit_on if not args.step_costs else '-'})")
     print(f"engine steps per workload run: real {[r.get('num_steps') for r in real_summaries]}, "
           f"sim {[r['num_steps'] for r in sim_summaries]}")
     rows = compare(real_summaries, sim_summaries)
+    paired = paired_ttft_errors(real_summaries, sim_summaries[0]["ttfts_s"])
+    if paired:
+        print(f"request by request, sim TTFT vs real: median {paired['p50']:+.1%}, "
+              f"10th-90th percentile {paired['p10']:+.1%} to {paired['p90']:+.1%}")
     met = all(rows[k]["error"] <= GOAL_ERROR for k in METRICS)
     print(f"goal (TTFT and ITL p50/p99 within {GOAL_ERROR:.0%} of the real median): {'met' if met else 'NOT met'}")
     result = {
@@ -467,7 +482,7 @@ def main() -> None:
                      "shared_prefix_tokens": SHARED_PREFIX_TOKENS, "unique_tokens": UNIQUE_TOKENS, "seed": SEED},
         "sim_costs": costs, "fit_on": args.fit_on if not args.step_costs else "given", "fits": fits,
         "real": {"runs": real_summaries, **real_extra}, "sim": {"runs": sim_summaries}, "comparison": rows,
-        "goal_met": met, "probe_samples": [asdict(s) for s in probe],
+        "goal_met": met, "paired_ttft_error": paired, "probe_samples": [asdict(s) for s in probe],
         "workload_samples": [asdict(s) for s in workload],
     }
     if args.sim_only:
