@@ -85,6 +85,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=17)
     p.add_argument("--index-source", default="local", choices=("local", "redis"),
                    help="where prefix_affinity's lookup is answered")
+    p.add_argument("--vllm-router-log-level", default="warning", help="its --log-level (its log: the work dir)")
     p.add_argument("--gateway-workers", type=int, default=2, help="router instances standing for gateway workers")
     return p.parse_args(argv)
 
@@ -135,13 +136,14 @@ async def run_size(num_engines: int, args: argparse.Namespace, redis_url: str, w
                     try:
                         router = procs.start_vllm_router(
                             policy, fleet.urls, {u: r.kv_events_endpoint for u, r in records.items()}, MODEL,
-                            BLOCK_SIZE, work, tag)
+                            BLOCK_SIZE, work, tag, args.vllm_router_log_level)
                     except procs.RouterUnavailable as exc:
                         skipped[name] = str(exc)
                         print(f"  {name:<24} skipped: {exc}", flush=True)
                         continue
                     result = await drive.run_openai(router.url, requests, MODEL, time_scale)
                     result.extra["router_rss_bytes"] = router.rss_bytes()
+                    result.extra["router_metrics"] = router.metrics()
                 else:
                     result = await drive.run_tessera(policy, requests, chains, redis_url, MODEL, time_scale,
                                                      args.gateway_workers, args.index_source)
@@ -155,7 +157,8 @@ async def run_size(num_engines: int, args: argparse.Namespace, redis_url: str, w
         row = rows[name] = summarize(result.outcomes, sum(ideal), stats, extra)
         print(f"  {name:<24} hit {row['hit_rate']:.1%} ({row['share_of_ideal']:.1%} of ideal)  TTFT p50 "
               f"{row['ttft_p50_ms']:.0f} p99 {row['ttft_p99_ms']:.0f} ms  busy max/mean {row['imbalance_busy']:.2f}  "
-              f"failed {row['num_failed']}  probe p99 {row['fleet_probe_p99_ms_wall']:.0f} ms wall  "
+              f"failed {row['num_failed']}  probes p99: fleet {row['fleet_probe_p99_ms_wall']:.0f} ms, client "
+              f"{row['client_loop_lag_p99_ms_wall']:.0f} ms wall  "
               f"[{row['wall_s']:.0f} s, load {os.getloadavg()[0]:.1f}]", flush=True)
     return {"num_engines": num_engines, "time_scale": time_scale,
             "workload": {**{k: getattr(config, k) for k in config.__dataclass_fields__},

@@ -62,16 +62,18 @@ def _failed(request: FleetRequest, scheduled: float, start: float, time_scale: f
 
 
 class LoopProbe:
-    """GETs /health of a random replica every PROBE_INTERVAL_S while a run lasts: the round trip, in wall
-    ms, is how late the fleet's one event loop answers — when it grows past a step's length (times the time
-    scale), the fleet is behind and its latencies include that lag."""
+    """Two lateness probes while a run lasts. The fleet's: GET /health of a random replica every
+    PROBE_INTERVAL_S — the round trip (wall ms) grows when the fleet's one event loop falls behind, and
+    past a step's length times the time scale its latencies include that lag. The client's own: how late
+    a PROBE_INTERVAL_S sleep in this loop wakes (the requests it sends are late by as much)."""
 
     def __init__(self, urls: list[str]) -> None:
         self._urls = urls
         self.rtts_ms: list[float] = []
-        self._task: asyncio.Task[None] | None = None
+        self.client_lags_ms: list[float] = []
+        self._tasks: list[asyncio.Task[None]] = []
 
-    async def _run(self) -> None:
+    async def _fleet(self) -> None:
         rng = random.Random(5)
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
             while True:
@@ -84,26 +86,42 @@ class LoopProbe:
                     pass
                 await asyncio.sleep(PROBE_INTERVAL_S)
 
+    async def _client(self) -> None:
+        while True:
+            t = time.perf_counter()
+            await asyncio.sleep(PROBE_INTERVAL_S)
+            self.client_lags_ms.append((time.perf_counter() - t - PROBE_INTERVAL_S) * 1e3)
+
     def __enter__(self) -> LoopProbe:
-        self._task = asyncio.get_running_loop().create_task(self._run())
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._fleet()), loop.create_task(self._client())]
         return self
 
     def __exit__(self, *_: object) -> None:
-        if self._task is not None:
-            self._task.cancel()
+        for task in self._tasks:
+            task.cancel()
 
     def summary(self) -> dict[str, float]:
         return {"fleet_probe_p50_ms_wall": percentile(self.rtts_ms, 50),
-                "fleet_probe_p99_ms_wall": percentile(self.rtts_ms, 99)}
+                "fleet_probe_p99_ms_wall": percentile(self.rtts_ms, 99),
+                "client_loop_lag_p99_ms_wall": percentile(self.client_lags_ms, 99)}
 
 
-def index_bytes(index: Any) -> int:
-    """Bytes a ``LocalPrefixIndex`` holds: its maps and the ints in them (sys.getsizeof; small ints are
-    shared in CPython and counted anyway, so this errs high)."""
-    holders, extra = index._holders, index._extra
-    total = sys.getsizeof(holders) + sys.getsizeof(extra)
+def index_bytes(index: Any) -> int | None:
+    """Bytes a ``LocalPrefixIndex`` holds, by walking it: its tables, each key, and each distinct value
+    object once (holder masks are shared objects there). None if its layout is not the one walked here."""
+    try:
+        holders, extra = index._holders, index._extra
+        tables = [holders, extra, index._masks, index._bits, index._slots, index._slot_engine]
+    except AttributeError:
+        return None
+    seen: set[int] = set()
+    total = sum(sys.getsizeof(t) for t in tables)
     for key, value in holders.items():
-        total += sys.getsizeof(key) + sys.getsizeof(value)
+        total += sys.getsizeof(key)
+        if id(value) not in seen:
+            seen.add(id(value))
+            total += sys.getsizeof(value)
     for key, inner in extra.items():
         total += sys.getsizeof(key) + sys.getsizeof(inner)
         total += sum(sys.getsizeof(k) + sys.getsizeof(v) for k, v in inner.items())

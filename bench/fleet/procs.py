@@ -115,12 +115,27 @@ async def fleet_stats(urls: list[str]) -> list[EngineStat]:
         return list(await asyncio.gather(*(one(u) for u in urls)))
 
 
+# Its Prometheus series kept with a run's row: how its policy decided (KV lookups and their inputs, tree
+# hits and misses, load-balancing overrides), which its HTTP answers do not say.
+ROUTER_METRICS = ("vllm_router_kv_", "vllm_router_cache_", "vllm_router_tree_size", "vllm_router_policy_decisions",
+                  "vllm_router_load_balancing_events", "vllm_router_prefix_routing_decisions")
+
+
 @dataclass
 class VllmRouter:
     proc: subprocess.Popen[bytes]
     url: str
     command: list[str]
     log: Path
+    metrics_url: str
+
+    def metrics(self) -> list[str]:
+        """Its policy's Prometheus series (ROUTER_METRICS), as exposition lines; [] if unreadable."""
+        try:
+            text = httpx.get(self.metrics_url, timeout=10).text
+        except httpx.HTTPError:
+            return []
+        return [ln for ln in text.splitlines() if ln.startswith(ROUTER_METRICS)]
 
     def stop(self) -> None:
         _stop_group(self.proc, timeout_s=20.0)
@@ -145,18 +160,18 @@ def router_version() -> str | None:
 
 
 def start_vllm_router(policy: str, urls: list[str], kv_endpoints: dict[str, str], model: str, block_size: int,
-                      work: Path, tag: str) -> VllmRouter:
+                      work: Path, tag: str, log_level: str = "warning") -> VllmRouter:
     """vllm-router with ``policy`` (``cache_aware`` or ``kv_aware``) in front of the fleet's OpenAI routes;
     kv_aware subscribes to each replica's KV-event publisher (``--kv-event-source URL=ENDPOINT``)."""
     if not VLLM_ROUTER.exists():
         raise RouterUnavailable(f"{VLLM_ROUTER} is missing (make bench-fleet installs vllm-router==0.1.17 there)")
     from tests.support.machine import free_port
 
-    port = free_port()
+    port, metrics_port = free_port(), free_port()
     log = work / f"vllm-router-{tag}.log"
     cmd = [str(VLLM_ROUTER), "--host", "127.0.0.1", "--port", str(port), "--policy", policy,
-           "--worker-urls", *urls, "--log-level", "warning", "--worker-startup-check-interval", "1",
-           "--prometheus-port", str(free_port()), "--disable-retries", "--disable-circuit-breaker",
+           "--worker-urls", *urls, "--log-level", log_level, "--worker-startup-check-interval", "1",
+           "--prometheus-port", str(metrics_port), "--disable-retries", "--disable-circuit-breaker",
            "--health-check-interval-secs", "600"]
     if policy == "kv_aware":
         for url in urls:
@@ -171,7 +186,7 @@ def start_vllm_router(policy: str, urls: list[str], kv_endpoints: dict[str, str]
             raise RouterUnavailable(f"vllm-router exited with code {proc.returncode}: {tail[-800:]}")
         try:
             if httpx.get(f"{url}/v1/models", timeout=2).status_code == 200:
-                return VllmRouter(proc, url, cmd, log)
+                return VllmRouter(proc, url, cmd, log, f"http://127.0.0.1:{metrics_port}/metrics")
         except httpx.HTTPError:
             pass
         time.sleep(0.5)

@@ -132,15 +132,21 @@ def table_rows(rows: Mapping[str, Mapping[str, Any]]) -> list[list[Any]]:
     def num(value: Any, fmt: str) -> str:
         return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, fmt)
 
+    def memory(r: Mapping[str, Any]) -> str:
+        # Tessera: one worker's local index. vllm-router: its whole process (its index is not separable).
+        if r.get("index_bytes") is not None:
+            return f"{r['index_bytes'] / 2**20:.1f}"
+        return f"rss {r['router_rss_bytes'] / 2**20:.0f}" if r.get("router_rss_bytes") else "-"
+
     out = []
     for name, r in rows.items():
         out.append([name, num(r["hit_rate"] * 100, ".1f"), num(r["share_of_ideal"] * 100, ".1f"),
                     num(r["ttft_p50_ms"], ".0f"), num(r["ttft_p99_ms"], ".0f"), num(r["throughput_rps"], ".1f"),
                     num(r["imbalance_busy"], ".2f"), num(r["decision_p99_us"], ".0f"),
-                    num(r.get("index_bytes"), ",.0f"), num(r.get("event_lag_p99_ms"), ".1f"),
+                    memory(r), num(r.get("event_lag_p99_ms"), ".1f"),
                     str(r["num_failed"])])
     return out
 
 
 TABLE_HEADERS = ["policy", "hit %", "% of ideal", "TTFT p50 ms", "TTFT p99 ms", "req/s", "busy max/mean",
-                 "decision p99 us", "index bytes", "event lag p99 ms", "failed"]
+                 "decision p99 us", "index MiB", "event lag p99 ms", "failed"]

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "bench"))
-from fleet.summary import EngineStat, Outcome, goals, imbalance, percentile, summarize, table_rows
+from fleet.summary import TABLE_HEADERS, EngineStat, Outcome, goals, imbalance, percentile, summarize, table_rows
 from fleet.workload import (
     NOISY_TENANT,
     WorkloadConfig,
@@ -135,7 +135,7 @@ def test_a_row_counts_the_engines_hits_against_the_ideal_and_failures_apart() ->
     outcomes = [Outcome(0.1, 1.0, 0, 100, 4, True, "e0", 30.0), Outcome(0.3, 2.0, 64, 100, 4, True, "e1", 50.0),
                 Outcome(5.0, 3.0, 0, 100, 0, ok=False)]
     engines = [EngineStat("e0", 1.0, 100, 0, 0), EngineStat("e1", 3.0, 100, 64, 1)]
-    row = summarize(outcomes, ideal_cached=80, engines=engines, extra={"index_bytes": 123})
+    row = summarize(outcomes, ideal_cached=80, engines=engines, extra={"index_bytes": 3 * 2**20})
     assert row["num_requests"] == 3 and row["num_failed"] == 1
     assert math.isclose(row["hit_rate"], 64 / 200) and math.isclose(row["ideal_hit_rate"], 80 / 200)
     assert math.isclose(row["share_of_ideal"], 0.8)
@@ -143,8 +143,12 @@ def test_a_row_counts_the_engines_hits_against_the_ideal_and_failures_apart() ->
     assert math.isclose(row["throughput_rps"], 1.0)  # two done by 2.0 simulated s
     assert math.isclose(row["imbalance_busy"], 1.5)
     assert row["decision_p50_us"] == 40.0 and row["engines_used"] == 2 and row["preemptions"] == 1
-    assert row["index_bytes"] == 123
-    assert len(table_rows({"prefix_affinity": row})[0]) == 11
+    assert row["index_bytes"] == 3 * 2**20
+    [cells] = table_rows({"prefix_affinity": row})
+    assert len(cells) == len(TABLE_HEADERS) and cells[8] == "3.0"
+    router_row = {**row, "index_bytes": None, "router_rss_bytes": 50 * 2**20, "decision_p99_us": None}
+    [cells] = table_rows({"vllm-router:kv_aware": router_row})
+    assert cells[8] == "rss 50" and cells[7] == "-"
 
 
 def _row(share: float, hit: float, p99: float) -> dict[str, float]:
