@@ -150,7 +150,9 @@ class EngineControlLoop:
         unknown = self.ledger.num_unknown_removals
         update = self.ledger.apply(batch)
         metrics = self.ctx.metrics
-        metrics.batches.labels(self.engine_id).inc()
+        # The batch's ts is the engine's wall clock when it published (vLLM's, and the sim's): the lag includes
+        # the time the batch waited in the socket and for this loop's turn.
+        metrics.observe_batch(self.engine_id, len(batch.ops), time.time() - batch.ts)
         if self.ledger.num_unknown_removals > unknown:
             metrics.unknown_removals.labels(self.engine_id).inc(self.ledger.num_unknown_removals - unknown)
         if update.missed_batches:
