@@ -451,6 +451,11 @@ def main() -> None:
         real_extra = {"frontend_overhead_p50_s": percentile(overheads, 50),
                       "frontend_overhead_p90_s": percentile(overheads, 90),
                       "core_itl_p50_s": percentile(core_itls, 50), "core_itl_p99_s": percentile(core_itls, 99)}
+        # The real half is the expensive one: kept at once, so ``--sim-only`` can go on from it whatever follows.
+        args.results.parent.mkdir(parents=True, exist_ok=True)
+        args.results.write_text(json.dumps({
+            "date": started, "real_date": started, "real": {"runs": real_summaries, **real_extra},
+            "probe_samples": [asdict(s) for s in probe], "workload_samples": [asdict(s) for s in workload]}))
     terms = [t.strip() for t in args.terms.split(",") if t.strip()]
     fits = {"probes": fit_report("probes", fit_measured_step_time(probe, terms), probe, workload, "workload"),
             "workload": fit_report("workload", fit_measured_step_time(workload, terms), workload, probe, "probes")}
