@@ -160,6 +160,8 @@ async def run_size(num_engines: int, args: argparse.Namespace, redis_url: str, w
               f"failed {row['num_failed']}  probes p99: fleet {row['fleet_probe_p99_ms_wall']:.0f} ms, client "
               f"{row['client_loop_lag_p99_ms_wall']:.0f} ms wall  "
               f"[{row['wall_s']:.0f} s, load {os.getloadavg()[0]:.1f}]", flush=True)
+        if row.get("errors"):
+            print(f"    failures: {row['errors']}", flush=True)
     return {"num_engines": num_engines, "time_scale": time_scale,
             "workload": {**{k: getattr(config, k) for k in config.__dataclass_fields__},
                          "num_requests_generated": len(requests), "prompt_tokens": prompt_tokens,

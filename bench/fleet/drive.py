@@ -36,6 +36,20 @@ class RunResult:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+class Errors:
+    """Why requests failed: counts by message, the first few kept (a run never stops for one request)."""
+
+    def __init__(self) -> None:
+        self.counts: dict[str, int] = {}
+
+    def note(self, why: str) -> None:
+        key = why[:200]
+        self.counts[key] = self.counts.get(key, 0) + 1
+
+    def top(self, n: int = 5) -> dict[str, int]:
+        return dict(sorted(self.counts.items(), key=lambda kv: -kv[1])[:n])
+
+
 def _session() -> aiohttp.ClientSession:
     connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60)
     return aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=900))
@@ -143,6 +157,7 @@ async def run_tessera(policy: str, requests: Sequence[FleetRequest], chains: Seq
     for router in routers:
         await router.start_local_index()
     session = _session()
+    errors = Errors()
 
     async def one(request: FleetRequest, scheduled: float, start: float) -> Outcome:
         router = routers[request.worker]
@@ -162,6 +177,7 @@ async def run_tessera(policy: str, requests: Sequence[FleetRequest], chains: Seq
                 async with session.post(f"{records[engine_id].url}/generate", data=body,
                                         headers=signed_headers("POST", "/generate", body)) as resp:
                     if resp.status != 200:
+                        errors.note(f"/generate {resp.status}: {(await resp.text())[:120]}")
                         return _failed(request, scheduled, start, time_scale)
                     async for line in resp.content:
                         message = orjson.loads(line)
@@ -170,8 +186,10 @@ async def run_tessera(policy: str, requests: Sequence[FleetRequest], chains: Seq
                         elif message.get("done"):
                             stats = message["stats"]
                         elif "error" in message:
+                            errors.note(f"/generate error line: {message['error']}")
                             return _failed(request, scheduled, start, time_scale)
-        except (TimeoutError, aiohttp.ClientError, OSError):
+        except Exception as exc:  # counted and reported with the run; one request's failure never stops it
+            errors.note(f"{type(exc).__name__}: {exc}")
             return _failed(request, scheduled, start, time_scale)
         now = time.perf_counter()
         return Outcome(((first or now) - scheduled) / time_scale, (now - start) / time_scale,
@@ -180,7 +198,7 @@ async def run_tessera(policy: str, requests: Sequence[FleetRequest], chains: Seq
 
     try:
         outcomes = await _replay(requests, time_scale, one)
-        extra: dict[str, Any] = {}
+        extra: dict[str, Any] = {"errors": errors.top()}
         feeds = [r.local_feed for r in routers if r.local_feed is not None]
         if feeds:
             lags = [lag for f in feeds if (lag := f.lag_p99_s()) is not None]
@@ -200,6 +218,7 @@ async def run_openai(base_url: str, requests: Sequence[FleetRequest], model: str
     """The workload through an OpenAI-compatible router: streamed ``/v1/completions`` with the prompt as
     text (the sim tokenizes it to the same bytes the Tessera path sends as token ids)."""
     session = _session()
+    errors = Errors()
 
     async def one(request: FleetRequest, scheduled: float, start: float) -> Outcome:
         body = {"model": model, "prompt": request.text, "max_tokens": request.max_tokens, "stream": True,
@@ -209,6 +228,7 @@ async def run_openai(base_url: str, requests: Sequence[FleetRequest], model: str
         try:
             async with session.post(f"{base_url}/v1/completions", json=body) as resp:
                 if resp.status != 200:
+                    errors.note(f"{resp.status}: {(await resp.text())[:120]}")
                     return _failed(request, scheduled, start, time_scale)
                 async for raw in resp.content:
                     line = raw.strip()
@@ -219,7 +239,8 @@ async def run_openai(base_url: str, requests: Sequence[FleetRequest], model: str
                         first = time.perf_counter()
                     if chunk.get("usage"):
                         usage = chunk["usage"]
-        except (TimeoutError, aiohttp.ClientError, OSError):
+        except Exception as exc:  # counted and reported with the run; one request's failure never stops it
+            errors.note(f"{type(exc).__name__}: {exc}")
             return _failed(request, scheduled, start, time_scale)
         now = time.perf_counter()
         details = usage.get("prompt_tokens_details") or {}
@@ -228,6 +249,7 @@ async def run_openai(base_url: str, requests: Sequence[FleetRequest], model: str
                        int(usage.get("completion_tokens") or 0))
 
     try:
-        return RunResult(await _replay(requests, time_scale, one))
+        outcomes = await _replay(requests, time_scale, one)
+        return RunResult(outcomes, {"errors": errors.top()})
     finally:
         await session.close()
