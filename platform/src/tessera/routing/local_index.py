@@ -36,7 +36,7 @@ the eviction queue, and one pass over its head removes a whole batch.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
-from itertools import groupby, islice, repeat
+from itertools import groupby, islice
 
 # A full index evicts this fraction of its cap at once (see the module docstring).
 EVICT_FRACTION = 64
@@ -245,8 +245,8 @@ class LocalPrefixIndex:
         depth = 0
         # NOTE: the dict probes and the grouping of equal consecutive masks run in C; this loop runs once
         # per run of blocks with the same holders (typically one or two per prompt), not once per block.
-        for mask, run in groupby(map(self._holders.get, chain, repeat(0))):
-            held = alive & mask
+        for mask, run in groupby(map(self._holders.get, chain)):
+            held = alive & mask if mask is not None else 0
             if held != alive:
                 if depth:
                     self._record(out, alive & ~held, depth)
