@@ -75,6 +75,14 @@ bench-prefix-index: install
 bench-kvcontrol: install
 	$(BIN)/python bench/bench_kvcontrol.py
 
+# One KV controller against 64 simulated engines' KV events (issue #17; bench/results/kvcontrol_fleet_64_replay.json).
+bench-kvcontrol-fleet: install
+	$(BIN)/python bench/bench_kvcontrol.py --engines 64
+
+# 64 simulated engines as Ray Serve replicas on a local multi-node Ray cluster (bench/results/ray_fleet.json).
+bench-ray-fleet: install
+	$(BIN)/python bench/bench_ray_fleet.py --replicas 64 --kill
+
 # GuideLLM lives in its own environment: it is only a baseline for the load generator's benchmark.
 bench-loadgen: install
 	test -x .venv-bench/bin/guidellm || { $(PYTHON) -m venv .venv-bench && .venv-bench/bin/pip install --quiet guidellm==0.8.1; }

@@ -21,6 +21,10 @@ and the controller's actions. Goal: victim p99 TTFT on <= 0.5 x off; noisy throu
 Results: bench/results/kvcontrol.json and a table.
 
 Usage: ``.venv/bin/python bench/bench_kvcontrol.py [--rounds 3] [--duration 40] [--warmup 5]``
+
+At fleet scale (issue #17): ``--engines 64`` runs one controller process against 64 simulated engines
+publishing vLLM-format KV events at each of ``--rates`` (batches per engine per second) and reports its
+event-to-ledger lag, events/s applied and CPU (bench/kvcontrol_fleet.py; ``make bench-kvcontrol-fleet``).
 """
 
 from __future__ import annotations
@@ -121,7 +125,8 @@ def per_tenant_from_spans(run_dir: Path, results: list[dict[str, Any]]) -> dict[
     windows; the controller's actions over each whole round (its warm-up included: it acts early)."""
     from tessera.telemetry.spanfile import iter_spans
 
-    out = {r["mode"]: {"preemptions": Counter(), "evicted_blocks": Counter(), "actions": Counter()} for r in results}
+    out: dict[str, dict[str, Counter[str]]] = {
+        r["mode"]: {"preemptions": Counter(), "evicted_blocks": Counter(), "actions": Counter()} for r in results}
 
     def within(ts: float, windows: list[tuple[float, float]]) -> bool:
         return any(lo <= ts <= hi for lo, hi in windows)
@@ -160,7 +165,19 @@ def main() -> None:
     parser.add_argument("--noisy-output", type=int, default=NOISY_OUTPUT_TOKENS, help="noisy output tokens")
     parser.add_argument("--victim-rate", type=float, default=2.0, help="victim requests per second (Poisson)")
     parser.add_argument("--no-pinning", action="store_true", help="do not pin the engine and the platform apart")
+    parser.add_argument("--engines", type=int, default=0,
+                        help="fleet mode: one controller against this many simulated engines (kvcontrol_fleet.py)")
+    parser.add_argument("--source", choices=("replay", "sim"), default="replay",
+                        help="fleet mode: a busy engine's event mix at a set rate, or the sims under load")
+    parser.add_argument("--rates", default="25,50,100,150",
+                        help="fleet mode: per engine, batches/s (replay) or requests/s (sim), one window each")
+    parser.add_argument("--step", type=float, default=20.0, help="fleet mode: seconds per rate")
     args = parser.parse_args()
+    if args.engines:
+        from kvcontrol_fleet import run as run_fleet
+
+        run_fleet(args)
+        return
 
     from tessera.redis_conn import EmbeddedRedis
 
