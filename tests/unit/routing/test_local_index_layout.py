@@ -130,3 +130,49 @@ def test_run_wise_lookup_matches_a_per_block_walk_on_random_fleets() -> None:
         live_held = {e: held[e] for e in live}
         for chain in chains:
             assert index.longest_prefixes(chain, index.live_mask(live)) == reference_prefixes(live_held, chain)
+
+
+def test_random_events_over_many_engines_keep_the_invariant_and_the_shared_objects() -> None:
+    """Stores, removes, clears, snapshots, forgotten engines and compaction over 80 engines (masks of several
+    digits): the index equals a reference model, and every single-holder block points at its slot's object."""
+    rng = random.Random(4242)
+    engines = [f"e{i:02d}" for i in range(80)]
+    hashes = list(range(1, 25))
+    index = LocalPrefixIndex(10_000)
+    counts: dict[str, dict[int, int]] = {e: {} for e in engines}
+    for step in range(3000):
+        engine = rng.choice(engines)
+        roll = rng.random()
+        if roll < 0.01:
+            index.forget_engine(engine)
+            counts[engine].clear()
+        elif roll < 0.02:
+            snapshot = set(rng.sample(hashes, 5))
+            index.load_engine(engine, snapshot)
+            counts[engine] = dict.fromkeys(snapshot, 1)
+        else:
+            ops = "".join(rng.choice("sssrrc" if rng.random() < 0.05 else "sssrr") for _ in range(rng.randint(1, 8)))
+            batch = [rng.choice(hashes) for _ in ops]
+            index.apply(engine, ops, batch)
+            own = counts[engine]
+            for op, h in zip(ops, batch, strict=True):
+                if op == "s":
+                    own[h] = own.get(h, 0) + 1
+                elif op == "r":
+                    own[h] = max(own.get(h, 0) - 1, 0)
+                else:
+                    own.clear()
+        if step % 250 == 0:
+            for _ in index.compact():
+                pass
+    for engine in engines:
+        assert index.blocks_of(engine) == {h for h, c in counts[engine].items() if c > 0}
+    for mask in index._holders.values():
+        if mask.bit_count() == 1:
+            assert mask is index._bits[mask.bit_length() - 1]
+    held = {e: {h for h, c in counts[e].items() if c > 0} for e in engines}
+    live = rng.sample(engines, 40)
+    for start in range(0, 20, 4):
+        chain = hashes[start:start + 6]
+        assert index.longest_prefixes(chain, index.live_mask(live)) == reference_prefixes(
+            {e: held[e] for e in live}, chain)
