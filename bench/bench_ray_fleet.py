@@ -16,7 +16,7 @@ registered by the real heartbeat and feeding the real prefix index from their ow
 
 Results: bench/results/ray_fleet.json and a table. Watch ``free -g`` first: each replica is a process.
 
-Usage: ``.venv/bin/python bench/bench_ray_fleet.py [--replicas 64] [--nodes 8] [--gpus-per-node 64] [--tp 8]
+Usage: ``.venv/bin/python bench/bench_ray_fleet.py [--replicas 64] [--nodes 4] [--gpus-per-node 128] [--tp 8]
 [--hold 10] [--kill]``
 """
 
@@ -102,8 +102,9 @@ def memory_mib(procs: list[psutil.Process], uss: bool) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--replicas", type=int, default=64)
-    parser.add_argument("--nodes", type=int, default=8, help="worker nodes (the head holds no replica)")
-    parser.add_argument("--gpus-per-node", type=int, default=64, help="GPUs each node declares")
+    # NOTE: each node is a raylet plus its agents (a few hundred MB on one machine): few big nodes.
+    parser.add_argument("--nodes", type=int, default=4, help="worker nodes (the head holds no replica)")
+    parser.add_argument("--gpus-per-node", type=int, default=128, help="GPUs each node declares")
     parser.add_argument("--cpus-per-node", type=int, default=8, help="CPUs each node declares (0.5 per replica)")
     parser.add_argument("--tp", type=int, default=8, help="GPUs per replica (tensor parallel)")
     parser.add_argument("--hold", type=float, default=10.0, help="seconds the registry is watched once ready")
