@@ -6,8 +6,10 @@ gateway on the same Redis, both behind a round-robin TCP proxy (bench/longrun/pr
 chart's Service. A multi-tenant Poisson load of streamed chats runs through the proxy for ``CHAOS_DURATION_S``
 (default 300 s); meanwhile a seeded schedule (``CHAOS_SEED``, bench/longrun/chaos.py) SIGKILLs once each:
 
-- the engine replica: its Ray actor process (``ray::ServeReplica:tessera-engines:...``); Ray Serve starts a
-  new one. With one replica on this 2-core machine, nothing serves until it is up again;
+- an engine replica (``--engines``, default 2): its Ray actor process (``ray::ServeReplica:tessera-engines:...``);
+  Ray Serve starts a new one. A request the gateway sent to it that had not streamed yet is retried on the
+  other replica; a stream it was serving continues there (the gateway's continuation). With one replica,
+  nothing serves until the new one is up;
 - the second gateway: its whole process group, as a container kill; it is started again on the same port and
   finish-journal directory after ``--restart-delay-s``, as Kubernetes restarts a container; meanwhile the proxy
   sends new connections to the first one. (Two gateways behind a Service is the chart's shape; a restart alone
@@ -15,8 +17,9 @@ chart's Service. A multi-tenant Poisson load of streamed chats runs through the 
 - the Redis primary (SIGKILL), started again on the same port and data directory (AOF, everysec) after
   ``--restart-delay-s``, as the chart's StatefulSet does.
 
-Each request is then succeeded, failed with a clear error (status and error type), or lost (a hang, or a
-stream cut or ended short without an error event), and attributed to the kill during it (classify). After the
+Each request is then succeeded, failed with a clear error (status and error type, an error event, or a
+connection the client's HTTP layer reports as cut), or lost (a hang, or a stream that ended cleanly short of
+``max_tokens``), and attributed to the kill during it (classify). After the
 load the bench waits for the settler to bill the dead gateway's requests, then compares per tenant the
 completion tokens in Redis's usage with the tokens the clients received (bill: double-billed = charged more
 than served + max_tokens - received of every request that did not succeed). Writes bench/results/chaos.json.
@@ -76,6 +79,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rate-rps", type=float, default=1.5, help="Requests per second, all tenants together.")
     parser.add_argument("--prompt-tokens", type=int, default=64, help="Prompt length, the model's tokens.")
     parser.add_argument("--max-tokens", type=int, default=32, help="Tokens out per request (ignore_eos).")
+    parser.add_argument("--engines", type=int, default=int(os.environ.get("CHAOS_ENGINES", 2)),
+                        help="Engine replicas (env CHAOS_ENGINES; default 2, as a deployment that must survive "
+                             "a replica's death runs): with two, a request sent to the killed replica before "
+                             "it left the registry is retried on the other one; with one, nothing serves "
+                             "until Ray Serve's replacement is up.")
     parser.add_argument("--targets", nargs="+", default=list(TARGETS), choices=TARGETS, help="What to kill.")
     parser.add_argument("--restart-delay-s", type=float, default=2.0,
                         help="A killed gateway or Redis is started again after this many seconds.")
@@ -234,7 +242,7 @@ def main() -> None:
           + ", ".join(f"{k.target} at {k.at_s:.1f} s" for k in kills) + f" (logs in {work})", flush=True)
     os.environ.update(SETTLING_ENV)
     platform = plat.start_platform(work, bench_model("tessera-small"), gateway_port=free_port(),
-                                   extra_env=SETTLING_ENV)
+                                   num_engines=args.engines, extra_env=SETTLING_ENV)
     gateway = Gateway(work)
     proxy: RoundRobinProxy | None = None
     chaos = Chaos(args, platform, gateway)

@@ -49,18 +49,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--prompt-tokens", type=int, default=64, help="Prompt length, the model's tokens.")
     parser.add_argument("--max-tokens", type=int, default=16, help="Tokens out per request (ignore_eos).")
     parser.add_argument("--seed", type=int, default=0, help="Seed of the load's schedule.")
+    parser.add_argument("--kv-blocks", type=int, default=int(os.environ.get("SOAK_KV_BLOCKS", 1024)),
+                        help="The engine's KV cache in blocks of 32 tokens (env SOAK_KV_BLOCKS; default 1024). "
+                             "Small on purpose: the cache fills in the first minutes and then evicts as fast as it "
+                             "stores, so the prefix index's keys (one per cached block) reach their bound "
+                             "within the run instead of growing towards a capacity the run never fills.")
     args = parser.parse_args(argv)
     if args.duration_s <= 0 or args.window_s <= 0 or args.window_s > args.duration_s:
         parser.error("need 0 < window <= duration")
     return args
 
 
-def sample(platform: Any) -> dict[str, int]:
+def sample(platform: Any) -> dict[str, Any]:
     stats = plat.redis_stats(platform.redis_url)
     gateway = plat.gateway_pid(platform)
     return {"gateway_rss_bytes": plat.rss_bytes([gateway]), "engine_rss_bytes": plat.rss_bytes(plat.replica_pids()),
             "redis_keys": stats.keys, "redis_used_memory_bytes": stats.used_memory_bytes,
-            "redis_clients": stats.connected_clients, "gateway_sockets": plat.inet_sockets(gateway)}
+            "redis_clients": stats.connected_clients, "gateway_sockets": plat.inet_sockets(gateway),
+            "cpu_s": plat.component_cpu_s(platform)}
 
 
 def build_windows(records: list[Any], t_measure: float, window_s: float, samples: list[dict[str, Any]]) -> list[Window]:
@@ -88,8 +94,23 @@ def build_windows(records: list[Any], t_measure: float, window_s: float, samples
         num, failed = counts.get(index, [0, 0])
         windows.append(Window(index=index, end_s=(index + 1) * window_s, num_requests=num, num_failed=failed,
                               ttft_p50_s=p50, ttft_p99_s=p99, tenant_ttft_p99_s=per_tenant,
-                              **{k: v for k, v in taken.items() if k != "at_s"}))
+                              **{k: v for k, v in taken.items() if k not in ("at_s", "cpu_s")}))
     return windows
+
+
+CPU_PARTS = ("gateway", "engine", "kvcontrol", "redis", "ray_other", "client")
+
+
+def cpu_rows(before: dict[str, Any], samples: list[dict[str, Any]], windows: list[Window]) -> list[list[Any]]:
+    """Per window, each part's CPU milliseconds per request scheduled in it (the first window includes the
+    warm-up's requests' CPU, so read it as an upper bound)."""
+    rows, previous = [], before["cpu_s"]
+    for window, taken in zip(windows, samples, strict=True):
+        now = taken["cpu_s"]
+        per = max(window.num_requests, 1)
+        rows.append([window.index, *(f"{(now[p] - previous[p]) * 1000 / per:.1f}" for p in CPU_PARTS)])
+        previous = now
+    return rows
 
 
 def main() -> None:
@@ -98,7 +119,8 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="bench-soak-"))
     print(f"soak: {args.duration_s:g} s in {num_windows} windows of {args.window_s:g} s after {args.warmup_s:g} s "
           f"of warm-up, {args.rate_rps:g} req/s over {len(TENANTS)} tenants (logs in {work})", flush=True)
-    platform = plat.start_platform(work, bench_model("tessera-small"), gateway_port=free_port())
+    platform = plat.start_platform(work, bench_model("tessera-small"), gateway_port=free_port(),
+                                   kv_blocks=args.kv_blocks)
     samples: list[dict[str, Any]] = []
     try:
         keys = plat.create_tenants(platform, TENANTS)
@@ -133,6 +155,9 @@ def main() -> None:
     print_table(["win", *(f"{t} p99 ms" for t in tenants)],
                 [[w.index, *(f"{w.tenant_ttft_p99_s.get(t, math.nan) * 1000:.1f}" for t in tenants)]
                  for w in windows])
+    print()
+    print("CPU ms per request, by part of the platform, per window (which part's cost grows):")
+    print_table(["win", *CPU_PARTS], cpu_rows(before, samples, windows))
     print()
     print("Redis keys at the end, by family: " + ", ".join(f"{k} {n}" for k, n in families.items()))
     print()

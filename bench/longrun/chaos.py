@@ -5,9 +5,17 @@ saw, into one of three outcomes (issue #16):
 
 - ``succeeded``: a complete answer (with ``ignore_eos``: exactly ``max_tokens`` tokens);
 - ``failed``: the client was told: an HTTP error status with its error type, an SSE error event, a refused
-  connection, or a connection closed before any response head (every OpenAI client raises on that);
-- ``lost``: no answer and no error: a hang (the client's timeout), a 200 stream cut without an error event,
-  or a stream that ended cleanly short of ``max_tokens``.
+  connection, a connection closed before any response head, or a 200 stream whose connection closed in the
+  middle of its chunked body (every HTTP client raises on each of these: the OpenAI SDK's httpx reports an
+  "incomplete chunked read", aiohttp a payload error);
+- ``lost``: no answer and no error: a hang (the client's timeout), or a stream that ended cleanly — its body
+  complete — short of ``max_tokens``: the only outcomes a client cannot tell from success or cannot end.
+
+NOTE: a SIGKILLed gateway leaves no process to write an SSE error event on its open streams; what the client
+gets is the connection closing before the chunked body's last (zero-length) chunk. HTTP/1.1's framing makes
+that a protocol error at the client, not a silent truncation, so it counts as failed (reason
+``cut_mid_body``), and the bench checks separately that such a request is billed for no more than what the
+engine generated.
 
 A lost or failed request is attributed to the outage it overlaps (a kill until the killed part was back),
 the latest-starting one when several.
@@ -107,7 +115,8 @@ def classify(outcome: Outcome, kills: Sequence[Kill] = ()) -> Classified:
         # Closed before a response head: the client's call raises (a connection error), nothing hangs.
         if outcome.http_status is None:
             return Classified(FAILED, "closed_before_response", killed)
-        return Classified(LOST, "cut_stream", killed)
+        # The response head came, its chunked body never ended: the client's HTTP layer raises.
+        return Classified(FAILED, "cut_mid_body", killed)
     if kind in ("timeout", "incomplete"):
         return Classified(LOST, "hang", killed)
     return Classified(LOST, kind or "unknown", killed)

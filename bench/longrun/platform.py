@@ -26,11 +26,16 @@ REPLICA_TITLE = "ServeReplica:tessera-engines"
 
 
 def start_platform(work: Path, model_dir: Path, *, num_engines: int = 1, gateway_port: int,
-                   extra_env: dict[str, str] | None = None, max_model_len: int = 1024) -> LocalPlatform:
+                   extra_env: dict[str, str] | None = None, max_model_len: int = 1024,
+                   kv_blocks: int | None = None) -> LocalPlatform:
+    """``kv_blocks``: each engine's KV cache in blocks (``num_gpu_blocks_override``); None sizes it from
+    ``VLLM_CPU_KVCACHE_SPACE`` as ``tessera up`` does."""
+    overrides: dict[str, Any] = {"served_model_name": "tessera-small", "max_model_len": max_model_len}
+    if kv_blocks is not None:
+        overrides["num_gpu_blocks_override"] = kv_blocks
     platform = LocalPlatform(LocalPlatformOptions(
         state_dir=work / "state", model_dir=model_dir, num_engines=num_engines, gateway_port=gateway_port,
-        gateway_workers=2, trace_dir=work / "traces", extra_env=extra_env or {},
-        engine_overrides={"served_model_name": "tessera-small", "max_model_len": max_model_len}))
+        gateway_workers=2, trace_dir=work / "traces", extra_env=extra_env or {}, engine_overrides=overrides))
     try:
         platform.start()
     except BaseException:
@@ -82,6 +87,34 @@ def inet_sockets(pid: int) -> int:
         with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             total += len(proc.net_connections(kind="inet"))
     return total
+
+
+def component_cpu_s(platform: LocalPlatform) -> dict[str, float]:
+    """CPU seconds (user + system) used so far by each part of the platform among this process's descendants:
+    the gateway's tree, the engine replicas' trees (vLLM's engine core and worker included), the KV controller,
+    Redis, everything else (Ray's processes), and this process (the load generator's client). Differences
+    between two samples say which part's cost per request grew."""
+    def cpu(proc: psutil.Process) -> float:
+        with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            times = proc.cpu_times()
+            return float(times.user + times.system)
+        return 0.0
+
+    owner: dict[int, str] = {}
+    for part, roots in (("gateway", [gateway_pid(platform)]), ("engine", replica_pids())):
+        for root in roots:
+            owner.update({proc.pid: part for proc in _tree(root)})
+    totals = {"gateway": 0.0, "engine": 0.0, "kvcontrol": 0.0, "redis": 0.0, "ray_other": 0.0,
+              "client": cpu(psutil.Process())}
+    for proc in psutil.Process().children(recursive=True):
+        name = owner.get(proc.pid)
+        if name is None:
+            with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+                line = " ".join(proc.cmdline())
+                name = ("kvcontrol" if "tessera-kvcontrol" in line
+                        else "redis" if "valkey-server" in line else "ray_other")
+        totals[name or "ray_other"] += cpu(proc)
+    return {k: round(v, 2) for k, v in totals.items()}
 
 
 @dataclass(frozen=True, slots=True)

@@ -51,7 +51,7 @@ def test_schedule_rejects_an_empty_run() -> None:
     (outcome(False, "stream_error", 200, 5), (FAILED, "stream_error")),
     (outcome(False, "connect", None, 0), (FAILED, "connect")),
     (outcome(False, "broken_stream", None, 0), (FAILED, "closed_before_response")),
-    (outcome(False, "broken_stream", 200, 7), (LOST, "cut_stream")),
+    (outcome(False, "broken_stream", 200, 7), (FAILED, "cut_mid_body")),  # cut inside the chunked body
     (outcome(False, "timeout", 200, 3), (LOST, "hang")),
     (outcome(False, "incomplete", None, 0), (LOST, "hang")),
     (outcome(False, "empty_output", 200, 0), (LOST, "empty_output")),
