@@ -172,6 +172,7 @@ def main() -> None:
     parser.add_argument("--rates", default="25,50,100,150",
                         help="fleet mode: per engine, batches/s (replay) or requests/s (sim), one window each")
     parser.add_argument("--step", type=float, default=20.0, help="fleet mode: seconds per rate")
+    parser.add_argument("--capacity-blocks", type=int, default=4096, help="fleet mode: KV blocks per engine")
     args = parser.parse_args()
     if args.engines:
         from kvcontrol_fleet import run as run_fleet

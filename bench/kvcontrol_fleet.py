@@ -26,6 +26,7 @@ from array import array
 from pathlib import Path
 from typing import Any
 
+import psutil
 from _support import REPO, cpu_seconds, percentiles, print_table, write_results
 
 from tessera_operators.kvcontrol.metrics import ControllerMetrics
@@ -43,6 +44,8 @@ class SampledMetrics(ControllerMetrics):
         super().__init__()
         self.applied_at, self.lag_s, self.num_events = array("d"), array("d"), array("d")
         self.num_missed = 0
+        self.rss_mib = 0.0
+        self.ledger_blocks = 0
 
     def observe_batch(self, engine: str, num_events: int, lag_s: float) -> None:
         super().observe_batch(engine, num_events, lag_s)
@@ -93,6 +96,8 @@ async def _control(args: argparse.Namespace, redis_url: str, work: Path, fleet: 
             cpu.append((time.time(), cpu_seconds(os.getpid())))
             await asyncio.sleep(0.5)
         metrics.num_missed = sum(loop.ledger.num_missed_batches for loop in controller.loops.values())
+        metrics.ledger_blocks = sum(loop.ledger.num_blocks for loop in controller.loops.values())
+        metrics.rss_mib = psutil.Process().memory_info().rss / 2**20
     finally:
         await controller.stop()
     return cpu
@@ -137,9 +142,6 @@ def run(args: argparse.Namespace) -> None:
 
     work = Path(tempfile.mkdtemp(prefix="bench-kvcontrol-fleet-"))
     redis = EmbeddedRedis().start()
-    # Imported before the loops start, as the controller's own entry point does (kvcontrol/controller.py).
-    import vllm.distributed.kv_events  # noqa: F401
-
     metrics = SampledMetrics()
     fleet: subprocess.Popen[bytes] | None = None
     try:
@@ -148,7 +150,8 @@ def run(args: argparse.Namespace) -> None:
         fleet = subprocess.Popen(
             [sys.executable, str(REPO / "bench" / "kvcontrol_fleet_runner.py"), "--engines", str(args.engines),
              "--redis-url", redis.url, "--source", args.source, "--rates", args.rates, "--warmup", str(args.warmup),
-             "--step", str(args.step), "--salts", ",".join(salts), "--ready-file", str(work / "ready"),
+             "--step", str(args.step), "--salts", ",".join(salts), "--capacity-blocks", str(args.capacity_blocks),
+             "--ready-file", str(work / "ready"),
              "--go-file", str(work / "go"), "--out", str(work / "windows.json")],
             stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "TESSERA_REDIS_URL": redis.url})
         deadline = time.monotonic() + 180
@@ -170,6 +173,8 @@ def run(args: argparse.Namespace) -> None:
     payload = {"benchmark": "kvcontrol_fleet", "engines": args.engines, "source": args.source,
                "rates": args.rates, "step_s": args.step, "warmup_s": args.warmup, "tenants": NUM_TENANTS,
                "poll_interval_s": 0.2, "keeps_up_lag_p99_s": KEEPS_UP_LAG_P99_S, "missed_batches": metrics.num_missed,
+               "capacity_blocks_per_engine": args.capacity_blocks, "ledger_blocks_at_end": metrics.ledger_blocks,
+               "controller_rss_mib_at_end": metrics.rss_mib,
                "windows": rows, "loadavg_end_1m": os.getloadavg()[0], "cpus": os.cpu_count(), "work": str(work)}
     path = write_results(f"kvcontrol_fleet_{args.engines}_{args.source}", payload)
     unit = "batches/s" if args.source == "replay" else "requests/s"
@@ -179,5 +184,6 @@ def run(args: argparse.Namespace) -> None:
                   r["applied_batches_per_s"], r["applied_events_per_s"], 1000 * r["lag_p50_s"],
                   1000 * r["lag_p99_s"], 1000 * r["lag_max_s"], f"{100 * r['controller_cpu_share']:.0f} %",
                   "yes" if r["keeps_up"] else "NO"] for r in rows])
+    print(f"controller RSS {metrics.rss_mib:.0f} MiB holding {metrics.ledger_blocks} ledger blocks")
     print(f"batches lost (sequence gaps): {metrics.num_missed}; load average at the end "
           f"{os.getloadavg()[0]:.1f}; results: {path}; logs and spans: {work}")

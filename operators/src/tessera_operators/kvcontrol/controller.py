@@ -129,10 +129,9 @@ async def run_forever(settings: KVControlSettings) -> None:
 
     configure_tracing("tessera-kvcontrol", settings.trace_exporter, settings.trace_dir, settings.otlp_endpoint,
                       settings.trace_sample_ratio)
-    # NOTE: decoding KV events needs vLLM's event types; importing vLLM takes seconds and holds the GIL,
-    # so do it before /metrics answers (the probe then means "ready") rather than inside a loop.
-    import vllm.distributed.kv_events  # noqa: F401
-
+    # NOTE: the loops decode KV events with the ledger's own types (events.py), not vLLM's: the controller
+    # never imports vLLM (seconds of CPU holding the GIL and hundreds of MB, for a process that follows tens
+    # of engines).
     metrics = ControllerMetrics()
     if settings.kvcontrol_metrics_port:
         metrics.serve(settings.kvcontrol_metrics_port)

@@ -40,17 +40,20 @@ then the next store in the batch may belong to another request).
 
 from __future__ import annotations
 
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from tessera.routing.kv_events import DecodedBatch
 
 UNSALTED = "(unsalted)"
 UNKNOWN = "(unknown)"
 # Owners of recently evicted hashes, so that a child stored after its parent left (an event lost, or the
-# controller started between them) still finds its owner. Bounded: a few engines' worth of blocks.
-_FORGOTTEN_MAX = 65_536
+# controller started between them) still finds its owner. Per engine, the last _FORGOTTEN_MAX / 2 to
+# _FORGOTTEN_MAX evicted hashes (two generations: see ``_forget``): at a busy engine's ~600 evictions a
+# second, the last 14 s or more. NOTE: 65,536 an engine (a FIFO) was ~600 MB at 64 engines.
+_FORGOTTEN_MAX = 16_384
 
 
 @dataclass(slots=True)
@@ -61,9 +64,8 @@ class _Block:
     copies: int = 1
 
 
-@dataclass(frozen=True, slots=True)
-class Eviction:
-    """One cached block copy the engine dropped."""
+class Eviction(NamedTuple):
+    """One cached block copy the engine dropped (a tuple: made for every evicted block, so made cheaply)."""
 
     block_hash: int
     owner: str
@@ -90,7 +92,9 @@ class KVLedger:
 
     def __init__(self) -> None:
         self._blocks: dict[int, _Block] = {}
-        self._forgotten: OrderedDict[int, tuple[str, int, int]] = OrderedDict()
+        # Evicted hashes' (owner, root, depth), the newer generation first (see ``_forget``).
+        self._forgotten: dict[int, tuple[str, int, int]] = {}
+        self._forgotten_old: dict[int, tuple[str, int, int]] = {}
         self.blocks_by_owner: Counter[str] = Counter()
         # When each owner last stored a block (the batch's engine wall-clock time): who is active here.
         self.last_store_ts: dict[str, float] = {}
@@ -142,15 +146,23 @@ class KVLedger:
         self.last_seq = batch.seq
         stored = iter(batch.stored_blocks)
         pending: list[tuple[int, _Block]] = []  # evictions waiting for the next store to name the evictor
+        # NOTE: the hot path of a controller that follows many engines (tens of thousands of ops a second,
+        # bench_kvcontrol.py --engines 64): per-batch counts are kept in locals and written once.
+        num_stored = 0
+        stored_by: Counter[str] = update.stored
+        last_owner: str | None = None
         for op, block_hash in batch.ops:
             if op == "store":
                 h, parent, _tokens, salt = next(stored)
                 assert h == block_hash, "stored_blocks must follow the store ops one to one"
                 owner = self._store(h, parent, salt)
-                self.stores_since_reset += 1
-                update.stored[owner] += 1
-                self.last_store_ts[owner] = batch.ts
-                self._flush(pending, owner, update, batch.ts)
+                num_stored += 1
+                stored_by[owner] += 1
+                if owner is not last_owner:
+                    self.last_store_ts[owner] = batch.ts
+                    last_owner = owner
+                if pending:
+                    self._flush(pending, owner, update, batch.ts)
             elif op == "remove":
                 removed = self._remove(block_hash)
                 if removed is not None:
@@ -160,7 +172,9 @@ class KVLedger:
                 self._clear()
                 self.cleared_since_reset = True
                 update.cleared = True
-        self._flush(pending, None, update, batch.ts)
+        if pending:
+            self._flush(pending, None, update, batch.ts)
+        self.stores_since_reset += num_stored
         return update
 
     def apply_all(self, batches: Iterable[DecodedBatch]) -> list[LedgerUpdate]:
@@ -181,13 +195,16 @@ class KVLedger:
             known = self._blocks.get(parent)
             if known is not None:
                 owner, root, depth = known.owner, known.root, known.depth + 1
-            elif parent in self._forgotten:
-                owner, root, parent_depth = self._forgotten[parent]
-                depth = parent_depth + 1
             else:
-                owner, root, depth = UNKNOWN, parent, 1
+                forgotten = self._forgotten.get(parent) or self._forgotten_old.get(parent)
+                if forgotten is not None:
+                    owner, root, parent_depth = forgotten
+                    depth = parent_depth + 1
+                else:
+                    owner, root, depth = UNKNOWN, parent, 1
+        # NOTE: a hash stored again may stay in the forgotten generations: every look-up asks _blocks first,
+        # and its next eviction writes it anew.
         self._blocks[block_hash] = _Block(owner, root, depth)
-        self._forgotten.pop(block_hash, None)
         self.blocks_by_owner[owner] += 1
         self.num_blocks += 1
         return owner
@@ -206,10 +223,15 @@ class KVLedger:
         return block
 
     def _forget(self, block_hash: int, block: _Block) -> None:
-        self._forgotten[block_hash] = (block.owner, block.root, block.depth)
-        self._forgotten.move_to_end(block_hash)
-        if len(self._forgotten) > _FORGOTTEN_MAX:
-            self._forgotten.popitem(last=False)
+        """Remembers an evicted hash's owner in the newer of two generations; a full generation becomes the
+        older one and the older is dropped whole, so the last _FORGOTTEN_MAX / 2 evictions (at least) are
+        kept in O(1) per eviction (a FIFO of single entries, an OrderedDict, cost more than the rest of an
+        eviction)."""
+        forgotten = self._forgotten
+        forgotten[block_hash] = (block.owner, block.root, block.depth)
+        if len(forgotten) >= _FORGOTTEN_MAX // 2:
+            self._forgotten_old = forgotten
+            self._forgotten = {}
 
     def _reset(self) -> None:
         """Starts over after lost events: no block it cannot vouch for (see the module docstring)."""

@@ -30,10 +30,10 @@ from opentelemetry.context import Context
 
 from tessera.data_plane_auth import Signer
 from tessera.registry import EngineRecord, pressure_key
-from tessera.routing.kv_events import subscribe
 from tessera.tenancy.demotion import clear_demoted, set_demoted
 
 from .directory import DemotionBook, TenantDirectory
+from .events import ledger_bursts
 from .ledger import KVLedger, LedgerUpdate, tenant_of
 from .metrics import ControllerMetrics
 from .policy import (
@@ -141,8 +141,10 @@ class EngineControlLoop:
     # ---- KV events -------------------------------------------------------------------------------
 
     async def _consume(self) -> None:
-        async for batch in subscribe(self.record.kv_events_endpoint):
-            self.on_batch(batch)
+        # Every batch already queued comes at once (events.py): one wake-up per burst, not per batch.
+        async for burst in ledger_bursts(self.record.kv_events_endpoint):
+            for batch in burst:
+                self.on_batch(batch)
             # A queued message does not suspend the receive: yield, or a burst of events starves the polls.
             await asyncio.sleep(0)
 
