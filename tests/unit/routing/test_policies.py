@@ -86,11 +86,15 @@ def test_bounded_load_uses_this_gateways_in_flight_count_when_heartbeats_lag() -
     assert policy(snap, REQ).ranked[0] != "a"
 
 
-def test_prefix_affinity_waiting_requests_outweigh_a_short_cached_prefix() -> None:
+def test_prefix_affinity_a_holder_under_the_bound_keeps_the_request_whatever_its_queue() -> None:
+    # a: 2 running + 3 waiting (load 5), b and c: 4 running each: mean 4.33, bound 6.42, a is under it.
+    # Priced in tokens, a's queue (64 x 5 + 512 x 3 = 1,856) outweighs its 992 cached tokens, and the policy
+    # used to move the request: a full prefill on b, and a copy of the prefix evicting another there.
     policy = make_policy("prefix_affinity")
-    snap = RouteSnapshot((engine("a", 1, waiting=1), engine("b", 1)), {"a": 2})
+    snap = RouteSnapshot((engine("a", 2, waiting=3), engine("b", 4), engine("c", 4)), {"a": 31})
     decision = policy(snap, REQ)
-    assert decision.ranked[0] == "b" and "load outweighs 64 cached tokens" in decision.reason
+    assert decision.ranked[0] == "a" and decision.expected_cached_tokens == 992
+    assert "cached_tokens=992" in decision.reason
 
 
 def test_round_robin_skips_a_dead_engine_without_losing_its_turn_order() -> None:
@@ -162,9 +166,9 @@ def test_approx_prefix_ignores_a_partial_chunk() -> None:
     assert policy(RouteSnapshot((engine("a", 1), engine("b"))), req).ranked[0] == "b"
 
 
-def test_the_tie_break_is_the_same_in_every_gateway_process() -> None:
+def test_a_prefixs_homes_are_the_same_in_every_gateway_process() -> None:
     # Gateway processes run with different string-hash seeds; the prefix's engine must not depend on it.
-    code = "from tessera.routing.policies import _tie_rank; print(_tie_rank(12345, 'engine-a'))"
+    code = "from tessera.routing.policies import prefix_homes; print(prefix_homes(('a', 'b', 'c', 'd'), 12345))"
     outputs = {subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONHASHSEED": seed},
                               capture_output=True, text=True, check=True).stdout for seed in ("1", "2")}
     assert len(outputs) == 1
@@ -233,11 +237,13 @@ def test_prefix_affinity_prefers_the_engine_holding_the_prefix() -> None:
     assert "cached_tokens=256" in decision.reason
 
 
-def test_prefix_affinity_without_hits_is_least_loaded() -> None:
+def test_prefix_affinity_without_hits_goes_to_the_prefixs_home() -> None:
     policy = make_policy("prefix_affinity")
-    snap = RouteSnapshot((engine("a", 2), engine("b", 1)))
+    home, other = policies.prefix_homes(("a", "b"), REQ_320.block_hashes[0])
+    # Loads 2 and 1: mean 1.5, bound 2.875: both under it, so the home takes the miss even if busier.
+    snap = RouteSnapshot((engine(home, 2), engine(other, 1)))
     decision = policy(snap, REQ_320)
-    assert decision.ranked[0] == "b" and "miss" in decision.reason
+    assert decision.ranked == (home, other) and "miss: home" in decision.reason
 
 
 def test_prefix_affinity_pressure_flag_beats_cache_hits() -> None:
@@ -254,7 +260,7 @@ def test_approx_prefix_forgets_dead_engines() -> None:
     assert policy(RouteSnapshot((engine(survivor),)), req).ranked == (survivor,)
 
 
-def _reference_prefix_affinity(snap: RouteSnapshot, request: RouteRequest) -> list[tuple[str, tuple[bool, int]]]:
+def _reference_prefix_affinity(snap: RouteSnapshot, request: RouteRequest) -> list[tuple[str, tuple[object, ...]]]:
     """prefix_affinity's ranking of the whole fleet, the plain way (sort every engine by its full key)."""
     engines = snap.engines
     loads = [max(e.load, snap.local_in_flight.get(e.engine_id, 0)) for e in engines]
@@ -262,21 +268,29 @@ def _reference_prefix_affinity(snap: RouteSnapshot, request: RouteRequest) -> li
     reusable = max(request.num_prompt_tokens - 1, 0)
     cached = [min(snap.cached_prefix_blocks.get(e.engine_id, 0) * e.block_size, reusable // e.block_size * e.block_size)
               for e in engines]
-    key = request.block_hashes[0]
+    homes = policies.prefix_homes(tuple(e.engine_id for e in engines), request.block_hashes[0])
+    home_rank = {engine_id: rank for rank, engine_id in enumerate(homes)}
+    by_id = {e.engine_id: i for i, e in enumerate(engines)}
+    open_homes = [e for e in homes if not engines[by_id[e]].under_pressure and loads[by_id[e]] < bound][:2]
+    if len(open_homes) == 2 and loads[by_id[open_homes[1]]] == 0 < loads[by_id[open_homes[0]]]:
+        first, second = open_homes
+        home_rank[first], home_rank[second] = home_rank[second], home_rank[first]
 
-    def score(i: int) -> tuple[bool, int]:
-        return engines[i].under_pressure, -((cached[i] if loads[i] < bound else 0)
-                                            - policies.TOKENS_PER_RUNNING_REQUEST * loads[i]
-                                            - policies.TOKENS_PER_WAITING_REQUEST * engines[i].num_waiting)
+    def score(i: int) -> tuple[object, ...]:
+        over = loads[i] >= bound
+        credit = 0 if over else cached[i]
+        price = (policies.TOKENS_PER_RUNNING_REQUEST * loads[i]
+                 + policies.TOKENS_PER_WAITING_REQUEST * engines[i].num_waiting) if credit else 0
+        return engines[i].under_pressure, over, -credit, price
 
-    order = sorted(range(len(engines)), key=lambda i: (*score(i), -policies._tie_rank(key, engines[i].engine_id)))
+    order = sorted(range(len(engines)), key=lambda i: (*score(i), home_rank[engines[i].engine_id]))
     return [(engines[i].engine_id, score(i)) for i in order]
 
 
 def test_prefix_affinity_ranks_a_large_fleets_first_engines_exactly_as_a_full_sort() -> None:
-    """Past MAX_RANKED_ENGINES the policy scores only the engines whose score differs from the fleet order
-    (prefix holders, this gateway's in-flight engines) and the best tie group: its ranking must equal the
-    first MAX_RANKED_ENGINES of a full sort wherever that sort is decided by score or rendezvous."""
+    """Past MAX_RANKED_ENGINES the policy scores only the engines whose score differs from the rest (prefix
+    holders, this gateway's in-flight engines) and the prefix's homes up to MAX_RANKED_ENGINES open ones:
+    its ranking must equal the first MAX_RANKED_ENGINES of a full sort by (score, home order)."""
     rng = random.Random(5)
     policy = make_policy("prefix_affinity")
     for trial in range(200):
@@ -285,15 +299,9 @@ def test_prefix_affinity_ranks_a_large_fleets_first_engines_exactly_as_a_full_so
         ids = [e.engine_id for e in fleet]
         cached = {e: rng.randrange(1, 64) for e in rng.sample(ids, rng.randrange(0, 4))}
         in_flight = {e: rng.randrange(1, 8) for e in rng.sample(ids, rng.randrange(0, 4))}
-        request = RouteRequest("t", "m", 16 * 64 + 1, (trial, trial + 1))
+        request = RouteRequest("t", "m", 16 * 64 + 1, (rng.getrandbits(64), trial))
         snap = RouteSnapshot(fleet, cached, in_flight)
         got = policy(snap, request).ranked
         want = _reference_prefix_affinity(snap, request)
         assert len(got) == policies.MAX_RANKED_ENGINES
-        assert got[0] == want[0][0]
-        # Beyond the best tie group the policy orders equal engines by id, the reference by rendezvous:
-        # compare the scores position by position, and the best group's order exactly.
-        score = dict(want)
-        assert [score[e] for e in got] == [s for _, s in want[:policies.MAX_RANKED_ENGINES]]
-        best = [e for e, s in want if s == want[0][1]][:policies.MAX_RANKED_ENGINES]
-        assert list(got[:len(best)]) == best
+        assert list(got) == [e for e, _ in want[:policies.MAX_RANKED_ENGINES]]

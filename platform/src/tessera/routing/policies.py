@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import random
+from bisect import bisect_left
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -170,11 +171,17 @@ def _approx_prefix() -> PolicyFn:
 # Bounded load (consistent hashing with bounded loads, Mirrokni et al.): an engine may take an affinity
 # request only while its load stays below BOUND_FACTOR x mean load (+1 so an idle fleet still has room).
 BOUND_FACTOR = 1.25
-# Load priced in cached tokens. A running request costs little (continuous batching shares each step), a
-# waiting one delays the first token until a slot frees: a 1,000-token cached prefix outweighs about
-# 15 running requests but only two waiting ones.
+# Load priced in cached tokens, used only between engines that would reuse the same number of cached
+# tokens (two holders of the whole prefix): the less busy one. A running request costs little (continuous
+# batching shares each step), a waiting one delays the first token until a slot frees.
 TOKENS_PER_RUNNING_REQUEST = 64
 TOKENS_PER_WAITING_REQUEST = 512
+# The consistent-hash ring every prefix's homes are read from: points per engine (fewer in a large fleet,
+# so the ring stays about RING_MAX_POINTS long and is rebuilt in about a millisecond when engines change).
+RING_POINTS_PER_ENGINE = 160
+RING_MAX_POINTS = 4096
+_GOLDEN_64 = 0x9E3779B97F4A7C15
+_MASK_64 = (1 << 64) - 1
 
 
 @lru_cache(maxsize=4096)
@@ -182,10 +189,58 @@ def _engine_salt(engine_id: str) -> int:
     return int.from_bytes(hashlib.blake2b(engine_id.encode(), digest_size=8).digest(), "big")
 
 
-def _tie_rank(key: int, engine_id: str) -> int:
-    """Rendezvous weight of (key, engine), the same in every gateway process: CPython hashes tuples of
-    ints without the per-process string-hash seed."""
-    return hash((key, _engine_salt(engine_id)))
+@lru_cache(maxsize=65536)
+def _ring_points(engine_id: str, num_points: int) -> tuple[int, ...]:
+    """An engine's points on the ring (64-bit, as block hashes are): the same in every gateway process."""
+    return tuple(int.from_bytes(hashlib.blake2b(f"{engine_id}#{k}".encode(), digest_size=8).digest(), "big")
+                 for k in range(num_points))
+
+
+class _Ring:
+    """A fleet's consistent-hash ring: points in ascending order, the engine (index into the fleet) owning
+    each, and, per point, the distinct engines met walking clockwise from it (computed on first use, so a
+    new ring costs nothing until requests land on its points)."""
+
+    __slots__ = ("_walks", "owners", "points")
+
+    def __init__(self, engine_ids: tuple[str, ...]) -> None:
+        per_engine = max(1, min(RING_POINTS_PER_ENGINE, RING_MAX_POINTS // max(len(engine_ids), 1)))
+        pairs = sorted((point, i) for i, engine_id in enumerate(engine_ids)
+                       for point in _ring_points(engine_id, per_engine))
+        self.points = [p for p, _ in pairs]
+        self.owners = [i for _, i in pairs]
+        self._walks: dict[int, tuple[int, ...]] = {}
+
+    def walk(self, key: int, num_engines: int) -> tuple[int, ...]:
+        """The first ``num_engines`` distinct engines clockwise from ``key``'s position."""
+        start = bisect_left(self.points, _ring_key(key))
+        if start == len(self.points):
+            start = 0
+        walk = self._walks.get(start)
+        if walk is None or len(walk) < num_engines:
+            seen: dict[int, None] = {}
+            owners, num_points = self.owners, len(self.owners)
+            for step in range(num_points):
+                seen.setdefault(owners[(start + step) % num_points])
+                if len(seen) >= num_engines:
+                    break
+            walk = self._walks[start] = tuple(seen)
+        return walk
+
+
+@lru_cache(maxsize=16)
+def _ring(engine_ids: tuple[str, ...]) -> _Ring:
+    return _Ring(engine_ids)
+
+
+def _ring_key(key: int) -> int:
+    # Block hashes are uniform already; the multiply (Fibonacci hashing) spreads keys that are not.
+    return (key * _GOLDEN_64) & _MASK_64
+
+
+def prefix_homes(engine_ids: tuple[str, ...], key: int) -> list[str]:
+    """Every engine, in the order a prefix whose first block hash is ``key`` tries them as its home."""
+    return [engine_ids[i] for i in _ring(engine_ids).walk(key, len(engine_ids))]
 
 
 # prefix_affinity ranks this many engines at most (all of a smaller fleet): the gateway falls back down the
@@ -197,33 +252,39 @@ MAX_RANKED_ENGINES = 16
 @dataclass(slots=True)
 class _Fleet:
     """What prefix_affinity can compute once per registry read (the router passes the same ``engines``
-    tuple until the next one): per-engine arrays, and the engines ordered by (pressure, load price, id)."""
+    tuple until the next one): per-engine arrays and the consistent-hash ring."""
 
     engines: tuple[EngineView, ...]
     index: dict[str, int]
     loads: list[int]
     sum_loads: int
-    order: list[int]
+    ring: _Ring
 
     @classmethod
     def of(cls, engines: tuple[EngineView, ...]) -> _Fleet:
         loads = [e.load for e in engines]
-        order = sorted(range(len(engines)), key=lambda i: (
-            engines[i].under_pressure,
-            TOKENS_PER_RUNNING_REQUEST * loads[i] + TOKENS_PER_WAITING_REQUEST * engines[i].num_waiting,
-            engines[i].engine_id))
-        return cls(engines, {e.engine_id: i for i, e in enumerate(engines)}, loads, sum(loads), order)
+        return cls(engines, {e.engine_id: i for i, e in enumerate(engines)}, loads, sum(loads),
+                   _ring(tuple(e.engine_id for e in engines)))
 
 
 @register("prefix_affinity")
 def _prefix_affinity() -> PolicyFn:
-    """Expected cached tokens (from the KV-event index) minus load priced in tokens; an engine over the
-    bounded-load limit gets no credit for its cache, so a hot prefix spills to a second engine.
+    """Consistent hashing with bounded loads, where the index's cached tokens come first.
 
-    Cost: O(engines holding the prefix + engines with this gateway's requests in flight + the best tie
-    group), not O(fleet): only those engines' scores differ from the per-registry-read order (``_Fleet``).
-    The ranking is exact for the first ``MAX_RANKED_ENGINES``; engines tied on score beyond the best group
-    keep engine-id order."""
+    Engines at or over the load bound (``BOUND_FACTOR`` x mean load + 1) rank after every engine under it.
+    Under the bound, the engine that would reuse the most cached tokens (from the KV-event index) wins;
+    between equal caches the less busy one (load priced in tokens); and where nobody holds the prefix (or
+    the holders are over the bound), the prefix's *home*: the first engine under the bound on the ring,
+    walking clockwise from the prefix's first block hash. Every gateway process computes the same homes.
+
+    Why load does not outweigh a cache under the bound (issue #17, docs/routing.md): a request moved off
+    the engine that holds its prefix prefills the whole prefix elsewhere and evicts another prefix there;
+    a prefix placed by load rather than by its hash lands on a different engine each time it is evicted,
+    so with small caches every engine ends up cycling every prefix. Under overload both feed themselves.
+    The bound alone keeps any engine within a quarter of the mean load.
+
+    Cost: O(engines holding the prefix + engines with this gateway's requests in flight + the ring walk to
+    ``MAX_RANKED_ENGINES`` engines under the bound), not O(fleet)."""
     fleet_cache: list[_Fleet] = []
 
     def fleet_of(engines: tuple[EngineView, ...]) -> _Fleet:
@@ -235,15 +296,15 @@ def _prefix_affinity() -> PolicyFn:
         if (empty := _empty(snapshot)) is not None:
             return empty
         fleet = fleet_of(snapshot.engines)
-        engines, index = fleet.engines, fleet.index
+        engines, index, fleet_loads = fleet.engines, fleet.index, fleet.loads
         # Load = max(heartbeat, this gateway's in-flight count): only engines with requests in flight change.
         loads: dict[int, int] = {}
         sum_loads = fleet.sum_loads
         for engine_id, num in snapshot.local_in_flight.items():
             i = index.get(engine_id)
-            if i is not None and num > fleet.loads[i]:
+            if i is not None and num > fleet_loads[i]:
                 loads[i] = num
-                sum_loads += num - fleet.loads[i]
+                sum_loads += num - fleet_loads[i]
         bound = BOUND_FACTOR * sum_loads / len(engines) + 1
         # vLLM recomputes at least the last prompt token, so a fully cached, block-aligned prompt still
         # prefills its last block: credit at most what it can reuse.
@@ -254,43 +315,62 @@ def _prefix_affinity() -> PolicyFn:
             if i is not None and num_blocks > 0:
                 size = engines[i].block_size
                 cached[i] = min(num_blocks * size, reusable // size * size if size > 0 else 0)
-        # Candidates: engines whose score differs from the fleet order's, plus enough of that order to fill
-        # the ranking and its whole best tie group (ties go to the rendezvous winner, below).
-        picked = set(loads) | set(cached)
-        num_head = MAX_RANKED_ENGINES + len(picked)
-        rest = [i for i in fleet.order[:num_head] if i not in picked]
-
-        def price(i: int) -> tuple[bool, int]:
-            load = loads.get(i, fleet.loads[i])
-            credit = cached.get(i, 0) if load < bound else 0
-            return engines[i].under_pressure, -(credit - TOKENS_PER_RUNNING_REQUEST * load
-                                                 - TOKENS_PER_WAITING_REQUEST * engines[i].num_waiting)
-
-        if rest:
-            best = price(rest[0])
-            for i in fleet.order[num_head:]:
-                if i in picked:
-                    continue
-                if price(i) != best:
-                    break
-                rest.append(i)  # the best group continues past the ranking's length: all of it competes
-        # Equal scores (typically: nobody holds the prefix and loads tie) go to the prefix's rendezvous
-        # winner, so distinct prefixes spread over the fleet and every gateway places a new prefix on the
-        # same engine before the index has heard of it.
+        # The prefix's homes: the engines in ring order from its key, up to MAX_RANKED_ENGINES open to it
+        # (under the bound, not under pressure) or all of them; an engine's rank is its place in that walk.
+        # Engines beyond it rank after every one in it.
         key = request.block_hashes[0] if request.block_hashes else _engine_salt(request.session_id or request.tenant)
-        ranked = sorted([*picked, *rest], key=lambda i: (*price(i), -_tie_rank(key, engines[i].engine_id)))
-        ranked = ranked[:MAX_RANKED_ENGINES]
+        num_engines = len(engines)
+        walk_len = min(num_engines, 2 * MAX_RANKED_ENGINES)
+        home_rank: dict[int, int] = {}
+        first_open: list[int] = []
+        while True:
+            num_open = 0
+            first_open.clear()
+            for rank, i in enumerate(fleet.ring.walk(key, walk_len)):
+                home_rank[i] = rank
+                if not engines[i].under_pressure and loads.get(i, fleet_loads[i]) < bound:
+                    num_open += 1
+                    if num_open <= 2:
+                        first_open.append(i)  # the prefix's first two open homes
+                    if num_open == MAX_RANKED_ENGINES:
+                        break
+            if num_open == MAX_RANKED_ENGINES or walk_len == num_engines:
+                break
+            walk_len = min(num_engines, 4 * walk_len)  # many engines over the bound: look further
+        # A holder beyond the walk (rare: holders are mostly the prefix's first homes) still needs its
+        # place on the ring, to break a tie with another holder the same way in every gateway.
+        for i in cached:
+            if i not in home_rank:
+                home_rank[i] = fleet.ring.walk(key, num_engines).index(i)
+
+        # Two homes per prefix: the second takes the first's place while it is idle and the first is not,
+        # so two cold prompts do not queue on one engine while another sits idle. Only idle capacity
+        # counts: a busy fleet keeps one home per prefix (a second copy evicts another prefix).
+        if len(first_open) == 2:
+            first, second = first_open
+            if loads.get(second, fleet_loads[second]) == 0 < loads.get(first, fleet_loads[first]):
+                home_rank[first], home_rank[second] = home_rank[second], home_rank[first]
+
+        def rank_key(i: int) -> tuple[bool, bool, int, int, int]:
+            load = loads.get(i, fleet_loads[i])
+            over = load >= bound
+            credit = 0 if over else cached.get(i, 0)
+            price = (TOKENS_PER_RUNNING_REQUEST * load + TOKENS_PER_WAITING_REQUEST * engines[i].num_waiting
+                     if credit else 0)
+            return engines[i].under_pressure, over, -credit, price, home_rank.get(i, num_engines + i)
+
+        ranked = sorted({*home_rank, *loads, *cached}, key=rank_key)[:MAX_RANKED_ENGINES]
         top = ranked[0]
-        top_cached, top_load = cached.get(top, 0), loads.get(top, fleet.loads[top])
-        holder = max(cached, key=lambda i: (cached[i], -loads.get(i, fleet.loads[i])), default=None)
+        top_cached, top_load = cached.get(top, 0), loads.get(top, fleet_loads[top])
+        holder = max(cached, key=lambda i: (cached[i], -loads.get(i, fleet_loads[i])), default=None)
         if top_cached > 0:
             reason = f"prefix_affinity cached_tokens={top_cached} load={top_load}"
-        elif holder is None or cached[holder] == 0:
-            reason = f"prefix_affinity miss: least_loaded load={top_load}"
-        elif (holder_load := loads.get(holder, fleet.loads[holder])) >= bound:
+        elif holder is None:
+            reason = f"prefix_affinity miss: home load={top_load}"
+        elif (holder_load := loads.get(holder, fleet_loads[holder])) >= bound:
             reason = f"prefix_affinity bounded_load: holder load {holder_load} >= {bound:.1f}, load={top_load}"
         else:
-            reason = f"prefix_affinity load outweighs {cached[holder]} cached tokens, load={top_load}"
+            reason = f"prefix_affinity holder under kv pressure, load={top_load}"
         return RouteDecision(tuple(engines[i].engine_id for i in ranked), reason, top_cached)
 
     return policy
