@@ -65,8 +65,8 @@ bench-gateway-hops: install
 bench-admission: install
 	$(BIN)/python bench/bench_admission.py
 
-bench-routing: install
-	$(BIN)/python bench/bench_routing.py
+bench-routing: install  # BENCH_ROUTING_ARGS="--backend sim" (seconds), "--rounds 2", "--regimes light/tight,..."
+	$(BIN)/python bench/bench_routing.py $(BENCH_ROUTING_ARGS)
 
 # The gateway's in-process prefix index against issue #17's goals (bench/results/prefix_index.json).
 bench-prefix-index: install

@@ -1,13 +1,23 @@
-"""Routing benchmark (`make bench-routing`): all five policies on one request sequence, real engines.
+"""Routing benchmark (`make bench-routing`): all five policies on one request sequence, in every regime
+of load (light, overloaded) and KV capacity (ample, scarce), real engines by default.
 
 Setup: three ``EngineHost`` replicas in this process (each a real vLLM engine, CPU build, in its own engine
-core process) serving a generated model large enough that prefilling 1,000 tokens takes >= 50 ms here,
-with KV caches too small to hold every system prompt of the workload. The engines feed the Redis prefix
-index from their own KV events, exactly as in production. Requests go through the gateway's routing path
-in process — hash chain → ``Router.route`` (registry + one Redis lookup + policy) → stream from the chosen
-replica's own ``/generate`` — with two router instances standing in for two gateway worker processes (the
-``make run`` default), each with its own in-flight counts and, for the stateful baselines, its own memory.
-Authentication and admission are left out: they cost the same under every policy.
+core process) serving a generated model large enough that prefilling 1,000 tokens takes >= 50 ms here.
+The engines feed the Redis prefix index from their own KV events, exactly as in production. Requests go
+through the gateway's routing path in process — hash chain → ``Router.route`` (registry + one Redis lookup +
+policy) → stream from the chosen replica's own ``/generate`` — with two router instances standing in for two
+gateway worker processes (the ``make run`` default), each with its own in-flight counts and, for the stateful
+baselines, its own memory. Authentication and admission are left out: they cost the same under every policy.
+
+Regimes: the KV cache per engine is ``KV_LEVELS`` blocks (ample: one engine holds every system prompt;
+scarce: about a quarter of them, the fleet three quarters), the arrival rate ``LOAD_FACTORS`` x the rate
+the fleet could serve if nothing were cached (light: 0.4, below it; overloaded: 2.0, above it unless
+routing keeps most prefixes cached). Engines restart per KV level (vLLM sizes its cache at start).
+
+``--backend sim`` runs the same regimes in virtual time on the simulated engine's scheduler and block pool
+(``routing_sim.py``: the gateway's own policies, heartbeat and registry-read lag, KV events after a lag;
+step costs of a slow CPU machine unless ``--step-costs``), several seeded sequences per regime, in seconds
+instead of minutes; it writes bench/results/routing-sim.json, every figure labelled ``"backend": "sim"``.
 
 Workload: several tenants, several long system prompts each (Zipf popularity), unique suffixes, Poisson
 arrivals; the same seeded sequence for every policy. Engines' prefix caches are reset between policies
@@ -20,6 +30,7 @@ routing decision's own cost for 64 engines and 100,000 indexed blocks. Results: 
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import os
@@ -28,46 +39,39 @@ import statistics
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _support import REPO, bench_model, signed_headers
+from routing_sim import SLOW_CPU_STEP_COSTS, SimRequestSpec, SimSetup, WorkloadSpec, make_workload
 
 MODEL_DIR = REPO / ".tessera" / "models" / "tessera-bench-routing"
 RESULTS = REPO / "bench" / "results" / "routing.json"
+RESULTS_SIM = REPO / "bench" / "results" / "routing-sim.json"  # the sim backend's: never mixed with real runs
 MODEL = "bench-routing"
 POLICIES = ["round_robin", "least_loaded", "session_affinity", "approx_prefix", "prefix_affinity"]
 
 NUM_ENGINES = 3
-NUM_GPU_BLOCKS = 200  # 6,400 tokens per engine: about 5 of the 12 system prompts, the fleet holds all
 BLOCK = 32
-NUM_TENANTS = 4
-PROMPTS_PER_TENANT = 3
-SYSTEM_TOKENS = 1024
-SUFFIX_TOKENS = (32, 160)
-USERS_PER_PROMPT = 4
-MAX_TOKENS = 4
-NUM_REQUESTS = 160  # per round
-# Two rounds, the second in reverse policy order: a machine whose background load drifts (this one is
-# shared) then weighs on every policy alike. Each round replays the same sequence from cold caches.
-ROUNDS = 2
-RATE_PER_S = 6.0
 GATEWAY_WORKERS = 2
-SEED = 2024
-
-
-@dataclass(frozen=True)
-class Request:
-    arrival_s: float
-    tenant: str
-    salt: str
-    prompt: list[int]
-    prefix_text: str
-    session_id: str
-    worker: int
-    ideal_cached: int
+WORKLOAD = WorkloadSpec(block_size=BLOCK, workers=GATEWAY_WORKERS)
+# KV blocks per engine. The 12 system prompts are 12,288 tokens: ample holds them all on every engine
+# (19,200 tokens, room left for suffixes); tight, about five (the bench's size before the sweep: the fleet
+# holds all twelve, no engine does); scarce, about three (the same halved, as a bf16 KV cache halves an
+# FP8 one: the fleet holds three quarters of them).
+KV_LEVELS = {"ample": 600, "tight": 200, "scarce": 100}
+# Arrival rate as a multiple of the fleet's cold capacity (requests/s it could serve with nothing cached).
+LOAD_FACTORS = {"light": 0.4, "overloaded": 2.0}
+DEFAULT_REGIMES = [("light", "ample"), ("overloaded", "ample"), ("light", "scarce"), ("overloaded", "scarce")]
+NUM_REQUESTS = 150  # per regime and round
+# One round by default; a second (--rounds 2) replays the sequence in reverse policy order, so a machine
+# whose background load drifts (this one is shared) weighs on every policy alike.
+ROUNDS = 1
+# The sim backend: requests per sequence and seeded sequences per regime (seconds of CPU in all).
+SIM_REQUESTS = 200
+SIM_SEQUENCES = 4
 
 
 @dataclass
@@ -81,7 +85,19 @@ class Outcome:
     output_tokens: int
 
 
-# ---- setup ------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Regime:
+    load: str
+    kv: str
+    rate_per_s: float
+    kv_blocks: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.load}/{self.kv}"
+
+
+# ---- setup (real engines) ---------------------------------------------------------------------------------
 
 
 def ensure_model() -> None:
@@ -91,12 +107,12 @@ def ensure_model() -> None:
                                                num_attention_heads=8, num_key_value_heads=4, seed=1))
 
 
-def start_engines(redis_url: str) -> list[Any]:
+def start_engines(redis_url: str, num_gpu_blocks: int) -> list[Any]:
     from tessera.engine.config import EngineConfig
     from tessera.engine.host import EngineHost
 
     config = EngineConfig.model_validate({
-        "model": str(MODEL_DIR), "served_model_name": MODEL, "num_gpu_blocks_override": NUM_GPU_BLOCKS,
+        "model": str(MODEL_DIR), "served_model_name": MODEL, "num_gpu_blocks_override": num_gpu_blocks,
         "max_model_len": 2048, "block_size": BLOCK, "speculative": None, "max_num_seqs": 16,
     })
     hosts = [EngineHost(config, redis_url) for _ in range(NUM_ENGINES)]
@@ -185,45 +201,13 @@ async def reset_caches(hosts: list[Any], redis_url: str) -> None:
     await asyncio.sleep(2.5)  # heartbeats catch up with the idle fleet
 
 
-# ---- workload ---------------------------------------------------------------------------------------------
-
-
-def make_workload(tokenizer: Any) -> list[Request]:
-    from tessera.routing.hashing import block_hash_chain
-
-    rng = random.Random(SEED)
-    vocab = tokenizer.get_vocab_size()
-    systems = {(t, p): [rng.randrange(10, vocab) for _ in range(SYSTEM_TOKENS)]
-               for t in range(NUM_TENANTS) for p in range(PROMPTS_PER_TENANT)}
-    weights = [1 / (p + 1) for p in range(PROMPTS_PER_TENANT)]
-    seen: set[int] = set()
-    requests, clock = [], 0.0
-    for _ in range(NUM_REQUESTS):
-        clock += rng.expovariate(RATE_PER_S)
-        tenant = rng.randrange(NUM_TENANTS)
-        prompt_id = rng.choices(range(PROMPTS_PER_TENANT), weights)[0]
-        prompt = systems[(tenant, prompt_id)] + [rng.randrange(10, vocab) for _ in range(rng.randint(*SUFFIX_TOKENS))]
-        salt = f"salt-tenant-{tenant}"
-        chain = block_hash_chain(prompt, BLOCK, salt)
-        hits = next((i for i, h in enumerate(chain) if h not in seen), len(chain))
-        seen.update(chain)
-        requests.append(Request(
-            arrival_s=clock, tenant=f"tenant-{tenant}", salt=salt, prompt=prompt,
-            prefix_text=tokenizer.decode(prompt[:2048]), worker=rng.randrange(GATEWAY_WORKERS),
-            session_id=f"tenant-{tenant}/app-{prompt_id}/user-{rng.randrange(USERS_PER_PROMPT)}",
-            ideal_cached=min(hits * BLOCK, (len(prompt) - 1) // BLOCK * BLOCK),
-        ))
-    return requests
-
-
 # ---- one policy -------------------------------------------------------------------------------------------
 
 
-async def run_policy(name: str, requests: list[Request], redis_url: str) -> list[Outcome]:
+async def run_policy(name: str, requests: list[SimRequestSpec], redis_url: str) -> list[Outcome]:
     import aiohttp
 
     from tessera.redis_conn import connect
-    from tessera.routing.hashing import block_hash_chain
     from tessera.routing.prefix_index import PrefixIndex
     from tessera.routing.router import Router
     from tessera.routing.snapshot import RouteRequest
@@ -234,14 +218,13 @@ async def run_policy(name: str, requests: list[Request], redis_url: str) -> list
     session = aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=600))
     start = time.perf_counter() + 0.2
 
-    async def one(req: Request) -> Outcome:
+    async def one(req: SimRequestSpec) -> Outcome:
         router = routers[req.worker]
-        chain = block_hash_chain(req.prompt, BLOCK, req.salt)
-        decision, records = await router.route(RouteRequest(req.tenant, MODEL, len(req.prompt), chain,
-                                                            req.prefix_text, req.session_id))
+        decision, records = await router.route(RouteRequest(req.tenant, MODEL, len(req.prompt), req.chain,
+                                                            req.prefix_text, req.session_id, req.salt))
         engine_id = decision.ranked[0]
         with router.in_flight(engine_id):
-            first, stats = await generate(session, records[engine_id].url, req.prompt, req.salt, MAX_TOKENS)
+            first, stats = await generate(session, records[engine_id].url, req.prompt, req.salt, req.max_tokens)
         scheduled = start + req.arrival_s
         return Outcome(engine_id, decision.reason, (first or time.perf_counter()) - scheduled,
                        time.perf_counter() - start, int(stats.get("num_cached_tokens", 0)), len(req.prompt),
@@ -256,8 +239,17 @@ async def run_policy(name: str, requests: list[Request], redis_url: str) -> list
             tasks.append(asyncio.create_task(one(req)))
         return list(await asyncio.gather(*tasks))
     finally:
+        for router in routers:
+            await router.close()
         await session.close()
         await redis.aclose()
+
+
+def run_policy_sim(name: str, requests: list[SimRequestSpec], setup: SimSetup) -> list[Outcome]:
+    import routing_sim
+
+    return [Outcome(o.engine_id, o.reason, o.ttft_s, o.done_s, o.cached, o.prompt_tokens, o.output_tokens)
+            for o in routing_sim.run(setup, name, requests, MODEL)]
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -268,7 +260,7 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
 
-def summarize(rounds: list[tuple[list[Request], list[Outcome]]]) -> dict[str, Any]:
+def summarize(rounds: list[tuple[list[SimRequestSpec], list[Outcome]]]) -> dict[str, Any]:
     outcomes = [o for _, outs in rounds for o in outs]
     prompt_tokens = sum(o.prompt_tokens for o in outcomes)
     cached = sum(o.cached for o in outcomes)
@@ -401,27 +393,6 @@ async def routing_cost(redis_url: str, num_engines: int = 64, num_blocks: int = 
 # ---- main -------------------------------------------------------------------------------------------------
 
 
-def print_table(result: dict[str, Any]) -> None:
-    print(f"\nprefill of a 1,000-token prompt (engine-measured, idle engine): "
-          f"{result['prefill_1000_tokens_ms']:.0f} ms")
-    print(f"{ROUNDS} rounds x {NUM_REQUESTS} requests, Poisson {RATE_PER_S}/s, {NUM_TENANTS} tenants x "
-          f"{PROMPTS_PER_TENANT} system prompts of {SYSTEM_TOKENS} tokens, {NUM_ENGINES} engines x "
-          f"{NUM_GPU_BLOCKS} KV blocks of {BLOCK}\n")
-    head = f"{'policy':<17}{'hit rate':>9}{'ideal':>7}{'of ideal':>9}{'TTFT p50':>10}{'TTFT p99':>10}{'req/s':>7}" \
-           f"{'prefill tok':>12}  per engine"
-    print(head)
-    print("-" * len(head))
-    for name, s in result["policies"].items():
-        print(f"{name:<17}{s['hit_rate']:>9.1%}{s['ideal_hit_rate']:>7.1%}{s['share_of_ideal']:>9.1%}"
-              f"{s['ttft_p50_ms']:>8.0f}ms{s['ttft_p99_ms']:>8.0f}ms{s['throughput_rps']:>7.2f}"
-              f"{s['prefill_tokens_computed']:>12}  {s['requests_per_engine']}")
-    cost = result["routing_cost"]
-    print(f"\nrouting decision, {cost['num_engines']} engines, {cost['num_indexed_blocks']:,} indexed blocks:")
-    for key in ("route", "index_lookup", "policy_only", "hash_chain_1000_tokens"):
-        print(f"  {key:<24} p50 {cost[key]['p50_us']:8.1f} us   p99 {cost[key]['p99_us']:8.1f} us")
-    print("\ngoals:", json.dumps(result["goals"]))
-
-
 def goals(policies: dict[str, dict[str, Any]]) -> dict[str, bool]:
     pa, rr, ap = policies["prefix_affinity"], policies["round_robin"], policies["approx_prefix"]
     return {
@@ -432,22 +403,114 @@ def goals(policies: dict[str, dict[str, Any]]) -> dict[str, bool]:
     }
 
 
-async def run_all(hosts: list[Any], redis_url: str, requests: list[Request]) -> dict[str, dict[str, Any]]:
-    rounds: dict[str, list[tuple[list[Request], list[Outcome]]]] = {name: [] for name in POLICIES}
-    for round_index in range(ROUNDS):
+def print_regime(name: str, regime: dict[str, Any]) -> None:
+    setup = regime["setup"]
+    runs = "seeded sequences" if setup["backend"] == "sim" else "rounds"
+    print(f"\n== {name} ({setup['backend']}): Poisson {setup['rate_per_s']:.2f}/s "
+          f"({setup['load_factor']}x cold capacity {setup['cold_capacity_rps']:.2f}/s), {NUM_ENGINES} engines x "
+          f"{setup['kv_blocks']} KV blocks of {BLOCK} ({setup['kv_share_of_working_set']:.0%} of the system "
+          f"prompts each), {setup['rounds']} {runs} x {setup['requests']} requests")
+    head = f"{'policy':<17}{'hit rate':>9}{'ideal':>7}{'of ideal':>9}{'TTFT p50':>10}{'TTFT p99':>10}{'req/s':>7}" \
+           f"{'prefill tok':>12}  per engine"
+    print(head)
+    print("-" * len(head))
+    for policy, s in regime["policies"].items():
+        print(f"{policy:<17}{s['hit_rate']:>9.1%}{s['ideal_hit_rate']:>7.1%}{s['share_of_ideal']:>9.1%}"
+              f"{s['ttft_p50_ms']:>8.0f}ms{s['ttft_p99_ms']:>8.0f}ms{s['throughput_rps']:>7.2f}"
+              f"{s['prefill_tokens_computed']:>12}  {s['requests_per_engine']}")
+    print("goals:", json.dumps(regime["goals"]))
+
+
+def print_cost(cost: dict[str, Any]) -> None:
+    print(f"\nrouting decision, {cost['num_engines']} engines, {cost['num_indexed_blocks']:,} indexed blocks:")
+    for key in ("route", "index_lookup", "policy_only", "hash_chain_1000_tokens"):
+        print(f"  {key:<24} p50 {cost[key]['p50_us']:8.1f} us   p99 {cost[key]['p99_us']:8.1f} us")
+
+
+def regime_setup(regime: Regime, backend: str, cold_rps: float, rounds: int, requests: int) -> dict[str, Any]:
+    return {"backend": backend, "load": regime.load, "kv": regime.kv, "rate_per_s": regime.rate_per_s,
+            "load_factor": LOAD_FACTORS[regime.load], "cold_capacity_rps": cold_rps, "kv_blocks": regime.kv_blocks,
+            "kv_share_of_working_set": min(1.0, (regime.kv_blocks - 1) * BLOCK / WORKLOAD.working_set_tokens),
+            "rounds": rounds, "requests": requests}
+
+
+def cold_capacity_rps(prefill_1000_s: float, num_parallel: int) -> float:
+    """Requests/s the fleet serves when nothing is cached: each prefills a whole prompt."""
+    return num_parallel / (prefill_1000_s * WORKLOAD.mean_prompt_tokens / 1000)
+
+
+def make_regimes(names: list[tuple[str, str]], cold_rps: float) -> list[Regime]:
+    return [Regime(load, kv, LOAD_FACTORS[load] * cold_rps, KV_LEVELS[kv]) for load, kv in names]
+
+
+async def run_regime_engines(hosts: list[Any], redis_url: str, regime: Regime, requests: list[SimRequestSpec],
+                             rounds: int) -> dict[str, dict[str, Any]]:
+    results: dict[str, list[tuple[list[SimRequestSpec], list[Outcome]]]] = {name: [] for name in POLICIES}
+    for round_index in range(rounds):
         for name in POLICIES if round_index % 2 == 0 else POLICIES[::-1]:
             await reset_caches(hosts, redis_url)
             t = time.monotonic()
             outcomes = await run_policy(name, requests, redis_url)
-            rounds[name].append((requests, outcomes))
-            s = summarize([(requests, outcomes)])
-            print(f"  round {round_index + 1} {name:<17} hit {s['hit_rate']:.1%} (ideal {s['ideal_hit_rate']:.1%})  "
-                  f"TTFT p50 {s['ttft_p50_ms']:.0f} ms p99 {s['ttft_p99_ms']:.0f} ms  [{time.monotonic() - t:.0f} s]",
-                  flush=True)
-    return {name: summarize(rounds[name]) for name in POLICIES}
+            results[name].append((requests, outcomes))
+            _progress(regime, round_index, name, [(requests, outcomes)], time.monotonic() - t)
+    return {name: summarize(results[name]) for name in POLICIES}
 
 
-def main() -> None:
+def run_regime_sim(regime: Regime, num_requests: int, num_sequences: int, setup: SimSetup) -> dict[str, dict[str, Any]]:
+    """Virtual time is cheap: each policy runs ``num_sequences`` seeded sequences (not replays of one), and
+    the figures pool them, so a p99 is not one unlucky request."""
+    sim = SimSetup(**{**asdict(setup), "step_costs": setup.step_costs, "num_gpu_blocks": regime.kv_blocks})
+    sequences = [make_workload(replace(WORKLOAD, seed=WORKLOAD.seed + k), num_requests, regime.rate_per_s)
+                 for k in range(num_sequences)]
+    results = {}
+    for name in POLICIES:
+        t = time.monotonic()
+        rounds = [(requests, run_policy_sim(name, requests, sim)) for requests in sequences]
+        _progress(regime, 0, name, rounds, time.monotonic() - t)
+        results[name] = summarize(rounds)
+    return results
+
+
+def _progress(regime: Regime, round_index: int, name: str, rounds: list[tuple[list[SimRequestSpec], list[Outcome]]],
+              wall_s: float) -> None:
+    s = summarize(rounds)
+    print(f"  {regime.name:<18} round {round_index + 1} {name:<17} hit {s['hit_rate']:.1%} "
+          f"(ideal {s['ideal_hit_rate']:.1%})  TTFT p50 {s['ttft_p50_ms']:.0f} ms p99 {s['ttft_p99_ms']:.0f} ms  "
+          f"[{wall_s:.0f} s]", flush=True)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser.add_argument("--backend", choices=("engines", "sim"), default="engines",
+                        help="real vLLM CPU engines (default) or the virtual-time simulated fleet")
+    parser.add_argument("--regimes", default=",".join(f"{load}/{kv}" for load, kv in DEFAULT_REGIMES),
+                        help=f"comma-separated load/kv pairs; load in {sorted(LOAD_FACTORS)}, "
+                             f"kv in {sorted(KV_LEVELS)}")
+    parser.add_argument("--rounds", type=int, default=ROUNDS, help="rounds per regime (2: the second reversed)")
+    parser.add_argument("--requests", type=int, default=None,
+                        help=f"requests per regime and round (default {NUM_REQUESTS}; sim {SIM_REQUESTS})")
+    parser.add_argument("--sim-sequences", type=int, default=SIM_SEQUENCES,
+                        help="sim only: seeded sequences per regime, pooled")
+    parser.add_argument("--step-costs", default="", help="sim only: MeasuredStepTime JSON (default: a slow CPU)")
+    parser.add_argument("--no-cost", action="store_true", help="skip the routing decision's cost measurement")
+    args = parser.parse_args(argv)
+    pairs = []
+    for item in args.regimes.split(","):
+        load, _, kv = item.strip().partition("/")
+        if load not in LOAD_FACTORS or kv not in KV_LEVELS:
+            parser.error(f"unknown regime {item!r}; load in {sorted(LOAD_FACTORS)}, kv in {sorted(KV_LEVELS)}")
+        pairs.append((load, kv))
+    args.regime_pairs = pairs
+    args.requests_set = args.requests is not None
+    if args.requests is None:
+        args.requests = NUM_REQUESTS
+    if args.rounds < 1 or args.requests < 10 or args.sim_sequences < 1:
+        parser.error("--rounds and --sim-sequences must be >= 1 and --requests >= 10")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     os.environ.setdefault("TESSERA_TRACE_EXPORTER", "none")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     # Three engines share two cores: one OpenMP thread each, placed by the OS (vLLM's automatic binding
@@ -455,49 +518,90 @@ def main() -> None:
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     sys.path.insert(0, str(REPO / "platform" / "src"))
-    from tokenizers import Tokenizer
-
     from tessera.redis_conn import EmbeddedRedis
 
     started = time.monotonic()
     load_before = os.getloadavg()[0]  # the machine is shared: say how busy it was
-    ensure_model()
+    regimes: dict[str, dict[str, Any]] = {}
+    cost: dict[str, Any] | None = None
+    extra: dict[str, Any] = {}
     redis = EmbeddedRedis().start()
-    hosts: list[Any] = []
     try:
-        hosts = start_engines(redis.url)
-        print(f"{NUM_ENGINES} engines up in {time.monotonic() - started:.0f} s", flush=True)
-        prefill_s = asyncio.run(measure_prefill(hosts))
-        print(f"prefill of a 1,000-token prompt: {prefill_s * 1e3:.0f} ms (engine-measured)", flush=True)
-        requests = make_workload(Tokenizer.from_file(str(MODEL_DIR / "tokenizer.json")))
-        policies = asyncio.run(run_all(hosts, redis.url, requests))
-        cost = asyncio.run(routing_cost(redis.url))
+        if args.backend == "sim":
+            from tessera.engine.sim.step_time import MeasuredStepTime
+
+            costs = MeasuredStepTime.model_validate_json(args.step_costs) if args.step_costs else SLOW_CPU_STEP_COSTS
+            setup = SimSetup(num_engines=NUM_ENGINES, block_size=BLOCK, step_costs=costs, workers=GATEWAY_WORKERS)
+            prefill_1000_s = costs.step_s + 1000 * costs.per_prefill_token_s
+            cold_rps = cold_capacity_rps(prefill_1000_s, NUM_ENGINES)  # simulated engines do not share cores
+            extra = {"step_costs": costs.model_dump(), "prefill_1000_tokens_ms": prefill_1000_s * 1e3}
+            num_requests = args.requests if args.requests_set else SIM_REQUESTS
+            for regime in make_regimes(args.regime_pairs, cold_rps):
+                policies = run_regime_sim(regime, num_requests, args.sim_sequences, setup)
+                regimes[regime.name] = {"setup": regime_setup(regime, "sim", cold_rps, args.sim_sequences,
+                                                              num_requests),
+                                        "policies": policies, "goals": goals(policies)}
+        else:
+            extra = run_engines(args, redis.url, regimes)
+        if not args.no_cost:
+            cost = asyncio.run(routing_cost(redis.url))
     finally:
-        for host in hosts:
-            host.stop()
         redis.stop()
     result = {
-        "setup": {"engines": NUM_ENGINES, "engine_runtime": "EngineHost in one process (vLLM CPU build)",
-                  "gateway_workers_simulated": GATEWAY_WORKERS, "kv_blocks_per_engine": NUM_GPU_BLOCKS,
-                  "block_size": BLOCK, "tenants": NUM_TENANTS, "system_prompts_per_tenant": PROMPTS_PER_TENANT,
-                  "system_prompt_tokens": SYSTEM_TOKENS, "suffix_tokens": list(SUFFIX_TOKENS),
-                  "max_tokens": MAX_TOKENS, "requests_per_round": NUM_REQUESTS, "rounds": ROUNDS,
-                  "poisson_rate_per_s": RATE_PER_S,
-                  "model": {"hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 3}},
-        "prefill_1000_tokens_ms": prefill_s * 1e3,
-        "policies": policies,
+        "backend": args.backend,
+        "setup": {"engines": NUM_ENGINES, "gateway_workers_simulated": GATEWAY_WORKERS, "block_size": BLOCK,
+                  "workload": asdict(WORKLOAD), "kv_levels_blocks": KV_LEVELS, "load_factors": LOAD_FACTORS,
+                  "engine_runtime": ("EngineHost in one process (vLLM CPU build)" if args.backend == "engines"
+                                     else "routing_sim.py: simulated engines in virtual time"),
+                  "model": {"hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 3}, **extra},
+        "regimes": regimes,
         "routing_cost": cost,
-        "goals": goals(policies),
         "wall_s": time.monotonic() - started,
         "machine": {"cpus": os.cpu_count(), "load_average_1m_before": load_before,
                     "load_average_1m_after": os.getloadavg()[0]},
     }
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=2))
-    print_table(result)
+    path = RESULTS_SIM if args.backend == "sim" else RESULTS
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2))
+    for name, regime_result in regimes.items():
+        print_regime(name, regime_result)
+    if cost is not None:
+        print_cost(cost)
     machine = result["machine"]
-    print(f"\nresults: {RESULTS}  ({result['wall_s']:.0f} s; {machine['cpus']} CPUs, load average "
+    print(f"\nresults: {path}  ({result['wall_s']:.0f} s; {machine['cpus']} CPUs, load average "
           f"{machine['load_average_1m_before']:.1f} before, {machine['load_average_1m_after']:.1f} after)")
+
+
+def run_engines(args: argparse.Namespace, redis_url: str, regimes: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The regimes on real engines, restarted per KV level; returns what the result's setup adds."""
+    from tokenizers import Tokenizer
+
+    ensure_model()
+    tokenizer = Tokenizer.from_file(str(MODEL_DIR / "tokenizer.json"))
+    workload = WorkloadSpec(block_size=BLOCK, workers=GATEWAY_WORKERS, vocab_size=tokenizer.get_vocab_size())
+    prefill_1000_s: float | None = None
+    cold_rps = 0.0
+    for kv in dict.fromkeys(kv for _, kv in args.regime_pairs):
+        t = time.monotonic()
+        hosts = start_engines(redis_url, KV_LEVELS[kv])
+        try:
+            print(f"{NUM_ENGINES} engines with {KV_LEVELS[kv]} KV blocks up in {time.monotonic() - t:.0f} s",
+                  flush=True)
+            if prefill_1000_s is None:
+                prefill_1000_s = asyncio.run(measure_prefill(hosts))
+                # Three engines, one thread each, on the machine's cores.
+                cold_rps = cold_capacity_rps(prefill_1000_s, min(NUM_ENGINES, os.cpu_count() or 1))
+                print(f"prefill of a 1,000-token prompt: {prefill_1000_s * 1e3:.0f} ms (engine-measured); cold "
+                      f"capacity {cold_rps:.2f} requests/s", flush=True)
+            for regime in make_regimes([(load, k) for load, k in args.regime_pairs if k == kv], cold_rps):
+                requests = make_workload(workload, args.requests, regime.rate_per_s, tokenizer.decode)
+                policies = asyncio.run(run_regime_engines(hosts, redis_url, regime, requests, args.rounds))
+                regimes[regime.name] = {"setup": regime_setup(regime, "engines", cold_rps, args.rounds, args.requests),
+                                        "policies": policies, "goals": goals(policies)}
+        finally:
+            for host in hosts:
+                host.stop()
+    return {"prefill_1000_tokens_ms": (prefill_1000_s or 0.0) * 1e3}
 
 
 if __name__ == "__main__":
