@@ -177,7 +177,9 @@ BOUND_FACTOR = 1.25
 TOKENS_PER_RUNNING_REQUEST = 64
 TOKENS_PER_WAITING_REQUEST = 512
 # The consistent-hash ring every prefix's homes are read from: points per engine (fewer in a large fleet,
-# so the ring stays about RING_MAX_POINTS long and is rebuilt in about a millisecond when engines change).
+# so the ring stays at most RING_MAX_POINTS long). A ring is built when the set of engines changes, on the
+# first request after that registry read: a few milliseconds at most (an engine's points are hashed once
+# per process).
 RING_POINTS_PER_ENGINE = 160
 RING_MAX_POINTS = 4096
 _GOLDEN_64 = 0x9E3779B97F4A7C15
@@ -205,10 +207,12 @@ class _Ring:
 
     def __init__(self, engine_ids: tuple[str, ...]) -> None:
         per_engine = max(1, min(RING_POINTS_PER_ENGINE, RING_MAX_POINTS // max(len(engine_ids), 1)))
-        pairs = sorted((point, i) for i, engine_id in enumerate(engine_ids)
-                       for point in _ring_points(engine_id, per_engine))
-        self.points = [p for p, _ in pairs]
-        self.owners = [i for _, i in pairs]
+        points: list[int] = []
+        for engine_id in engine_ids:
+            points.extend(_ring_points(engine_id, per_engine))
+        order = sorted(range(len(points)), key=points.__getitem__)
+        self.points = [points[k] for k in order]
+        self.owners = [k // per_engine for k in order]
         self._walks: dict[int, tuple[int, ...]] = {}
 
     def walk(self, key: int, num_engines: int) -> tuple[int, ...]:
