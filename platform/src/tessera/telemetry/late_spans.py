@@ -26,12 +26,16 @@ from contextvars import ContextVar
 from typing import Any
 
 import orjson
-from opentelemetry import trace
+from opentelemetry import baggage, trace
+from opentelemetry.baggage.propagation import W3CBaggagePropagator
 from opentelemetry.context import Context
-from opentelemetry.propagate import inject
+from opentelemetry.propagate import get_global_textmap, inject
+from opentelemetry.propagators.composite import CompositePropagator
+from opentelemetry.propagators.textmap import TextMapPropagator
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
 from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind, Status, StatusCode, TraceFlags, Tracer
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from tessera.telemetry.span_lines import PLAIN_VALUES, LineTracerProvider, SpanLines
 
@@ -103,8 +107,15 @@ class LateTrace:
 
     def engine_headers(self, headers: dict[str, str]) -> None:
         """Adds the trace context of the (future) ``engine.call`` span to the engine request's headers."""
-        if self._call_context is not None:
-            inject(headers, context=trace.set_span_in_context(NonRecordingSpan(self._call_context)))
+        call = self._call_context
+        if call is not None:
+            if _w3c_propagators(get_global_textmap()) and not baggage.get_all():
+                # What the default propagators write for this context, without making one to read it from.
+                headers["traceparent"] = f"00-{call.trace_id:032x}-{call.span_id:016x}-{call.trace_flags:02x}"
+                if call.trace_state:
+                    headers["tracestate"] = call.trace_state.to_header()
+                return
+            inject(headers, context=trace.set_span_in_context(NonRecordingSpan(call)))
         else:
             inject(headers, context=self._parent_context)
 
@@ -185,6 +196,12 @@ class LateTrace:
         out.append(b"")
         lines.add(b"\n".join(out))
         return True
+
+
+def _w3c_propagators(textmap: TextMapPropagator) -> bool:
+    """Whether ``textmap`` is the API's default: W3C trace context, then W3C baggage."""
+    return (type(textmap) is CompositePropagator
+            and [type(p) for p in textmap._propagators] == [TraceContextTextMapPropagator, W3CBaggagePropagator])
 
 
 def _plain(attributes: dict[str, Any]) -> bool:
