@@ -71,3 +71,12 @@ def test_a_simulated_replica_never_imports_vllm() -> None:
             "print(sorted(m for m in sys.modules if m == 'vllm' or m.startswith('vllm.') or m == 'torch'))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_every_backend_has_a_replica_host() -> None:
+    from typing import get_args
+
+    from tessera.engine.config import EngineBackend
+    from tessera.engine.deployment import REPLICA_HOSTS
+
+    assert set(REPLICA_HOSTS) == set(get_args(EngineBackend)) == {"vllm", "sim"}
