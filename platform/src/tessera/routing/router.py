@@ -213,7 +213,11 @@ class Router:
         return self.decide(plan, await self.lookup(plan) if plan.lookup_args is not None else {})
 
     async def plan(self, request: RouteRequest) -> RoutePlan:
-        view = await self._model_view(request.model)
+        # _model_view's body, inline: the request path creates no coroutine for a registry copy it holds.
+        self._refresher.used()
+        if time.monotonic() - self._read_at > self._max_age_s:
+            await self._read_registry()
+        view = self._models.get(request.model) or _EMPTY_VIEW
         records = view.records
         if self._prefix_index is None or not request.block_hashes or not records:
             return RoutePlan(request, records, None, None)
