@@ -60,6 +60,31 @@ def test_the_cache_is_bounded_in_entries_and_prompt_length(monkeypatch: Any) -> 
     assert tokenizer.calls == 6
 
 
+def test_the_cache_is_bounded_in_tokens_oldest_out_first(monkeypatch: Any) -> None:
+    monkeypatch.setattr(models, "MAX_CACHED_TOKENS", 10)
+    monkeypatch.setattr(models, "MAX_CACHED_PROMPT_SHARE", 0.3)  # at most 3 tokens a prompt
+    model, tokenizer = _model()
+    for text in ("aa", "bbb", "cc", "dd"):  # 9 tokens cached
+        model.encode(text)
+    model.encode("ee")  # 11 > 10: "aa", the oldest, goes
+    assert model._num_cached_tokens == 9
+    model.encode("bbb")
+    assert tokenizer.calls == 5  # "bbb" still cached
+    model.encode("aa")
+    assert tokenizer.calls == 6 and model._num_cached_tokens <= 10
+    model.encode("wxyz")  # 4 tokens > its share of the budget: not cached, nothing evicted for it
+    model.encode("wxyz")
+    assert tokenizer.calls == 8 and model._num_cached_tokens <= 10
+
+
+def test_distinct_long_prompts_keep_the_cache_within_its_token_budget() -> None:
+    model, _ = _model()
+    for i in range(2 * models.MAX_CACHED_PROMPTS):
+        model.encode(f"{i:05d}" + "x" * 2000)  # ~2,000 tokens each, all different
+    assert model._num_cached_tokens <= models.MAX_CACHED_TOKENS
+    assert sum(len(ids) for ids in model._encoded.values()) == model._num_cached_tokens
+
+
 def test_lease_ids_are_unique_and_windows_match_period_window() -> None:
     redis = aioredis.Redis()  # never connected: prepare() makes no call
     first, second = Admission(redis), Admission(redis)

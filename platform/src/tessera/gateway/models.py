@@ -24,10 +24,17 @@ CATALOG_MAX_AGE_S = 15.0
 
 
 # Prompts repeat (a client's fixed system prompt and question set, a benchmark's prompt, retries): the token
-# ids of this many recent prompts per model are kept, each shorter than MAX_CACHED_PROMPT_CHARS, so a
-# repeated one skips the chat template and the tokenizer. Oldest out first.
-MAX_CACHED_PROMPTS = 1024
+# ids of recent prompts are kept per model, so a repeated one skips the chat template and the tokenizer.
+# Oldest out first. The bound is in tokens as well as entries: a cached id costs ~36 bytes (a list slot and
+# an int object), so MAX_CACHED_TOKENS holds a worker's cache under ~2.5 MiB per model whatever tenants send.
+# NOTE: bounded by entries alone (1,024 prompts of up to 16,384 characters), a tenant sending distinct long
+# prompts grew each worker by up to ~150 MiB, and `make bench-soak` saw the gateway's RSS climb for 20 minutes
+# of ordinary 200-token prompts before the cache filled.
+MAX_CACHED_PROMPTS = 256
+MAX_CACHED_TOKENS = 65_536
 MAX_CACHED_PROMPT_CHARS = 16_384
+# One prompt may take at most this share of the token budget, so a long one does not flush every short one.
+MAX_CACHED_PROMPT_SHARE = 0.25
 
 
 @dataclass(slots=True)
@@ -40,6 +47,7 @@ class ServedModel:
     chat_template_text: str | None = None
     # prompt (a string, or the chat messages as ((role, content), ...)) -> its token ids; never mutated
     _encoded: dict[object, list[int]] = field(default_factory=dict, repr=False)
+    _num_cached_tokens: int = field(default=0, repr=False)
 
     @property
     def vocab_size(self) -> int:
@@ -63,11 +71,13 @@ class ServedModel:
         return ids
 
     def _remember(self, key: object, num_chars: int, ids: list[int]) -> None:
-        if num_chars > MAX_CACHED_PROMPT_CHARS:
+        if num_chars > MAX_CACHED_PROMPT_CHARS or len(ids) > MAX_CACHED_TOKENS * MAX_CACHED_PROMPT_SHARE:
             return
-        if len(self._encoded) >= MAX_CACHED_PROMPTS:
-            del self._encoded[next(iter(self._encoded))]
+        while self._encoded and (len(self._encoded) >= MAX_CACHED_PROMPTS
+                                 or self._num_cached_tokens + len(ids) > MAX_CACHED_TOKENS):
+            self._num_cached_tokens -= len(self._encoded.pop(next(iter(self._encoded))))
         self._encoded[key] = ids
+        self._num_cached_tokens += len(ids)
 
     def _encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
         if self.chat_template is None:
