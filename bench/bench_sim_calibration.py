@@ -35,7 +35,6 @@ import argparse
 import asyncio
 import itertools
 import json
-import logging
 import os
 import random
 import statistics
@@ -52,6 +51,9 @@ from typing import Any
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+# With iteration details on, vLLM's default logging stat logger would print every step (it is added only when
+# vLLM logs at INFO; a logger level set from here is reset when vLLM configures its logging again).
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _support import ENGINE_AUTH, REPO, bench_model
@@ -212,10 +214,6 @@ def install_step_logging(log: StepLog) -> None:
     from vllm.v1.engine.async_llm import AsyncLLM
 
     from tessera.engine import vllm_engine
-
-    # vLLM's default logging stat logger would print every iteration once details are on: it is not added
-    # when its logger is quieter than INFO.
-    logging.getLogger("vllm.v1.metrics.loggers").setLevel(logging.WARNING)
 
     class _AsyncLLMWithSteps:
         @staticmethod
@@ -420,6 +418,9 @@ def main() -> None:
                                            "per_attention_pair_s", help="Step-time terms to fit.")
     parser.add_argument("--fit-on", choices=("probes", "workload"), default="probes",
                         help="Which real steps configure the sim (the other is the check).")
+    parser.add_argument("--jitter", action=argparse.BooleanOptionalAction, default=True,
+                        help="Give the sim the measured spread of step times around the model (the shared "
+                             "machine's noise) as seeded per-step factors; --no-jitter: model times only.")
     parser.add_argument("--num-requests", type=int, default=150)
     parser.add_argument("--rate", type=float, default=2.0, help="Poisson arrivals per second.")
     parser.add_argument("--repeats", type=int, default=2, help="Real workload runs (the spread is reported).")
@@ -428,7 +429,7 @@ def main() -> None:
     parser.add_argument("--results", type=Path, default=RESULTS)
     args = parser.parse_args()
     from tessera.engine.sim.step_time import MeasuredStepTime
-    from tessera.engine.sim.step_time_fit import StepSample, fit_measured_step_time
+    from tessera.engine.sim.step_time_fit import StepSample, fit_measured_step_time, jitter_factors
 
     requests = make_workload(args.num_requests, args.rate)
     started = datetime.now(UTC).isoformat(timespec="seconds")
@@ -459,7 +460,14 @@ def main() -> None:
     terms = [t.strip() for t in args.terms.split(",") if t.strip()]
     fits = {"probes": fit_report("probes", fit_measured_step_time(probe, terms), probe, workload, "workload"),
             "workload": fit_report("workload", fit_measured_step_time(workload, terms), workload, probe, "probes")}
-    costs = json.loads(args.step_costs) if args.step_costs else fits[args.fit_on]["costs"]
+    costs = json.loads(args.step_costs) if args.step_costs else dict(fits[args.fit_on]["costs"])
+    if args.jitter and not args.step_costs:
+        # The machine's noise as the real engine met it: measured/modelled step time on the same steps.
+        fitted = MeasuredStepTime(**costs)
+        costs["jitter_factors"] = list(jitter_factors(fitted, probe if args.fit_on == "probes" else workload))
+        costs["jitter_seed"] = SEED
+        print("step jitter (measured/modelled) at p10/p50/p90/p99: " + " / ".join(
+            f"{costs['jitter_factors'][q]:.2f}" for q in (10, 50, 90, 99)))
     MeasuredStepTime(**costs)  # a typo in --step-costs fails here, not in the sim
     print(f"real engine: frontend overhead (TTFT - core queue - core prefill) p50 "
           f"{real_extra.get('frontend_overhead_p50_s', float('nan')) * 1000:.2f} ms, p90 "
@@ -471,7 +479,9 @@ def main() -> None:
         outcomes, num_steps = run_sim(costs, requests, args.time_scale)
         sim_summaries.append({**summarize(outcomes), "num_steps": num_steps, "ttfts_s": [o.ttft_s for o in outcomes]})
         print(f"sim run {repeat + 1}/{args.sim_repeats}: {fmt_summary(sim_summaries[-1])}", flush=True)
-    print(f"sim configured with: {json.dumps(costs)} (fitted on {args.fit_on if not args.step_costs else '-'})")
+    shown = {k: v for k, v in costs.items() if k != "jitter_factors"}
+    print(f"sim configured with: {json.dumps(shown)} (fitted on {args.fit_on if not args.step_costs else '-'}"
+          f"{', with jitter' if 'jitter_factors' in costs else ''})")
     print(f"engine steps per workload run: real {[r.get('num_steps') for r in real_summaries]}, "
           f"sim {[r['num_steps'] for r in sim_summaries]}")
     rows = compare(real_summaries, sim_summaries)

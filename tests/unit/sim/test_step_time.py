@@ -74,3 +74,17 @@ def test_a_measured_config_without_the_new_terms_stays_valid_and_unchanged() -> 
     with pytest.raises(ValidationError):
         MeasuredStepTime.model_validate({"step_s": 0.01, "per_seq_s": 0.0, "per_prefill_token_s": 0.0,
                                          "per_prefill_seq_s": -1.0})
+
+
+def test_jitter_draws_seeded_factors_between_the_measured_quantiles() -> None:
+    base = MeasuredStepTime(step_s=0.01, per_seq_s=0.0, per_prefill_token_s=0.0)
+    noisy = base.model_copy(update={"jitter_factors": (0.9, 1.0, 3.0), "jitter_seed": 5})
+    first, again = step_time_fn(noisy), step_time_fn(noisy)
+    times = [first(decode(1, 10)) for _ in range(2000)]
+    assert times == [again(decode(1, 10)) for _ in range(2000)]  # the same seed, the same steps
+    assert min(times) >= 0.009 - 1e-12 and max(times) <= 0.03 + 1e-12
+    # Half the draws fall between the first two quantiles (0.9-1.0), half between the last two (1.0-3.0).
+    assert sum(t <= 0.01 for t in times) / len(times) == pytest.approx(0.5, abs=0.05)
+    assert step_time_fn(base)(decode(1, 10)) == 0.01
+    with pytest.raises(ValidationError):
+        MeasuredStepTime(step_s=0.01, per_seq_s=0.0, per_prefill_token_s=0.0, jitter_factors=(1.2, 1.0))

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from tessera.engine.sim.step_time import MeasuredStepTime, measured_step_time
-from tessera.engine.sim.step_time_fit import StepSample, fit_measured_step_time, relative_errors
+from tessera.engine.sim.step_time_fit import StepSample, fit_measured_step_time, jitter_factors, relative_errors
 
 TRUE = MeasuredStepTime(step_s=0.004, per_seq_s=0.0004, per_prefill_token_s=0.00002, per_prefill_seq_s=0.0015,
                         per_attention_pair_s=2e-9)
@@ -63,3 +63,11 @@ def test_only_the_chosen_terms_are_fitted() -> None:
         fit_measured_step_time(probe_steps(), terms=("step_s", "per_token"))
     with pytest.raises(ValueError, match="no step samples"):
         fit_measured_step_time([])
+
+
+def test_jitter_factors_are_the_measured_over_modelled_quantiles() -> None:
+    steps = [StepSample(0.004 * f, 1, 0, 0, 0.0) for f in (1.0, 1.0, 1.0, 2.0, 5.0)]
+    config = MeasuredStepTime(step_s=0.004, per_seq_s=0.0, per_prefill_token_s=0.0)
+    assert jitter_factors(config, steps, num_quantiles=5) == pytest.approx((1.0, 1.0, 1.0, 2.0, 5.0))
+    with pytest.raises(ValueError, match="jitter"):
+        jitter_factors(config, [], num_quantiles=5)

@@ -15,10 +15,11 @@
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from tessera.engine.sim.scheduler import StepShape
 from tessera.planner.presets import get_gpu, get_model
@@ -73,6 +74,19 @@ class MeasuredStepTime(BaseModel):
     per_attention_pair_s: float = Field(
         default=0.0, ge=0.0,
         description="Seconds per query-key pair of causal attention (the step's ``attention_pairs``).")
+    jitter_factors: tuple[float, ...] = Field(
+        default=(),
+        description=("Step-time multipliers at evenly spaced quantiles (first: the smallest, last: the largest) "
+                     "of the real engine's measured/modelled step time — a shared machine's noise. Each step "
+                     "draws one (seeded, interpolated between quantiles). Empty: every step takes its model time."))
+    jitter_seed: int = Field(default=0, description="Seed of the jitter draws (the same seed, the same steps).")
+
+    @field_validator("jitter_factors")
+    @classmethod
+    def _sorted_positive(cls, factors: tuple[float, ...]) -> tuple[float, ...]:
+        if any(f <= 0 for f in factors) or list(factors) != sorted(factors):
+            raise ValueError("jitter_factors must be positive quantiles in ascending order")
+        return factors
 
 
 StepTimeConfig = Annotated[RooflineStepTime | MeasuredStepTime, Field(discriminator="kind")]
@@ -100,14 +114,24 @@ def roofline_step_time(config: RooflineStepTime) -> StepTimeFn:
 
 
 def measured_step_time(config: MeasuredStepTime) -> StepTimeFn:
+    factors = config.jitter_factors
+    rng = random.Random(config.jitter_seed)
+
+    def jitter() -> float:
+        if len(factors) < 2:
+            return factors[0] if factors else 1.0
+        position = rng.random() * (len(factors) - 1)
+        low = int(position)
+        return factors[low] + (factors[low + 1] - factors[low]) * (position - low)
+
     def step_time(step: StepShape) -> float:
         if step.num_scheduled_tokens == 0:
             return 0.0
         num_prefill_seqs = step.num_seqs - step.num_decode_seqs
-        return (config.step_s + config.per_seq_s * max(0, step.num_seqs - 1)
-                + config.per_prefill_token_s * step.num_prefill_tokens
-                + config.per_prefill_seq_s * num_prefill_seqs
-                + config.per_attention_pair_s * step.attention_pairs)
+        return jitter() * (config.step_s + config.per_seq_s * max(0, step.num_seqs - 1)
+                           + config.per_prefill_token_s * step.num_prefill_tokens
+                           + config.per_prefill_seq_s * num_prefill_seqs
+                           + config.per_attention_pair_s * step.attention_pairs)
 
     return step_time
 

@@ -9,8 +9,10 @@ The fit is a least-squares over step shapes, made robust for a noisy shared mach
 
 * samples of the same shape are reduced to their median (a step slowed down by a neighbour's burst moves
   a median little; one outlier cannot pull the line);
-* each shape's row is weighted by ``sqrt(count) / median``, i.e. the fit minimises *relative* error, so the
-  many short decode steps (which set ITL) are not drowned by a few long prefills (which set TTFT);
+* each shape's row is weighted by ``sqrt(count) / max(median, typical step)``, i.e. the fit minimises
+  *relative* error, so the many short decode steps (which set ITL) are not drowned by a few long prefills
+  (which set TTFT); gaps under a quarter of the typical step (two outputs that reached the frontend at
+  once) are left out;
 * coefficients are non-negative (a term the data does not support is dropped and the rest refitted), as
   the model's config requires.
 """
@@ -29,6 +31,7 @@ from tessera.engine.sim.step_time import MeasuredStepTime, measured_step_time
 
 # The model's terms, in MeasuredStepTime's field names; ``step_s`` (the intercept) is always fitted.
 TERMS = ("step_s", "per_seq_s", "per_prefill_token_s", "per_prefill_seq_s", "per_attention_pair_s")
+MIN_FRACTION_OF_TYPICAL = 0.25  # shorter gaps than this share of the median step are frontend bunching
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,15 +61,19 @@ def fit_measured_step_time(samples: Iterable[StepSample], terms: Sequence[str] =
     unknown = set(terms) - set(TERMS)
     if unknown:
         raise ValueError(f"unknown step-time terms {sorted(unknown)}; valid: {', '.join(TERMS)}")
-    groups: dict[tuple[float, ...], list[float]] = defaultdict(list)
-    for sample in samples:
-        if sample.duration_s > 0:
-            groups[tuple(_features(sample))].append(sample.duration_s)
-    if not groups:
+    timed = [s for s in samples if s.duration_s > 0]
+    if not timed:
         raise ValueError("no step samples to fit")
+    # A step far shorter than the typical one is not a step: its output reached the frontend together with
+    # the one before (whose gap holds both); such gaps are left out.
+    typical_s = statistics.median(s.duration_s for s in timed)
+    groups: dict[tuple[float, ...], list[float]] = defaultdict(list)
+    for sample in timed:
+        if sample.duration_s >= MIN_FRACTION_OF_TYPICAL * typical_s:
+            groups[tuple(_features(sample))].append(sample.duration_s)
     rows = np.array(list(groups), dtype=float)
     medians = np.array([statistics.median(d) for d in groups.values()])
-    weights = np.sqrt([len(d) for d in groups.values()]) / medians
+    weights = np.sqrt([len(d) for d in groups.values()]) / np.maximum(medians, typical_s)
     active = [0] + [TERMS.index(t) for t in terms if t != "step_s"]
     coefficients = np.zeros(len(TERMS))
     while True:
@@ -85,5 +92,16 @@ def fit_measured_step_time(samples: Iterable[StepSample], terms: Sequence[str] =
 
 def relative_errors(config: MeasuredStepTime, samples: Iterable[StepSample]) -> list[float]:
     """Each sample's (modelled − measured) / measured step time: how well ``config`` explains the steps."""
-    model = measured_step_time(config)
+    model = measured_step_time(config.model_copy(update={"jitter_factors": ()}))
     return [(model(s.shape()) - s.duration_s) / s.duration_s for s in samples if s.duration_s > 0]
+
+
+def jitter_factors(config: MeasuredStepTime, samples: Iterable[StepSample],
+                   num_quantiles: int = 101) -> tuple[float, ...]:
+    """The measured/modelled step-time ratios of ``samples`` at ``num_quantiles`` evenly spaced quantiles:
+    ``MeasuredStepTime.jitter_factors`` for a sim that reproduces a noisy machine's step-time spread."""
+    model = measured_step_time(config.model_copy(update={"jitter_factors": ()}))
+    ratios = sorted(s.duration_s / model(s.shape()) for s in samples if s.duration_s > 0 and model(s.shape()) > 0)
+    if not ratios or num_quantiles < 2:
+        raise ValueError("jitter needs step samples and at least 2 quantiles")
+    return tuple(float(np.quantile(ratios, i / (num_quantiles - 1))) for i in range(num_quantiles))
