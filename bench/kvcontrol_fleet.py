@@ -99,7 +99,7 @@ async def _control(args: argparse.Namespace, redis_url: str, work: Path, fleet: 
         metrics.ledger_blocks = sum(loop.ledger.num_blocks for loop in controller.loops.values())
         metrics.rss_mib = psutil.Process().memory_info().rss / 2**20
     finally:
-        await controller.stop()
+        await asyncio.wait_for(controller.stop(), 60)
     return cpu
 
 
