@@ -45,6 +45,7 @@ class SampledMetrics(ControllerMetrics):
         self.applied_at, self.lag_s, self.num_events = array("d"), array("d"), array("d")
         self.num_missed = 0
         self.rss_mib = 0.0
+        self.cpu_s = 0.0  # the controller's CPU from the fleet's first batch until its last was applied
         self.ledger_blocks = 0
 
     def observe_batch(self, engine: str, num_events: int, lag_s: float) -> None:
@@ -92,9 +93,18 @@ async def _control(args: argparse.Namespace, redis_url: str, work: Path, fleet: 
             await asyncio.sleep(0.2)
         print(f"[bench] controlling {len(controller.loops)} engines; fleet starts publishing", flush=True)
         (work / "go").touch()
+        cpu_go = cpu_seconds(os.getpid())
         while fleet.poll() is None:
             cpu.append((time.time(), cpu_seconds(os.getpid())))
             await asyncio.sleep(0.5)
+        # The backlog the fleet left is applied too: until no batch came for a second (at most 60 s).
+        drained_by = time.monotonic() + 60
+        while time.monotonic() < drained_by:
+            seen = len(metrics.applied_at)
+            await asyncio.sleep(1.0)
+            if len(metrics.applied_at) == seen:
+                break
+        metrics.cpu_s = cpu_seconds(os.getpid()) - cpu_go
         metrics.num_missed = sum(loop.ledger.num_missed_batches for loop in controller.loops.values())
         metrics.ledger_blocks = sum(loop.ledger.num_blocks for loop in controller.loops.values())
         metrics.rss_mib = psutil.Process().memory_info().rss / 2**20
@@ -170,11 +180,18 @@ def run(args: argparse.Namespace) -> None:
         redis.stop()
     windows = json.loads((work / "windows.json").read_text())
     rows = summarize(windows, metrics, cpu)
+    # Capacity whatever the machine's contention: every event applied (warm-up, windows, the backlog) per
+    # CPU-second the controller used meanwhile, its polls and ticks included (on a shared machine it may get
+    # far less than a core; its lag then says so).
+    cpu_s = metrics.cpu_s
+    events_in = float(sum(metrics.num_events))
+    capacity = events_in / cpu_s if cpu_s else float("nan")
     payload = {"benchmark": "kvcontrol_fleet", "engines": args.engines, "source": args.source,
                "rates": args.rates, "step_s": args.step, "warmup_s": args.warmup, "tenants": NUM_TENANTS,
                "poll_interval_s": 0.2, "keeps_up_lag_p99_s": KEEPS_UP_LAG_P99_S, "missed_batches": metrics.num_missed,
                "capacity_blocks_per_engine": args.capacity_blocks, "ledger_blocks_at_end": metrics.ledger_blocks,
-               "controller_rss_mib_at_end": metrics.rss_mib,
+               "controller_rss_mib_at_end": metrics.rss_mib, "controller_cpu_s": cpu_s,
+               "events_applied_in_span": events_in, "events_per_controller_cpu_s": capacity,
                "windows": rows, "loadavg_end_1m": os.getloadavg()[0], "cpus": os.cpu_count(), "work": str(work)}
     path = write_results(f"kvcontrol_fleet_{args.engines}_{args.source}", payload)
     unit = "batches/s" if args.source == "replay" else "requests/s"
@@ -184,6 +201,7 @@ def run(args: argparse.Namespace) -> None:
                   r["applied_batches_per_s"], r["applied_events_per_s"], 1000 * r["lag_p50_s"],
                   1000 * r["lag_p99_s"], 1000 * r["lag_max_s"], f"{100 * r['controller_cpu_share']:.0f} %",
                   "yes" if r["keeps_up"] else "NO"] for r in rows])
-    print(f"controller RSS {metrics.rss_mib:.0f} MiB holding {metrics.ledger_blocks} ledger blocks")
+    print(f"controller: {events_in:.0f} events applied in {cpu_s:.1f} CPU-s = {capacity:.0f} events per CPU-second; "
+          f"RSS {metrics.rss_mib:.0f} MiB holding {metrics.ledger_blocks} ledger blocks")
     print(f"batches lost (sequence gaps): {metrics.num_missed}; load average at the end "
           f"{os.getloadavg()[0]:.1f}; results: {path}; logs and spans: {work}")
