@@ -75,3 +75,16 @@ def test_bursts_arrive_in_order_and_a_later_batch_still_wakes_the_reader() -> No
         context.term()
     assert [seq for burst in bursts for seq in burst] == list(range(41))
     assert all(len(burst) <= 16 for burst in bursts) and len(bursts) <= 5  # bursts, not one wake-up per batch
+
+
+def test_byte_hashes_are_keyed_as_the_gateway_keys_them() -> None:
+    """vLLM sends a block hash as bytes unless VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES: its low 64 bits, big-endian,
+    as routing/kv_events.py reads them."""
+    raw = [bytes(range(32)), b"\xff" * 32]
+    payload = kv_wire.encode_batch(1.0, [
+        kv_wire.BlockStored(block_hashes=raw, parent_block_hash=None, token_ids=[1] * 4,  # type: ignore[arg-type]
+                            block_size=2, lora_id=None, medium="GPU", lora_name=None),
+        kv_wire.BlockRemoved(block_hashes=raw[:1], medium="GPU")])  # type: ignore[arg-type]
+    ops = LedgerDecoder().decode(0, payload).ops
+    assert ops == decode_hashes(0, hashes_decoder().decode(payload)).ops
+    assert ops[0] == ("store", int.from_bytes(raw[0], "big") & (2**64 - 1)) and ops[1] == ("store", 2**64 - 1)
