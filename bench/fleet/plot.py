@@ -12,6 +12,7 @@ def plot(sizes: dict[str, dict[str, Any]], path: Path) -> Path | None:
     """Writes ``path`` (PNG); None when matplotlib is missing or there is nothing to draw."""
     try:
         import matplotlib
+        import matplotlib.ticker
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
@@ -38,6 +39,7 @@ def plot(sizes: dict[str, dict[str, Any]], path: Path) -> Path | None:
     for ax in (ax_hit, ax_p99):
         ax.set_xscale("log")
         ax.set_xticks([int(s) for s in ordered], [s for s in ordered])
+        ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())  # the sizes only, no log-scale minors
         ax.set_xlabel("simulated H100 engines (Llama-3-70B TP8)")
         ax.grid(alpha=0.3)
     ax_hit.set_ylabel("% of the ideal hit rate")
