@@ -40,11 +40,13 @@ class UsageRefresher:
         self._idle_s = idle_s
         self._used_at = 0.0
         self._task: asyncio.Task[None] | None = None
+        self._closed = False
 
     def used(self) -> None:
-        """Called on every cache read: (re)starts the background loop when it is not running."""
+        """Called on every cache read: (re)starts the background loop when it is not running (never once
+        closed)."""
         self._used_at = time.monotonic()
-        if self._task is None or self._task.done():
+        if not self._closed and (self._task is None or self._task.done()):
             self._task = asyncio.get_running_loop().create_task(self._run())
 
     @property
@@ -52,13 +54,19 @@ class UsageRefresher:
         return self._task is not None and not self._task.done()
 
     async def close(self) -> None:
+        # NOTE: the flag, not only the cancel. On Python 3.11 ``asyncio.wait_for`` (redis-py wraps each socket
+        # write in one) can swallow a cancellation that lands as the write completes; the loop then went on
+        # until ``idle_s`` passed, and closing a router took ~10 s about one time in fifteen.
+        self._closed = True
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
 
     async def _run(self) -> None:
-        while time.monotonic() - self._used_at < self._idle_s:
+        while not self._closed and time.monotonic() - self._used_at < self._idle_s:
             await asyncio.sleep(self.interval_s - time.monotonic() % self.interval_s)
+            if self._closed:
+                return
             try:
                 await self._refresh()
             except (RedisError, OSError) as exc:

@@ -67,3 +67,34 @@ async def test_a_zero_period_does_not_spin() -> None:
     await asyncio.sleep(0.1)
     await refresher.close()
     assert 1 <= counter.calls <= 0.1 / MIN_INTERVAL_S + 1
+
+
+class SwallowingRefresh:
+    """A refresh whose await swallows one cancellation, as Python 3.11's ``asyncio.wait_for`` can when the
+    awaited write completes as the cancel lands (redis-py wraps its socket writes in one)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.entered = asyncio.Event()
+
+    async def __call__(self) -> None:
+        self.calls += 1
+        self.entered.set()
+        try:
+            await asyncio.sleep(0.05)
+        except asyncio.CancelledError:
+            pass  # swallowed: the task goes on as if nothing happened
+
+
+async def test_close_stops_the_loop_even_when_a_refresh_swallows_the_cancellation() -> None:
+    refresh = SwallowingRefresh()
+    refresher = UsageRefresher("test", refresh, interval_s=0.01, idle_s=30.0)
+    refresher.used()
+    await asyncio.wait_for(refresh.entered.wait(), 5)
+    started = asyncio.get_running_loop().time()
+    await asyncio.wait_for(refresher.close(), 5)  # without the closed flag: the loop runs on for idle_s
+    assert asyncio.get_running_loop().time() - started < 1.0 and not refresher.running
+    calls = refresh.calls
+    refresher.used()  # a late request after close starts nothing
+    await asyncio.sleep(0.05)
+    assert refresh.calls == calls and not refresher.running

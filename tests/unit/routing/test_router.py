@@ -120,10 +120,11 @@ async def test_engines_of_other_models_and_departed_engines_are_not_ranked(redis
 async def test_the_router_sweeps_departed_engines_out_of_the_index(
         redis: aioredis.Redis, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(router_module, "SWEEP_INTERVAL_S", 0.0)
-    monkeypatch.setattr(router_module, "REGISTRY_CACHE_S", 0.0)
-    # NOTE: a long registry TTL. Twice in the full suite (this process also hosts engines there) "a" was
-    # swept; a lapsed 5 s TTL is the only way the registry drops it, and the sweep under test is not about
-    # expiry.
+    # NOTE: not 0. A refresher re-reading the registry with no pause starved this test's own loop for
+    # seconds (hundreds of reads, each starting a sweep), until "a" — registered once — passed the router's
+    # liveness window (5 heartbeat periods of its own registry, whatever the registering side's period) and
+    # was rightly swept as dead: the test failed about one run in eight.
+    monkeypatch.setattr(router_module, "REGISTRY_CACHE_S", 0.02)
     await register(redis, "a", heartbeat_interval_s=60.0)
     index = PrefixIndex(redis)
     hashes = chain(3)
