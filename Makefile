@@ -15,7 +15,8 @@ PYTEST_XDIST := $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist 
 
 .PHONY: install run test lint unit integration e2e bench bench-gateway bench-gateway-hops bench-admission bench-routing \
         bench-kvcontrol bench-loadgen bench-cli bench-stack bench-wires bench-gateway-cpu bench-gateway-ab bench-prefix-index \
-        bench-flood bench-soak bench-chaos bench-fleet bench-sim-calibration helm-check clean
+        bench-flood bench-soak bench-chaos bench-fleet bench-sim-calibration bench-kvcontrol-fleet bench-ray-fleet \
+        helm-check clean
 
 install: $(STAMP)
 
