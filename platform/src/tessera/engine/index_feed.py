@@ -2,16 +2,11 @@
 
 from __future__ import annotations
 
-import asyncio
-import logging
-
 from tessera.redis_conn import connect
 from tessera.registry import EngineRegistry
-from tessera.routing.indexer import FeedStats, feed_index
+from tessera.routing.indexer import FeedStats, feed_index, prepare_index
 from tessera.routing.kv_events import KVEventSubscriber
 from tessera.routing.prefix_index import PrefixIndex
-
-logger = logging.getLogger(__name__)
 
 
 async def index_feed_loop(redis_url: str, engine_id: str, kv_events_endpoint: str, topic: str,
@@ -24,15 +19,10 @@ async def index_feed_loop(redis_url: str, engine_id: str, kv_events_endpoint: st
     redis = connect(redis_url, timeout_s=5.0)
     index = PrefixIndex(redis)
     try:
-        while True:  # as the heartbeat: a Redis error at start-up is retried, never fatal to the feed
-            try:
-                await index.clear_engine(engine_id)
-                live = [e.engine_id for e in await EngineRegistry(redis).live_engines()]
-                await index.sweep([*live, engine_id])
-                break
-            except Exception as exc:
-                logger.warning("preparing the prefix index failed, retrying: %s", exc)
-                await asyncio.sleep(1.0)
+        async def live_engine_ids() -> list[str]:
+            return [e.engine_id for e in await EngineRegistry(redis).live_engines()]
+
+        await prepare_index(index, engine_id, live_engine_ids)
         await feed_index(index, engine_id, events, stats)
     finally:
         events.close()

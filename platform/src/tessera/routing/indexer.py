@@ -10,8 +10,9 @@ block costs one missed cache hit; a stale claim sends requests to an engine that
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import AsyncIterable
+from collections.abc import AsyncIterable, Awaitable, Callable
 from dataclasses import dataclass
 
 from redis.exceptions import RedisError
@@ -58,3 +59,18 @@ async def feed_index(index: PrefixIndex, engine_id: str, batches: AsyncIterable[
         stats.num_batches += 1
         stats.num_ops += len(batch.ops)
     return stats
+
+
+async def prepare_index(index: PrefixIndex, engine_id: str, live_engine_ids: Callable[[], Awaitable[list[str]]],
+                        retry_s: float = 1.0) -> None:
+    """Before a feed applies its first batch: forget what the index held for ``engine_id`` (a restarted
+    replica's claims from before) and sweep the leftovers of engines no longer live. A Redis error here is
+    retried every ``retry_s``, never fatal to the feed (as the heartbeat's)."""
+    while True:
+        try:
+            await index.clear_engine(engine_id)
+            await index.sweep([*(await live_engine_ids()), engine_id])
+            return
+        except Exception as exc:
+            logger.warning("preparing the prefix index failed, retrying: %s", exc)
+            await asyncio.sleep(retry_s)

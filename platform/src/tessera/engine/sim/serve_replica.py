@@ -45,7 +45,7 @@ from tessera.engine.sim.step_time import MeasuredStepTime, RooflineStepTime
 from tessera.engine.tokenizer_source import published_tokenizer_dir
 from tessera.redis_conn import connect
 from tessera.registry import EngineRecord, EngineRegistry, ModelInfo
-from tessera.routing.indexer import FeedStats, feed_index
+from tessera.routing.indexer import FeedStats, feed_index, prepare_index
 from tessera.routing.prefix_index import PrefixIndex
 from tessera.settings import load_settings
 
@@ -284,15 +284,10 @@ async def sim_index_feed_loop(redis_url: str, engine_id: str, kv_events_endpoint
     redis = connect(redis_url, timeout_s=5.0)
     index = PrefixIndex(redis)
     try:
-        while True:  # a Redis error at start-up is retried, never fatal to the feed
-            try:
-                await index.clear_engine(engine_id)
-                live = [e.engine_id for e in await EngineRegistry(redis).live_engines()]
-                await index.sweep([*live, engine_id])
-                break
-            except Exception as exc:
-                logger.warning("preparing the prefix index failed, retrying: %s", exc)
-                await asyncio.sleep(1.0)
+        async def live_engine_ids() -> list[str]:
+            return [e.engine_id for e in await EngineRegistry(redis).live_engines()]
+
+        await prepare_index(index, engine_id, live_engine_ids)
         await feed_index(index, engine_id, events, stats)
     finally:
         events.close()
