@@ -66,7 +66,7 @@ def sample(platform: Any) -> dict[str, Any]:
     return {"gateway_rss_bytes": plat.rss_bytes([gateway]), "engine_rss_bytes": plat.rss_bytes(plat.replica_pids()),
             "redis_keys": stats.keys, "redis_used_memory_bytes": stats.used_memory_bytes,
             "redis_clients": stats.connected_clients, "gateway_sockets": plat.inet_sockets(gateway),
-            "cpu_s": plat.component_cpu_s(platform)}
+            "cpu_s": plat.component_cpu_s(platform), "gc": plat.gc_pauses(platform)}
 
 
 def build_windows(records: list[Any], t_measure: float, window_s: float, samples: list[dict[str, Any]]) -> list[Window]:
@@ -94,7 +94,7 @@ def build_windows(records: list[Any], t_measure: float, window_s: float, samples
         num, failed = counts.get(index, [0, 0])
         windows.append(Window(index=index, end_s=(index + 1) * window_s, num_requests=num, num_failed=failed,
                               ttft_p50_s=p50, ttft_p99_s=p99, tenant_ttft_p99_s=per_tenant,
-                              **{k: v for k, v in taken.items() if k not in ("at_s", "cpu_s")}))
+                              **{k: v for k, v in taken.items() if k not in ("at_s", "cpu_s", "gc")}))
     return windows
 
 
@@ -111,6 +111,39 @@ def cpu_rows(before: dict[str, Any], samples: list[dict[str, Any]], windows: lis
         rows.append([window.index, *(f"{(now[p] - previous[p]) * 1000 / per:.1f}" for p in CPU_PARTS)])
         previous = now
     return rows
+
+
+def gc_rows(before: dict[str, Any], samples: list[dict[str, Any]]) -> list[list[Any]]:
+    """Per window and part, the garbage collector's full collections, their total milliseconds, and pauses of
+    any generation over 50 ms (a pause stalls every request the process relays: tessera/gc_heap.py)."""
+    rows, previous = [], before["gc"]
+    for index, taken in enumerate(samples):
+        now = taken["gc"]
+        cells = []
+        for part in plat.GC_PARTS:
+            if part not in now or part not in previous:
+                cells.append("–")
+                continue
+            delta = {k: now[part][k] - previous[part][k] for k in ("full_collections", "full_collection_s",
+                                                                   "long_pauses")}
+            cells.append(f"{delta['full_collections']:.0f} / {delta['full_collection_s'] * 1000:.0f} ms / "
+                         f"{delta['long_pauses']:.0f}")
+        rows.append([index, *cells])
+        previous = now
+    return rows
+
+
+def slowest(records: list[Any], t_measure: float, window_s: float, num: int = 8) -> dict[int, list[list[Any]]]:
+    """Per window, its slowest requests by TTFT: [seconds into the run, tenant, TTFT ms] — clustered in one
+    second, they were one stall of a process; spread out, the window's load."""
+    by_window: dict[int, list[list[Any]]] = {}
+    for record in records:
+        if record.warmup or not record.ok or record.t_first is None:
+            continue
+        index = math.floor((record.t_sched - t_measure) / window_s)
+        by_window.setdefault(index, []).append([round(record.t_sched - t_measure, 2), record.tenant,
+                                                round((record.t_first - record.t_sched) * 1000, 1)])
+    return {index: sorted(rows, key=lambda row: -row[2])[:num] for index, rows in sorted(by_window.items())}
 
 
 def main() -> None:
@@ -159,13 +192,23 @@ def main() -> None:
     print("CPU ms per request, by part of the platform, per window (which part's cost grows):")
     print_table(["win", *CPU_PARTS], cpu_rows(before, samples, windows))
     print()
+    print("Garbage collector per window and part: full collections / their total / pauses over 50 ms; objects "
+          "frozen at start: " + ", ".join(f"{part} {int(v['frozen_objects']):,}"
+                                          for part, v in samples[-1]["gc"].items()))
+    print_table(["win", *plat.GC_PARTS], gc_rows(before, samples))
+    slow = slowest(output.records, output.t0 + args.warmup_s, args.window_s)
+    print()
+    print("Slowest requests per window (seconds into the run, tenant, TTFT ms):")
+    for index, rows in slow.items():
+        print(f"  {index}: " + "; ".join(f"{at:.1f} s {tenant} {ms:.0f}" for at, tenant, ms in rows))
+    print()
     print("Redis keys at the end, by family: " + ", ".join(f"{k} {n}" for k, n in families.items()))
     print()
     print_table(["goal", "verdict", "detail"], [[v.goal, verdict_word(v.passed), v.detail] for v in verdicts])
     path = write_results("soak", {
         "args": vars(args), "num_windows": num_windows, "before_load": before,
         "windows": [asdict(w) for w in windows], "samples": samples,
-        "goals": [asdict(v) for v in verdicts], "redis_key_families_at_end": families,
+        "goals": [asdict(v) for v in verdicts], "slowest_requests": slow, "redis_key_families_at_end": families,
         "loadgen_summary": output.result["summary"]["overall"] | {"latency": None},
         "machine": {"cpus": os.cpu_count(), "loadavg_at_end": os.getloadavg()}})
     print(f"results: {path}")

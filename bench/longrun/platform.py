@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
 import psutil
 import redis
 
@@ -177,3 +178,53 @@ def pid_alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+GC_PARTS = ("gateway", "engine", "kvcontrol")
+LONG_PAUSE_S = 0.05  # a bucket bound of tessera.gc_heap.PAUSE_BUCKETS_S
+
+
+def gc_pauses(platform: LocalPlatform) -> dict[str, dict[str, float]]:
+    """Per part, from its /metrics (tessera.gc_heap): full collections so far, their total seconds, collections
+    of any generation longer than 50 ms, and objects frozen at start. A part that does not answer is left out."""
+    import asyncio
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from tessera.data_plane_auth import signer_from_settings
+    from tessera.redis_conn import connect
+    from tessera.registry import EngineRegistry
+    from tessera.settings import load_settings
+
+    async def engine_urls() -> list[str]:
+        redis = connect(platform.redis_url, timeout_s=5)
+        try:
+            return [record.url for record in await EngineRegistry(redis).live_engines()]
+        finally:
+            await redis.aclose()
+
+    signer = signer_from_settings(load_settings(), "the soak bench")
+    targets: dict[str, list[tuple[str, dict[str, str]]]] = {
+        "gateway": [(platform.gateway_metrics_url, {})], "kvcontrol": [(platform.kvcontrol_metrics_url, {})],
+        "engine": [(f"{url}/metrics", signer.headers("GET", "/metrics")) for url in asyncio.run(engine_urls())]}
+    out: dict[str, dict[str, float]] = {}
+    for part, urls in targets.items():
+        totals = {"full_collections": 0.0, "full_collection_s": 0.0, "long_pauses": 0.0, "frozen_objects": 0.0}
+        for url, headers in urls:
+            try:
+                text = httpx.get(url, headers=headers, timeout=5).text
+            except httpx.HTTPError:
+                continue
+            for family in text_string_to_metric_families(text):
+                for s in family.samples:
+                    if s.name == "tessera_gc_frozen_objects":
+                        totals["frozen_objects"] += s.value
+                    elif s.name == "tessera_gc_pause_seconds_count" and s.labels.get("generation") == "2":
+                        totals["full_collections"] += s.value
+                    elif s.name == "tessera_gc_pause_seconds_sum" and s.labels.get("generation") == "2":
+                        totals["full_collection_s"] += s.value
+                    elif s.name == "tessera_gc_pause_seconds_bucket":
+                        le = s.labels.get("le")
+                        totals["long_pauses"] += s.value if le == "+Inf" else -s.value if le == str(LONG_PAUSE_S) else 0
+            out[part] = totals
+    return out

@@ -60,6 +60,10 @@ def sim(
     async def run() -> None:
         fleet = await SimFleet(sim_config, num_engines, settings.redis_url or None, engine_id_prefix).start()
         urls = [replica.url for replica in fleet.replicas]
+        from tessera.gc_heap import freeze_startup_heap, process_gc_pauses
+
+        freeze_startup_heap()  # as a vLLM replica does once started (gc_heap.py)
+        process_gc_pauses()
         typer.echo(f"{len(urls)} simulated engines serving {sim_config.served_model_name}: {urls[0]} …", err=True)
         if ready_file is not None:
             ready_file.write_text(json.dumps(urls))

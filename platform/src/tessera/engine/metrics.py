@@ -11,10 +11,12 @@ from prometheus_client import CollectorRegistry, Gauge, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from tessera.engine.stats import EngineLoad
+from tessera.gc_heap import process_gc_pauses
 
 
 def render_engine_metrics(engine_id: str, model: str, load: EngineLoad, facts: dict[str, Any]) -> tuple[bytes, str]:
     registry = CollectorRegistry()
+    registry.register(process_gc_pauses())
     labels = {"engine_id": engine_id, "model": model}
     info = Gauge("tessera_engine_info", "What this replica runs (1 per replica); labels carry the effective "
                  "and requested KV cache dtype and the speculative method",

@@ -9,12 +9,15 @@ which ``launch.py`` sets up before the workers start).
 
 from __future__ import annotations
 
+import gc
 import os
+from collections.abc import Callable
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from tessera import gc_heap
 from tessera.asgi import Receive, Scope, Send, send_response
 from tessera.gateway.errors import APIError
 
@@ -71,6 +74,23 @@ class GatewayMetrics:
         """This process's metrics (a gateway built in a test); ``tessera gateway`` serves every worker's
         summed with ``metrics_app``."""
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+def gc_pause_recorder() -> Callable[[int, float], None]:
+    """Where a worker's garbage-collector pauses go (gc_heap.GcPauses' ``on_pause``): a histogram written to
+    the multiprocess directory, so ``/metrics`` sums every worker's, as it does the request series. Call it
+    once the worker has frozen its heap: it also records how many objects that froze."""
+    histogram = Histogram(gc_heap.METRIC_NAME, gc_heap.METRIC_HELP, ["generation"], registry=None,
+                          buckets=gc_heap.PAUSE_BUCKETS_S)
+    by_generation = [histogram.labels(str(generation)) for generation in range(3)]
+    # Set once, when the worker has frozen its heap (lean_server.LeanServer.startup); summed over the workers.
+    Gauge(gc_heap.FROZEN_METRIC_NAME, gc_heap.FROZEN_METRIC_HELP, registry=None,
+          multiprocess_mode="livesum").set(gc.get_freeze_count())
+
+    def observe(generation: int, pause_s: float) -> None:
+        by_generation[generation].observe(pause_s)
+
+    return observe
 
 
 def render_all_workers() -> bytes:

@@ -1,0 +1,129 @@
+"""Python's garbage collector in Tessera's long-running processes: the startup heap frozen, every pause counted.
+
+A full (generation 2) collection walks every tracked object the process holds. What a process imports at start
+dominates that count: an engine replica (vLLM, torch, transformers, Ray) holds ~650,000 tracked objects, and
+one full collection of them took ~420 ms on the 2-core CI machine (a gateway worker: ~60,000 objects, ~45 ms).
+While it runs the process's event loop stands still, so every request it relays waits: these are the lone
+outliers of a TTFT p99. vLLM's own OpenAI server avoids this by freezing its heap once started
+(``gc.freeze()``: the objects alive then move to a permanent generation no collection walks); a process that
+hosts vLLM without that server — our engine replica — and our gateway and controller must do the same.
+
+``freeze_startup_heap`` is called once a process has started and warmed up; what it allocates afterwards is
+collected as usual. ``GcPauses`` times each collection (``gc.callbacks``) and keeps a histogram per
+generation, which the process's ``/metrics`` serve as ``tessera_gc_pause_seconds``: an operator looking at a
+slow p99 can see whether the collector was the cause. Measured with ``make bench-gc-pauses``.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.registry import Collector
+
+# Upper bounds of the pause histogram, seconds: generation 0 takes microseconds, a full collection of an
+# unfrozen engine replica hundreds of milliseconds.
+PAUSE_BUCKETS_S = (0.0001, 0.0005, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+FROZEN_METRIC_NAME = "tessera_gc_frozen_objects"
+FROZEN_METRIC_HELP = "Objects in the collector's permanent generation (the startup heap frozen; 0 if it was not)"
+METRIC_NAME = "tessera_gc_pause_seconds"
+METRIC_HELP = ("Time the Python garbage collector held this process, per collection, by generation (the "
+               "startup heap is frozen, so a full collection walks only what was allocated since)")
+# Set to 0 to leave the heap unfrozen (to measure what freezing buys, bench/bench_gc_pauses.py).
+FREEZE_ENV = "TESSERA_GC_FREEZE"
+
+
+def freeze_startup_heap() -> int:
+    """Move every object alive now to the collector's permanent generation; returns how many it holds.
+
+    Collect first, oldest generation last, so garbage of the start-up is freed rather than frozen.
+    ``TESSERA_GC_FREEZE=0`` skips it (returns 0)."""
+    if os.environ.get(FREEZE_ENV, "1") == "0":
+        return 0
+    gc.collect(0)
+    gc.collect(1)
+    gc.collect(2)
+    gc.freeze()
+    return gc.get_freeze_count()
+
+
+@dataclass(slots=True)
+class GenerationPauses:
+    """Cumulative pause histogram of one generation (Prometheus layout: counts per upper bound, +Inf last)."""
+
+    bucket_counts: list[int] = field(default_factory=lambda: [0] * (len(PAUSE_BUCKETS_S) + 1))
+    num_collections: int = 0
+    total_s: float = 0.0
+    max_s: float = 0.0
+
+    def add(self, pause_s: float) -> None:
+        self.num_collections += 1
+        self.total_s += pause_s
+        self.max_s = max(self.max_s, pause_s)
+        for index, bound in enumerate(PAUSE_BUCKETS_S):
+            if pause_s <= bound:
+                self.bucket_counts[index] += 1
+                return
+        self.bucket_counts[-1] += 1
+
+
+class GcPauses(Collector):
+    """Times each collection of this process; a Prometheus collector of what it saw.
+
+    ``on_pause(generation, seconds)``, if given, is called after each collection as well (the gateway passes
+    a multiprocess ``Histogram``'s observe, since its workers' series are summed from files, not collected)."""
+
+    def __init__(self, on_pause: Callable[[int, float], None] | None = None) -> None:
+        self.generations = [GenerationPauses() for _ in range(3)]
+        self._on_pause = on_pause
+        self._started_at = 0.0
+        self._installed = False
+
+    def install(self) -> GcPauses:
+        if not self._installed:
+            gc.callbacks.append(self._callback)
+            self._installed = True
+        return self
+
+    def uninstall(self) -> None:
+        if self._installed:
+            gc.callbacks.remove(self._callback)
+            self._installed = False
+
+    def _callback(self, phase: str, info: dict[str, int]) -> None:
+        # NOTE: runs at every collection (generation 0 several times per request), so it does the least it can.
+        if phase == "start":
+            self._started_at = time.perf_counter()
+            return
+        pause_s = time.perf_counter() - self._started_at
+        generation = info["generation"]
+        self.generations[generation].add(pause_s)
+        if self._on_pause is not None:
+            self._on_pause(generation, pause_s)
+
+    def collect(self) -> Iterator[GaugeMetricFamily | HistogramMetricFamily]:
+        yield GaugeMetricFamily(FROZEN_METRIC_NAME, FROZEN_METRIC_HELP, value=gc.get_freeze_count())
+        family = HistogramMetricFamily(METRIC_NAME, METRIC_HELP, labels=["generation"])
+        for generation, pauses in enumerate(self.generations):
+            cumulative = 0
+            buckets: list[tuple[str, float]] = []
+            for bound, count in zip((*PAUSE_BUCKETS_S, float("inf")), pauses.bucket_counts, strict=True):
+                cumulative += count
+                buckets.append(("+Inf" if bound == float("inf") else repr(bound), cumulative))
+            family.add_metric([str(generation)], buckets, pauses.total_s)
+        yield family
+
+
+_process_pauses: GcPauses | None = None
+
+
+def process_gc_pauses(on_pause: Callable[[int, float], None] | None = None) -> GcPauses:
+    """This process's one ``GcPauses``, installed on first use (a collector times a process, not an object)."""
+    global _process_pauses
+    if _process_pauses is None:
+        _process_pauses = GcPauses(on_pause).install()
+    return _process_pauses
