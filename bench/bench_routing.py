@@ -45,7 +45,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _support import REPO, bench_model, signed_headers
-from routing_sim import SLOW_CPU_STEP_COSTS, SimRequestSpec, SimSetup, WorkloadSpec, make_workload
+from replica_drive import read_generate_stream, replay
+from routing_figures import percentile
+from routing_sim import SLOW_CPU_STEP_COSTS, Outcome, SimRequestSpec, SimSetup, WorkloadSpec, make_workload
 
 MODEL_DIR = REPO / ".tessera" / "models" / "tessera-bench-routing"
 RESULTS = REPO / "bench" / "results" / "routing.json"
@@ -72,17 +74,6 @@ ROUNDS = 1
 # The sim backend: requests per sequence and seeded sequences per regime (seconds of CPU in all).
 SIM_REQUESTS = 200
 SIM_SEQUENCES = 4
-
-
-@dataclass
-class Outcome:
-    engine_id: str
-    reason: str
-    ttft_s: float
-    done_s: float
-    cached: int
-    prompt_tokens: int
-    output_tokens: int
 
 
 @dataclass(frozen=True)
@@ -146,20 +137,13 @@ async def generate(session: Any, url: str, prompt: list[int], salt: str | None =
 
     body = {"request_id": f"b-{time.monotonic_ns()}", "prompt_token_ids": prompt, "max_tokens": max_tokens,
             "ignore_eos": True, "cache_salt": salt}
-    first: float | None = None
-    stats: dict[str, Any] = {}
     data = orjson.dumps(body)
     async with session.post(f"{url}/generate", data=data, headers=signed_headers("POST", "/generate", data)) as resp:
         assert resp.status == 200, await resp.text()
-        async for line in resp.content:
-            message = orjson.loads(line)
-            if "t" in message and first is None:
-                first = time.perf_counter()
-            elif message.get("done"):
-                stats = message["stats"]
-            elif "error" in message:
-                raise RuntimeError(message["error"])
-    return first, stats
+        stream = await read_generate_stream(resp.content)
+    if stream.error is not None:
+        raise RuntimeError(stream.error)
+    return stream.first_token_s, stream.stats
 
 
 async def measure_prefill(hosts: list[Any]) -> float:
@@ -216,28 +200,20 @@ async def run_policy(name: str, requests: list[SimRequestSpec], redis_url: str) 
     routers = [Router(redis, name, PrefixIndex(redis)) for _ in range(GATEWAY_WORKERS)]
     connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60)
     session = aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=600))
-    start = time.perf_counter() + 0.2
 
-    async def one(req: SimRequestSpec) -> Outcome:
+    async def one(req: SimRequestSpec, scheduled: float, start: float) -> Outcome:
         router = routers[req.worker]
         decision, records = await router.route(RouteRequest(req.tenant, MODEL, len(req.prompt), req.chain,
                                                             req.prefix_text, req.session_id, req.salt))
         engine_id = decision.ranked[0]
         with router.in_flight(engine_id):
             first, stats = await generate(session, records[engine_id].url, req.prompt, req.salt, req.max_tokens)
-        scheduled = start + req.arrival_s
         return Outcome(engine_id, decision.reason, (first or time.perf_counter()) - scheduled,
                        time.perf_counter() - start, int(stats.get("num_cached_tokens", 0)), len(req.prompt),
                        int(stats.get("num_output_tokens", 0)))
 
-    tasks = []
     try:
-        for req in requests:
-            delay = start + req.arrival_s - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(one(req)))
-        return list(await asyncio.gather(*tasks))
+        return await replay(requests, one, lead_s=0.2)
     finally:
         for router in routers:
             await router.close()
@@ -248,16 +224,7 @@ async def run_policy(name: str, requests: list[SimRequestSpec], redis_url: str) 
 def run_policy_sim(name: str, requests: list[SimRequestSpec], setup: SimSetup) -> list[Outcome]:
     import routing_sim
 
-    return [Outcome(o.engine_id, o.reason, o.ttft_s, o.done_s, o.cached, o.prompt_tokens, o.output_tokens)
-            for o in routing_sim.run(setup, name, requests, MODEL)]
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    rank = q / 100 * (len(ordered) - 1)
-    low = int(rank)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+    return list(routing_sim.run(setup, name, requests, MODEL))
 
 
 def summarize(rounds: list[tuple[list[SimRequestSpec], list[Outcome]]]) -> dict[str, Any]:

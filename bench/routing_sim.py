@@ -28,8 +28,10 @@ import itertools
 import random
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
+
+from routing_figures import ideal_cached_tokens
 
 from tessera.engine.sim.block_pool import BlockPool
 from tessera.engine.sim.hash_chain import BlockHashChain
@@ -114,7 +116,6 @@ def make_workload(spec: WorkloadSpec, num_requests: int, rate_per_s: float,
     systems = {(t, p): [rng.randrange(10, spec.vocab_size) for _ in range(spec.system_tokens)]
                for t in range(spec.tenants) for p in range(spec.prompts_per_tenant)}
     weights = [1 / (p + 1) for p in range(spec.prompts_per_tenant)]
-    seen: set[int] = set()
     requests, clock = [], 0.0
     for _ in range(num_requests):
         clock += rng.expovariate(rate_per_s)
@@ -123,28 +124,33 @@ def make_workload(spec: WorkloadSpec, num_requests: int, rate_per_s: float,
         prompt = systems[(tenant, prompt_id)] + [rng.randrange(10, spec.vocab_size)
                                                   for _ in range(rng.randint(*spec.suffix_tokens))]
         salt = f"salt-tenant-{tenant}"
-        chain = block_hash_chain(prompt, spec.block_size, salt)
-        hits = next((i for i, h in enumerate(chain) if h not in seen), len(chain))
-        seen.update(chain)
         requests.append(SimRequestSpec(
             arrival_s=clock, tenant=f"tenant-{tenant}", salt=salt, prompt=prompt,
             prefix_text=text_of(prompt[:2048]), worker=rng.randrange(spec.workers),
             session_id=f"tenant-{tenant}/app-{prompt_id}/user-{rng.randrange(spec.users_per_prompt)}",
-            max_tokens=spec.max_tokens, chain=chain,
-            ideal_cached=min(hits * spec.block_size, (len(prompt) - 1) // spec.block_size * spec.block_size),
+            max_tokens=spec.max_tokens, chain=block_hash_chain(prompt, spec.block_size, salt),
         ))
-    return requests
+    ideal = ideal_cached_tokens([r.chain for r in requests], [len(r.prompt) for r in requests], spec.block_size)
+    return [replace(r, ideal_cached=n) for r, n in zip(requests, ideal, strict=True)]
 
 
 @dataclass
-class SimOutcome:
+class Outcome:
+    """One request's result in bench_routing's figures, from a real engine or a simulated one."""
+
     engine_id: str
-    reason: str
-    ttft_s: float
-    done_s: float
-    cached: int
+    reason: str  # the routing decision's
+    ttft_s: float  # scheduled arrival -> first token
+    done_s: float  # from the run's start to the last token
+    cached: int  # the engine's num_cached_tokens
     prompt_tokens: int
     output_tokens: int
+
+
+@dataclass
+class SimOutcome(Outcome):
+    """A simulated request's result, with what the simulation alone can count."""
+
     # What the router expected (the policy's credit) and what the engine reused, for staleness counts.
     expected_cached: int = 0
     # The chosen engine's load in the router's view against its true load at the decision.

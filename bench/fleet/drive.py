@@ -15,14 +15,16 @@ import asyncio
 import random
 import sys
 import time
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
 import orjson
+from replica_drive import read_generate_stream, replay
+from routing_figures import percentile
 
-from fleet.summary import Outcome, percentile
+from fleet.summary import Outcome
 from fleet.workload import FleetRequest
 
 # approx_prefix routes on the prompt's leading characters (the gateway's APPROX_PREFIX_CHARS).
@@ -53,20 +55,6 @@ class Errors:
 def _session() -> aiohttp.ClientSession:
     connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60)
     return aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=900))
-
-
-async def _replay(requests: Sequence[FleetRequest], time_scale: float,
-                  one: Callable[[FleetRequest, float, float], Coroutine[Any, Any, Outcome]]) -> list[Outcome]:
-    """Sends each request at its scheduled wall time; ``one(request, scheduled, start)`` returns its outcome."""
-    start = time.perf_counter() + 0.3
-    tasks: list[asyncio.Task[Outcome]] = []
-    for request in requests:
-        scheduled = start + request.arrival_s * time_scale
-        delay = scheduled - time.perf_counter()
-        if delay > 0:
-            await asyncio.sleep(delay)
-        tasks.append(asyncio.create_task(one(request, scheduled, start)))
-    return list(await asyncio.gather(*tasks))
 
 
 def _failed(request: FleetRequest, scheduled: float, start: float, time_scale: float) -> Outcome:
@@ -171,33 +159,26 @@ async def run_tessera(policy: str, requests: Sequence[FleetRequest], chains: Seq
             body = orjson.dumps({"request_id": f"fleet-{request.index}-{time.monotonic_ns()}",
                                  "prompt_token_ids": request.token_ids(), "max_tokens": request.max_tokens,
                                  "ignore_eos": True})
-            first: float | None = None
-            stats: dict[str, Any] = {}
             with router.in_flight(engine_id):
                 async with session.post(f"{records[engine_id].url}/generate", data=body,
                                         headers=signed_headers("POST", "/generate", body)) as resp:
                     if resp.status != 200:
                         errors.note(f"/generate {resp.status}: {(await resp.text())[:120]}")
                         return _failed(request, scheduled, start, time_scale)
-                    async for line in resp.content:
-                        message = orjson.loads(line)
-                        if "t" in message and first is None:
-                            first = time.perf_counter()
-                        elif message.get("done"):
-                            stats = message["stats"]
-                        elif "error" in message:
-                            errors.note(f"/generate error line: {message['error']}")
-                            return _failed(request, scheduled, start, time_scale)
+                    stream = await read_generate_stream(resp.content)
+            if stream.error is not None:
+                errors.note(f"/generate error line: {stream.error}")
+                return _failed(request, scheduled, start, time_scale)
         except Exception as exc:  # counted and reported with the run; one request's failure never stops it
             errors.note(f"{type(exc).__name__}: {exc}")
             return _failed(request, scheduled, start, time_scale)
         now = time.perf_counter()
-        return Outcome(((first or now) - scheduled) / time_scale, (now - start) / time_scale,
-                       int(stats.get("num_cached_tokens", 0)), request.num_prompt_tokens,
-                       int(stats.get("num_output_tokens", 0)), True, engine_id, decision_us)
+        return Outcome(((stream.first_token_s or now) - scheduled) / time_scale, (now - start) / time_scale,
+                       int(stream.stats.get("num_cached_tokens", 0)), request.num_prompt_tokens,
+                       int(stream.stats.get("num_output_tokens", 0)), True, engine_id, decision_us)
 
     try:
-        outcomes = await _replay(requests, time_scale, one)
+        outcomes = await replay(requests, one, time_scale)
         extra: dict[str, Any] = {"errors": errors.top()}
         feeds = [r.local_feed for r in routers if r.local_feed is not None]
         if feeds:
@@ -249,7 +230,7 @@ async def run_openai(base_url: str, requests: Sequence[FleetRequest], model: str
                        int(usage.get("completion_tokens") or 0))
 
     try:
-        outcomes = await _replay(requests, time_scale, one)
+        outcomes = await replay(requests, one, time_scale)
         return RunResult(outcomes, {"errors": errors.top()})
     finally:
         await session.close()

@@ -14,6 +14,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from routing_figures import percentile
+
 TESSERA_DEFAULT = "prefix_affinity"
 BASELINE = "round_robin"
 # vllm-router's rows are named "vllm-router:<its policy>".
@@ -45,17 +47,6 @@ class EngineStat:
     prompt_tokens: int  # prefix_queries: prompt tokens of the requests it finished
     cached_tokens: int  # prefix_hits
     num_preemptions: int
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """Linear-interpolated percentile (numpy's default); NaN for no values."""
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    rank = q / 100 * (len(ordered) - 1)
-    low = int(rank)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
 
 def imbalance(values: Sequence[float]) -> float:

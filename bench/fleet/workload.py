@@ -27,6 +27,9 @@ import string
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+# The ideal cache is the routing benches' shared figure (bench/routing_figures.py); bench_fleet takes it from here.
+from routing_figures import ideal_cached_tokens as ideal_cached_tokens
+
 NOISY_TENANT = "tenant-noisy"
 _ALPHABET = string.ascii_lowercase + "      "  # spaces: word-like text, still one byte a character
 
@@ -141,21 +144,6 @@ def make_workload(config: WorkloadConfig) -> list[FleetRequest]:
     return [FleetRequest(index=i, arrival_s=at, tenant=tenant, session_id=session_id, turn=turn, text=text,
                          max_tokens=config.max_tokens, worker=rng.randrange(config.gateway_workers))
             for i, (at, tenant, session_id, turn, text) in enumerate(drafts[:config.num_requests])]
-
-
-def ideal_cached_tokens(chains: Sequence[Sequence[int]], num_prompt_tokens: Sequence[int],
-                        block_size: int) -> list[int]:
-    """Per request, in order: the tokens one unbounded cache that saw every earlier request would hit."""
-    if len(chains) != len(num_prompt_tokens):
-        raise ValueError("one chain per request")
-    seen: set[int] = set()
-    out = []
-    for chain, num_tokens in zip(chains, num_prompt_tokens, strict=True):
-        hits = next((i for i, h in enumerate(chain) if h not in seen), len(chain))
-        seen.update(chain)
-        # vLLM always computes the last prompt token, so a hit stops a block short of a whole-block prompt.
-        out.append(min(hits * block_size, max(0, (num_tokens - 1) // block_size * block_size)))
-    return out
 
 
 def block_chains(requests: Sequence[FleetRequest], block_size: int,

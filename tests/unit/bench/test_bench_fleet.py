@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "bench"))
-from fleet.summary import TABLE_HEADERS, EngineStat, Outcome, goals, imbalance, percentile, summarize, table_rows
+from fleet.summary import TABLE_HEADERS, EngineStat, Outcome, goals, imbalance, summarize, table_rows
 from fleet.workload import (
     NOISY_TENANT,
     WorkloadConfig,
@@ -127,8 +127,6 @@ def test_imbalance_is_max_over_mean() -> None:
     assert imbalance([1.0, 1.0, 1.0, 1.0]) == 1.0
     assert imbalance([4.0, 0.0, 0.0, 0.0]) == 4.0
     assert math.isnan(imbalance([])) and math.isnan(imbalance([0.0, 0.0]))
-    assert percentile([1.0, 2.0, 3.0, 4.0, 5.0], 50) == 3.0
-    assert math.isclose(percentile([0.0, 10.0], 99), 9.9)
 
 
 def test_a_row_counts_the_engines_hits_against_the_ideal_and_failures_apart() -> None:

@@ -1,0 +1,40 @@
+"""Figures the routing benchmarks share (bench_routing.py with routing_sim.py, and the fleet bench): the hits
+of an ideal prefix cache, and a percentile. Pure: no I/O, no clock, no third-party import, so the benches'
+pure parts and their unit tests import it without starting anything.
+
+The ideal: one unbounded prefix cache that has seen every earlier request of the sequence — the longest
+prefix of a request's block chain some earlier request held, capped as vLLM caps a hit (the last prompt
+token is always computed). Concurrency is ignored (a request arriving while its prefix is still being
+prefilled elsewhere counts as a hit), so it is an upper bound no router reaches exactly.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+
+def ideal_cached_tokens(chains: Sequence[Sequence[int]], num_prompt_tokens: Sequence[int],
+                        block_size: int) -> list[int]:
+    """Per request, in order: the tokens one unbounded cache that saw every earlier request would hit."""
+    if len(chains) != len(num_prompt_tokens):
+        raise ValueError("one chain per request")
+    seen: set[int] = set()
+    out = []
+    for chain, num_tokens in zip(chains, num_prompt_tokens, strict=True):
+        hits = next((i for i, h in enumerate(chain) if h not in seen), len(chain))
+        seen.update(chain)
+        # vLLM always computes the last prompt token, so a hit stops a block short of a whole-block prompt.
+        out.append(min(hits * block_size, max(0, (num_tokens - 1) // block_size * block_size)))
+    return out
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Linear-interpolated percentile (numpy's default, without numpy); NaN for no values."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    rank = q / 100 * (len(ordered) - 1)
+    low = int(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
