@@ -2,8 +2,11 @@
 
 The host runs in a thread of its own with its own event loop, so it works the same inside a Ray Serve
 replica (which only has to construct it and forward health checks) and in a plain process (benchmarks).
-This module is the replica's lifecycle; the rest is one concern per module:
+This module is what a vLLM replica is and how it starts and stops its engine; the rest is one concern per
+module:
 
+  replica_lifecycle.py  the host thread, start/stop/drain and the HTTP server (shared with the simulated
+                   replica, engine/sim/serve_replica.py)
   vllm_engine.py   the ``AsyncLLM``: made from the resolved config, warmed up, shut down
   endpoints.py     the HTTP routes (/generate /abort /requests /health /stats /metrics)
   generation.py    one request: vLLM's stream -> protocol lines, ``RequestStats`` and its span
@@ -16,27 +19,22 @@ This module is the replica's lifecycle; the rest is one concern per module:
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
-import threading
 import uuid
 from collections.abc import Callable, Coroutine
-from typing import Any
-
-import uvicorn
-import uvloop
+from typing import Any, Self
 
 from tessera.asgi import Receive, Scope, Send
 from tessera.data_plane_auth import guard_from_settings
 from tessera.engine.capabilities import PlatformAnswers, Resolution, ask_vllm, resolve
 from tessera.engine.config import EngineConfig
-from tessera.engine.drain import DrainOutcome, drain
 from tessera.engine.endpoints import EngineEndpoints
-from tessera.engine.heartbeat import deregister, heartbeat_loop
+from tessera.engine.heartbeat import heartbeat_loop
 from tessera.engine.in_flight import InFlight, InFlightRequests
 from tessera.engine.index_feed import index_feed_loop
-from tessera.engine.ports import below_ephemeral_range, free_port, kv_events_bind_endpoint, reserve_port
+from tessera.engine.ports import below_ephemeral_range, free_port, kv_events_bind_endpoint
+from tessera.engine.replica_lifecycle import ThreadedReplicaHost
 from tessera.engine.root_cause import EngineErrorLog, start_failure_line
 from tessera.engine.speculation_control import SpeculationControl, speculation_control_for, speculation_loop
 from tessera.engine.stats import EngineLoad, LoadTracker
@@ -46,6 +44,7 @@ from tessera.engine.vllm_engine import build_engine, log_fallbacks, prepare_envi
 from tessera.engine.vllm_metrics import VllmMetrics
 from tessera.registry import EngineRecord, ModelInfo
 from tessera.routing.indexer import FeedStats
+from tessera.routing.kv_events import KVEventSubscriber
 from tessera.settings import load_settings
 from tessera.telemetry.tracing import configure_tracing
 
@@ -58,28 +57,18 @@ class EngineStartError(RuntimeError):
     """An engine replica could not start; the message names the root cause and, where known, the fix."""
 
 
-class EngineHost:
+class EngineHost(ThreadedReplicaHost):
     """Owns the engine, the HTTP server and the registry heartbeat of one replica."""
 
     def __init__(self, config: EngineConfig, redis_url: str | None, engine_id: str | None = None,
                  advertise_host: str = "127.0.0.1",
                  ask_platform: Callable[[EngineConfig], PlatformAnswers] = ask_vllm) -> None:
-        self.config = config  # as requested; ``resolution.config`` is what runs
-        self._ask_platform = ask_platform
-        self.resolution = Resolution(config)
-        self.redis_url = redis_url
-        self.engine_id = engine_id or f"engine-{uuid.uuid4().hex[:8]}"
-        self.advertise_host = advertise_host
         # Before any port is taken: a replica without the data-plane key does not start (it would serve anyone).
         guard = guard_from_settings(load_settings())
-        # The replica's HTTP endpoint and its KV-event publisher listen on the address it is called at (the pod
-        # IP in the chart, loopback locally), never on every interface, unless the config says so.
-        self.bind_host = config.http_host or advertise_host
-        # Held from here until the server listens on it (see reserve_port).
-        self._http_socket = (reserve_port(self.bind_host, f"{config.http_port}-{config.http_port}")
-                             if config.http_port else
-                             reserve_port(self.bind_host, os.environ.get("TESSERA_ENGINE_PORT_RANGE")))
-        self.port = int(self._http_socket.getsockname()[1])
+        super().__init__(config, redis_url, engine_id or f"engine-{uuid.uuid4().hex[:8]}", advertise_host)
+        # ``self.config`` is the config as requested; ``resolution.config`` is what runs.
+        self._ask_platform = ask_platform
+        self.resolution = Resolution(config)
         self.kv_events_port = (free_port(self.bind_host, os.environ.get("TESSERA_KV_EVENTS_PORT_RANGE")
                                          or below_ephemeral_range())
                                if config.kv_events.enabled else 0)
@@ -90,13 +79,7 @@ class EngineHost:
         self.endpoints = EngineEndpoints(self, self.in_flight, config.max_body_bytes, guard)
         self.engine: Any = None  # vLLM's AsyncLLM once started
         self.speculation: SpeculationControl | None = None  # adaptive speculation, once the engine runs
-        self._thread: threading.Thread | None = None
-        self._ready = threading.Event()
-        self._startup_error: BaseException | None = None
         self._error_log: EngineErrorLog | None = None
-        self._server: uvicorn.Server | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None  # the host thread's loop, once it runs
-        self._background_tasks: list[asyncio.Task[None]] = []  # heartbeat, index feed, speculation
         # What each ended request used, written to Redis for the gateways' settler (usage_record.py).
         settings = load_settings()
         self.usage_records = UsageRecorder(RecorderConfig(settings.engine_usage_flush_s,
@@ -104,14 +87,6 @@ class EngineHost:
         self.in_flight.on_end = self._request_ended
 
     # ---- what the replica is ---------------------------------------------------------------------
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.advertise_host}:{self.port}"
-
-    @property
-    def kv_events_endpoint(self) -> str:
-        return f"tcp://{self.advertise_host}:{self.kv_events_port}" if self.kv_events_port else ""
 
     @property
     def served_model_name(self) -> str:
@@ -175,77 +150,23 @@ class EngineHost:
 
     # ---- lifecycle -------------------------------------------------------------------------------
 
-    def start(self, timeout_s: float = 600.0) -> EngineHost:
+    def start(self, timeout_s: float = 600.0) -> Self:
         """Starts the engine thread and waits until the engine is up and the endpoint listens."""
         settings = load_settings()
         configure_tracing("tessera-engine", settings.trace_exporter, settings.trace_dir, settings.otlp_endpoint,
                           settings.trace_sample_ratio)
-        self._thread = threading.Thread(target=self._thread_main, name=f"tessera-{self.engine_id}", daemon=True)
-        self._thread.start()
-        if not self._ready.wait(timeout_s):
-            raise TimeoutError(f"engine {self.engine_id} did not start within {timeout_s} s")
-        if self._startup_error is not None:
-            cause = self._startup_error
-            child_cause = self._error_log.cause() if self._error_log is not None else None
-            raise EngineStartError(f"engine {self.engine_id} could not start: "
-                                   f"{start_failure_line(cause, child_cause)}") from cause
-        return self
+        return super().start(timeout_s)
 
-    def stop(self, force: bool = False) -> None:
-        """Stops the server: it closes its socket and finishes the responses under way (``force``: cuts them)."""
-        if self._server is not None:
-            self._server.should_exit = True
-            self._server.force_exit = force
-        if self._thread is not None:
-            self._thread.join(timeout=30)
+    def _start_error(self, cause: BaseException) -> Exception:
+        child_cause = self._error_log.cause() if self._error_log is not None else None
+        return EngineStartError(f"engine {self.engine_id} could not start: {start_failure_line(cause, child_cause)}")
 
-    def drain(self, timeout_s: float | None = None) -> DrainOutcome | None:
-        """Leaves the registry, finishes the open requests (at most ``timeout_s``, default the config's
-        drainTimeoutS) and stops (drain.py). Blocks the caller; None where the host was not running."""
-        timeout_s = self.config.drain_timeout_s if timeout_s is None else timeout_s
-        loop, thread = self._loop, self._thread
-        if loop is None or thread is None or not thread.is_alive() or self._server is None:
-            self.stop()
-            return None
-        max_age_s = load_settings().registry_max_age_s
-        running = asyncio.run_coroutine_threadsafe(
-            drain(lambda: len(self.in_flight), self._leave_registry, max_age_s, timeout_s), loop)
-        outcome = running.result(timeout=timeout_s + 30)
-        if outcome.drained:
-            logger.info("engine %s drained in %.1f s", self.engine_id, outcome.waited_s)
-        else:
-            logger.warning("engine %s: drain timed out after %.1f s (drainTimeoutS) with %d requests open; "
-                           "they are cut", self.engine_id, outcome.waited_s, outcome.num_cut)
-        self.stop(force=not outcome.drained)
-        return outcome
-
-    async def _leave_registry(self) -> None:
-        """The background loops end (no heartbeat, index feed or speculation control after this; a beat after
-        the deregistration would register the replica again), then it leaves the registry and prefix index."""
-        for task in self._background_tasks:
-            task.cancel()
-        await asyncio.gather(*self._background_tasks, return_exceptions=True)
-        if self.redis_url:
-            await deregister(self.redis_url, self.engine_id)
-
-    def _thread_main(self) -> None:
-        loop = uvloop.new_event_loop()
-        asyncio.set_event_loop(loop)
-        self._loop = loop
-        try:
-            loop.run_until_complete(self._serve())
-        except BaseException as exc:
-            self._startup_error = self._startup_error or exc
-            logger.exception("engine host %s stopped with an error", self.engine_id)
-        finally:
-            self._ready.set()
-            self._http_socket.close()  # no-op once the server owns and closed it
-            if self.engine is not None:
-                # Inside the loop: vLLM closes its asyncio ZMQ sockets only from a running loop (from outside
-                # it schedules the close on this loop, which never runs again), and a ZMQ context with open
-                # sockets hangs the process when it is garbage-collected.
-                loop.run_until_complete(shutdown_engine(self.engine))
-            loop.close()
+    async def _close_in_loop(self) -> None:
+        if self.engine is not None:
+            # Inside the loop: vLLM closes its asyncio ZMQ sockets only from a running loop (from outside
+            # it schedules the close on this loop, which never runs again), and a ZMQ context with open
+            # sockets hangs the process when it is garbage-collected.
+            await shutdown_engine(self.engine)
 
     async def _serve(self) -> None:
         prepare_environment(self.config)
@@ -257,23 +178,7 @@ class EngineHost:
         self.speculation = speculation_control_for(self.resolution.config.speculative)
         log_fallbacks(self.engine, self.engine_id, self.config, self.resolution, self.tracker)
         await warm_up(self.engine, self.engine_id)
-
-        config = uvicorn.Config(
-            self.asgi, host=self.bind_host, port=self.port, loop="none", http="httptools",
-            log_level="warning", access_log=False, lifespan="off", timeout_keep_alive=300,
-            interface="asgi3", proxy_headers=False,
-        )
-        # NOTE: uvicorn installs no signal handlers off the main thread: the host's owner handles signals.
-        self._server = uvicorn.Server(config)
-        self._background_tasks = [asyncio.create_task(coro) for coro in self._background()]
-        tasks = [asyncio.create_task(self._ready_when_listening()), *self._background_tasks]
-        try:
-            await self._server.serve(sockets=[self._http_socket])
-        finally:
-            for task in tasks:
-                task.cancel()
-            if self.redis_url:
-                await deregister(self.redis_url, self.engine_id)
+        await self._serve_http(self.asgi, [])
 
     def _background(self) -> list[Coroutine[Any, Any, None]]:
         """The loops that run beside the server: speculation control, the registry heartbeat and the
@@ -290,17 +195,15 @@ class EngineHost:
                                 self.record)]
         if self.kv_events_port:
             local = "127.0.0.1" if self.bind_host == "0.0.0.0" else self.bind_host
-            loops.append(index_feed_loop(self.redis_url, self.engine_id, f"tcp://{local}:{self.kv_events_port}",
-                                         self.config.kv_events.topic, self.index_stats))
+            endpoint, topic = f"tcp://{local}:{self.kv_events_port}", self.config.kv_events.topic
+            # The feed needs the block hashes only, not their token ids (those are for the KV-eviction
+            # controller's ledger).
+            loops.append(index_feed_loop(self.redis_url, self.engine_id,
+                                         lambda: KVEventSubscriber(endpoint, topic, with_blocks=False),
+                                         self.index_stats))
         return loops
 
     def _request_ended(self, entry: InFlight) -> None:
         if entry.stats is not None and self.redis_url:
             self.usage_records.add(UsageRecord(entry.request_id, entry.stats.num_prompt_tokens,
                                                entry.stats.num_output_tokens))
-
-    async def _ready_when_listening(self) -> None:
-        assert self._server is not None
-        while not self._server.started:
-            await asyncio.sleep(0.02)
-        self._ready.set()

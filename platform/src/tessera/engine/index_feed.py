@@ -1,21 +1,38 @@
-"""The replica's feed of the shared prefix index from its own KV events (see routing/prefix_index.py)."""
+"""The replica's feed of the shared prefix index from its own KV events (see routing/prefix_index.py).
+
+One loop for every backend; what differs is how the replica subscribes to its events: a vLLM replica
+(engine/host.py) with ``KVEventSubscriber``, a simulated one (engine/sim/serve_replica.py) with the fleet's
+hashes-only subscriber, which needs no vLLM. Nothing this module imports loads vLLM.
+"""
 
 from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from typing import Protocol
 
 from tessera.redis_conn import connect
 from tessera.registry import EngineRegistry
 from tessera.routing.indexer import FeedStats, feed_index, prepare_index
-from tessera.routing.kv_events import KVEventSubscriber
+from tessera.routing.kv_events import DecodedBatch
 from tessera.routing.prefix_index import PrefixIndex
 
+__all__ = ["KVEventSource", "index_feed_loop"]
 
-async def index_feed_loop(redis_url: str, engine_id: str, kv_events_endpoint: str, topic: str,
+
+class KVEventSource(Protocol):
+    """A subscription to one engine's KV events: their batches, decoded, until closed."""
+
+    def __aiter__(self) -> AsyncIterator[DecodedBatch]: ...
+
+    def close(self) -> None: ...
+
+
+async def index_feed_loop(redis_url: str, engine_id: str, subscribe: Callable[[], KVEventSource],
                           stats: FeedStats) -> None:
-    """Subscribes to the engine's KV events, clears what the index held for ``engine_id`` and sweeps dead
-    engines' leftovers, then applies every batch until cancelled (``stats`` counts them)."""
-    # Subscribe before clearing: events published from here on queue in the socket, none is lost. The feed
-    # needs the block hashes only, not their token ids (those are for the KV-eviction controller's ledger).
-    events = KVEventSubscriber(kv_events_endpoint, topic, with_blocks=False)
+    """Subscribes to the engine's KV events (``subscribe()``), clears what the index held for ``engine_id`` and
+    sweeps dead engines' leftovers, then applies every batch until cancelled (``stats`` counts them)."""
+    # Subscribe before clearing: events published from here on queue in the socket, none is lost.
+    events = subscribe()
     redis = connect(redis_url, timeout_s=5.0)
     index = PrefixIndex(redis)
     try:

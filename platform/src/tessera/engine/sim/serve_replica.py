@@ -3,39 +3,35 @@
 The replica is the same ``EngineReplica`` deployment (engine/deployment.py), placed by the same code
 (engine/placement.py: its GPUs, or a placement group for tensor parallelism, asked of Ray though nothing
 uses them), registered by the same heartbeat (engine/heartbeat.py), leaving the registry and the prefix index
-the same way on a drain (engine/drain.py) or a stop, and replaced by Ray when it dies. Only the engine
-differs: one ``SimEngine`` (engine/sim/engine.py) stepped in simulated time, publishing vLLM-format KV
-events on its own ZMQ PUB socket, behind the simulated replica's routes (engine/sim/server.py).
+the same way on a drain (engine/drain.py) or a stop (the lifecycle it shares with ``EngineHost``,
+engine/replica_lifecycle.py), and replaced by Ray when it dies. Only the engine differs: one ``SimEngine``
+(engine/sim/engine.py) stepped in simulated time, publishing vLLM-format KV events on its own ZMQ PUB socket,
+behind the simulated replica's routes (engine/sim/server.py).
 
 NOTE: nothing this module imports loads vLLM (engine/host.py and engine/stats.py do, at import): a
 simulated replica starts in about a second and a few tens of MB beyond Ray's own worker, so a local Ray
-cluster holds 64+ of them. Its prefix-index feed is therefore the real one (``routing/indexer.feed_index``
-behind the same preparation as engine/index_feed.py) over the fleet's hashes-only subscriber, not
-``KVEventSubscriber``, whose constructor imports vLLM.
+cluster holds 64+ of them. Its prefix-index feed is therefore the real one (engine/index_feed.py's
+``index_feed_loop``) over the fleet's hashes-only subscriber, not ``KVEventSubscriber``, whose constructor
+imports vLLM.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import threading
 import uuid
 from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import Any
 
-import uvicorn
-import uvloop
 import zmq
 import zmq.asyncio
 
 from tessera.data_plane_auth import guard_from_settings
 from tessera.engine.config import EngineConfig, KVCacheDtype
-from tessera.engine.drain import DrainOutcome, drain
-from tessera.engine.heartbeat import deregister, heartbeat_loop
-from tessera.engine.in_flight import InFlightRequests
-from tessera.engine.ports import reserve_port
+from tessera.engine.heartbeat import heartbeat_loop
+from tessera.engine.index_feed import index_feed_loop
+from tessera.engine.replica_lifecycle import ThreadedReplicaHost
 from tessera.engine.sim.config import SimEngineConfig
 from tessera.engine.sim.engine import SimClock, SimEngine
 from tessera.engine.sim.fleet_redis import HashesSubscriber
@@ -43,10 +39,8 @@ from tessera.engine.sim.kv_wire import KVEvent, KVEventPublisher
 from tessera.engine.sim.server import SimEndpoints
 from tessera.engine.sim.step_time import MeasuredStepTime, RooflineStepTime
 from tessera.engine.tokenizer_source import published_tokenizer_dir
-from tessera.redis_conn import connect
-from tessera.registry import EngineRecord, EngineRegistry, ModelInfo
-from tessera.routing.indexer import FeedStats, feed_index, prepare_index
-from tessera.routing.prefix_index import PrefixIndex
+from tessera.registry import EngineRecord, ModelInfo
+from tessera.routing.indexer import FeedStats
 from tessera.settings import load_settings
 
 logger = logging.getLogger(__name__)
@@ -98,51 +92,32 @@ class SimLoad:
     kv_cache_usage: float
 
 
-class SimReplicaHost:
+class SimReplicaHost(ThreadedReplicaHost):
     """Owns one simulated engine, its HTTP server, KV-event publisher, registry heartbeat and index feed, in a
     thread of its own with its own event loop (as ``EngineHost``: the Serve replica only constructs it and
     forwards health checks)."""
+
+    kind = "simulated engine"
 
     def __init__(self, config: EngineConfig, redis_url: str | None, engine_id: str | None = None,
                  advertise_host: str = "127.0.0.1") -> None:
         if config.backend != "sim":
             raise ValueError(f"a simulated replica needs backend 'sim', not {config.backend!r}")
-        self.config = config
-        self.redis_url = redis_url
-        self.engine_id = engine_id or f"sim-{uuid.uuid4().hex[:10]}"
-        self.advertise_host = advertise_host
-        # As a real replica: no data-plane key, no replica; it binds the address it registers.
+        # As a real replica: no data-plane key, no replica; it binds the address it registers. Both are checked
+        # before the port is taken.
         guard = guard_from_settings(load_settings(), "a simulated replica")
-        self.bind_host = config.http_host or advertise_host
-        self.sim_config = sim_engine_config(config, self.bind_host, advertise_host)
-        self._http_socket = (reserve_port(self.bind_host, f"{config.http_port}-{config.http_port}")
-                             if config.http_port else
-                             reserve_port(self.bind_host, os.environ.get("TESSERA_ENGINE_PORT_RANGE")))
-        self.port = int(self._http_socket.getsockname()[1])
+        self.sim_config = sim_engine_config(config, config.http_host or advertise_host, advertise_host)
+        super().__init__(config, redis_url, engine_id or f"sim-{uuid.uuid4().hex[:10]}", advertise_host)
         self.clock = SimClock(self.sim_config.time_scale)
         self.engine = SimEngine(self.sim_config, self.engine_id, self.clock, publish=self._publish)
         self.endpoints = SimEndpoints(self.engine, config.served_model_name, config.max_body_bytes, guard)
-        self.in_flight: InFlightRequests = self.endpoints.in_flight
+        self.in_flight = self.endpoints.in_flight
         self.index_stats = FeedStats()
-        self.kv_events_port = 0
+        self._zmq: zmq.Context[Any] | None = None  # the host thread's, while it serves
         self._publisher: KVEventPublisher | None = None
-        self._thread: threading.Thread | None = None
-        self._ready = threading.Event()
-        self._startup_error: BaseException | None = None
-        self._server: uvicorn.Server | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
         self._engine_task: asyncio.Task[None] | None = None
-        self._background_tasks: list[asyncio.Task[None]] = []
 
     # ---- what the replica is ---------------------------------------------------------------------
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.advertise_host}:{self.port}"
-
-    @property
-    def kv_events_endpoint(self) -> str:
-        return f"tcp://{self.advertise_host}:{self.kv_events_port}" if self.kv_events_port else ""
 
     def is_healthy(self) -> bool:
         """Alive while its thread runs and its engine steps (a step loop that raised is a dead engine)."""
@@ -174,86 +149,23 @@ class SimReplicaHost:
         if self._publisher is not None:
             self._publisher.publish(ts, events)
 
-    # ---- lifecycle -------------------------------------------------------------------------------
-
-    def start(self, timeout_s: float = 60.0) -> SimReplicaHost:
-        """Starts the host thread; returns once the endpoint listens (raises why it did not)."""
-        self._thread = threading.Thread(target=self._thread_main, name=f"tessera-{self.engine_id}", daemon=True)
-        self._thread.start()
-        if not self._ready.wait(timeout_s):
-            raise TimeoutError(f"simulated engine {self.engine_id} did not start within {timeout_s} s")
-        if self._startup_error is not None:
-            raise RuntimeError(f"simulated engine {self.engine_id} could not start: "
-                               f"{self._startup_error!r}") from self._startup_error
-        return self
-
-    def stop(self, force: bool = False) -> None:
-        if self._server is not None:
-            self._server.should_exit = True
-            self._server.force_exit = force
-        if self._thread is not None:
-            self._thread.join(timeout=30)
-
-    def drain(self, timeout_s: float | None = None) -> DrainOutcome | None:
-        """As ``EngineHost.drain``: out of the registry, the open streams finished (at most ``timeout_s``,
-        default drainTimeoutS), then stopped. None where the host was not running."""
-        timeout_s = self.config.drain_timeout_s if timeout_s is None else timeout_s
-        loop, thread = self._loop, self._thread
-        if loop is None or thread is None or not thread.is_alive() or self._server is None:
-            self.stop()
-            return None
-        max_age_s = load_settings().registry_max_age_s
-        running = asyncio.run_coroutine_threadsafe(
-            drain(lambda: len(self.in_flight), self._leave_registry, max_age_s, timeout_s), loop)
-        outcome = running.result(timeout=timeout_s + 30)
-        self.stop(force=not outcome.drained)
-        return outcome
-
-    async def _leave_registry(self) -> None:
-        for task in self._background_tasks:
-            task.cancel()
-        await asyncio.gather(*self._background_tasks, return_exceptions=True)
-        if self.redis_url:
-            await deregister(self.redis_url, self.engine_id)
-
-    def _thread_main(self) -> None:
-        loop = uvloop.new_event_loop()
-        asyncio.set_event_loop(loop)
-        self._loop = loop
-        try:
-            loop.run_until_complete(self._serve())
-        except BaseException as exc:
-            self._startup_error = self._startup_error or exc
-            logger.exception("simulated engine %s stopped with an error", self.engine_id)
-        finally:
-            self._ready.set()
-            self._http_socket.close()  # no-op once the server owns and closed it
-            loop.close()
+    # ---- lifecycle (the rest is ThreadedReplicaHost's) ------------------------------------------------
 
     async def _serve(self) -> None:
         context: zmq.Context[Any] = zmq.Context()
+        self._zmq = context
         if self.config.kv_events.enabled:
             # Bound here, in the thread that publishes (a ZMQ socket belongs to one thread).
             self._publisher = KVEventPublisher(context, f"tcp://{self.bind_host}:*", self.config.kv_events.topic)
             self.kv_events_port = int(self._publisher.endpoint.rsplit(":", 1)[1])
-        self._server = uvicorn.Server(uvicorn.Config(
-            self.endpoints.asgi, host=self.bind_host, port=self.port, loop="none", http="httptools",
-            log_level="warning", access_log=False, lifespan="off", timeout_keep_alive=300, interface="asgi3",
-            proxy_headers=False))
         self._engine_task = asyncio.create_task(self.engine.run())
-        self._background_tasks = [asyncio.create_task(coro) for coro in self._background()]
-        tasks = [asyncio.create_task(self._ready_when_listening()), self._engine_task, *self._background_tasks]
         try:
-            await self._server.serve(sockets=[self._http_socket])
+            await self._serve_http(self.endpoints.asgi, [self._engine_task])
         finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            if self.redis_url:
-                await deregister(self.redis_url, self.engine_id)
             publisher, self._publisher = self._publisher, None
             if publisher is not None:
                 publisher.close()
+            # Every socket on it is closed by now: the index feed's closes its own as its task ends.
             context.term()
 
     def _background(self) -> list[Coroutine[Any, Any, None]]:
@@ -263,33 +175,9 @@ class SimReplicaHost:
         loops = [heartbeat_loop(self.redis_url, self.config.heartbeat_interval_s, self.model_info(),
                                 self.is_healthy, self.record)]
         if self.kv_events_port and self.sim_config.feed_index:
+            assert self._zmq is not None  # made by _serve, which calls this
             local = "127.0.0.1" if self.bind_host == "0.0.0.0" else self.bind_host
-            loops.append(sim_index_feed_loop(self.redis_url, self.engine_id, f"tcp://{local}:{self.kv_events_port}",
-                                             self.index_stats))
+            endpoint, events_context = f"tcp://{local}:{self.kv_events_port}", zmq.asyncio.Context.shadow(self._zmq)
+            loops.append(index_feed_loop(self.redis_url, self.engine_id,
+                                         lambda: HashesSubscriber(events_context, endpoint), self.index_stats))
         return loops
-
-    async def _ready_when_listening(self) -> None:
-        assert self._server is not None
-        while not self._server.started:
-            await asyncio.sleep(0.02)
-        self._ready.set()
-
-
-async def sim_index_feed_loop(redis_url: str, engine_id: str, kv_events_endpoint: str, stats: FeedStats) -> None:
-    """engine/index_feed.py's ``index_feed_loop`` over the hashes-only subscriber that needs no vLLM: subscribe,
-    clear this engine's old entries and sweep dead engines' leftovers, then apply every batch until
-    cancelled."""
-    context = zmq.asyncio.Context()
-    events = HashesSubscriber(context, kv_events_endpoint)  # subscribed first: nothing published is lost
-    redis = connect(redis_url, timeout_s=5.0)
-    index = PrefixIndex(redis)
-    try:
-        async def live_engine_ids() -> list[str]:
-            return [e.engine_id for e in await EngineRegistry(redis).live_engines()]
-
-        await prepare_index(index, engine_id, live_engine_ids)
-        await feed_index(index, engine_id, events, stats)
-    finally:
-        events.close()
-        context.term()
-        await redis.aclose()
