@@ -5,7 +5,6 @@ beside the server end before the loop closes, and a drain cuts what is still ope
 from __future__ import annotations
 
 import asyncio
-import socket
 import threading
 from collections.abc import Coroutine
 from typing import Any
@@ -16,6 +15,7 @@ import pytest
 from tessera.asgi import Receive, Scope, Send, respond_json
 from tessera.engine.config import EngineConfig
 from tessera.engine.in_flight import InFlightRequests
+from tessera.engine.ports import reserve_port
 from tessera.engine.replica_lifecycle import ThreadedReplicaHost
 
 
@@ -52,15 +52,6 @@ class ToyHost(ThreadedReplicaHost):
         self.closed_in_loop.set()
 
 
-def _port_is_free(port: int) -> bool:
-    with socket.socket() as other:
-        try:
-            other.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-        return True
-
-
 def test_start_returns_once_the_endpoint_listens_and_stop_ends_the_loops_first() -> None:
     host = ToyHost().start(timeout_s=10)
     try:
@@ -70,7 +61,7 @@ def test_start_returns_once_the_endpoint_listens_and_stop_ends_the_loops_first()
         host.stop()
     assert host.closed_in_loop.is_set()
     assert host.events == ["background ended", "closed in loop"]
-    assert _port_is_free(host.port)
+    reserve_port("127.0.0.1", f"{host.port}-{host.port}").close()  # raises while the port is held
 
 
 def test_a_failed_start_names_the_replica_and_its_cause_and_frees_the_port() -> None:
@@ -82,7 +73,7 @@ def test_a_failed_start_names_the_replica_and_its_cause_and_frees_the_port() -> 
     assert host._thread is not None
     host._thread.join(timeout=10)
     assert host.closed_in_loop.is_set()  # closed inside the loop even when serving never began
-    assert _port_is_free(host.port)
+    reserve_port("127.0.0.1", f"{host.port}-{host.port}").close()  # raises while the port is held
 
 
 def test_a_drain_cuts_what_is_open_at_its_deadline_then_stops() -> None:
