@@ -8,9 +8,11 @@ from collections.abc import AsyncIterator, Sequence
 
 import msgspec
 import pytest
+import zmq.asyncio
 from redis.exceptions import ConnectionError as RedisConnectionError
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, ZmqEventPublisher
 
+from tessera.engine.sim import kv_wire
 from tessera.routing.indexer import feed_index
 from tessera.routing.kv_events import DecodedBatch, KVEventSubscriber, decode_batch, decode_hashes, hashes_decoder
 from tessera.routing.prefix_index import Op, PrefixIndex
@@ -92,6 +94,35 @@ async def test_subscriber_receives_vllms_own_publisher_in_order() -> None:
     finally:
         subscriber.close()
         publisher.shutdown()
+
+
+async def test_the_hashes_only_subscriber_reads_the_sims_publisher_on_a_given_context() -> None:
+    context = zmq.asyncio.Context()
+    publisher = kv_wire.KVEventPublisher(context, f"tcp://127.0.0.1:{free_port()}")
+    subscriber = KVEventSubscriber(publisher.endpoint, with_blocks=False, context=context)
+    try:
+        deadline = time.monotonic() + 10
+        while True:  # a PUB socket drops what it sends before the subscription reached it
+            publisher.publish(time.time(), [kv_wire.AllBlocksCleared()])
+            try:
+                await asyncio.wait_for(subscriber.__anext__(), 0.2)
+                break
+            except TimeoutError:
+                assert time.monotonic() < deadline, "the subscription never connected"
+        await asyncio.sleep(0.3)
+        while True:  # drain the remaining probes
+            try:
+                await asyncio.wait_for(subscriber.__anext__(), 0.1)
+            except TimeoutError:
+                break
+        publisher.publish(time.time(), [kv_wire.BlockRemoved(block_hashes=[7, 8], medium="GPU")])
+        batch = await asyncio.wait_for(subscriber.__anext__(), 5)
+        assert (batch.seq, batch.ops, batch.stored_blocks) == (publisher.num_batches - 1,
+                                                               [("remove", 7), ("remove", 8)], [])
+    finally:
+        subscriber.close()
+        publisher.close()
+        context.term()
 
 
 async def batches(*items: tuple[int, list[Op]]) -> AsyncIterator[DecodedBatch]:

@@ -1,63 +1,27 @@
-"""KV events in vLLM's own wire format, and the ZMQ publisher that sends them.
+"""The simulated engine's KV-event publisher: vLLM's ``ZmqEventPublisher`` socket, numbering and encoding.
 
-vLLM 0.32 (``vllm/distributed/kv_events.py``): a batch is ``KVEventBatch(ts, events)``, a msgspec struct
-encoded as a msgpack *array* ``[ts, events]``; each event is a msgpack *map* tagged ``{"type": "<class
-name>", ...}`` with default-valued optional fields omitted. ``ZmqEventPublisher`` sends every batch as one
-multipart message ``[topic, seq as 8 bytes big-endian, payload]``, ``seq`` counting batches from 0.
-
-NOTE: the structs below mirror vLLM's field names, tags and defaults instead of importing vLLM's, so a
-fleet of simulated engines never imports vLLM (and torch) at all. ``tests/unit/sim/test_kv_wire.py``
-decodes what they encode with vLLM's own ``KVEventBatch`` decoder, so a drift in vLLM fails there.
+The wire format itself (vLLM's structs, field for field, and ``encode_batch``) is ``routing/kv_wire.py``'s,
+shared with the subscribers that decode it; it is re-exported here for the simulator's modules.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-import msgspec
 import zmq
 
-MEDIUM_GPU = "GPU"
+from tessera.routing.kv_wire import (
+    MEDIUM_GPU,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEvent,
+    KVEventBatch,
+    encode_batch,
+)
 
-
-class BlockStored(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
-    # The fields without a default are required in vLLM's struct too, so they are always on the wire.
-    block_hashes: list[int]
-    parent_block_hash: int | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
-    extra_keys: list[tuple[Any, ...] | None] | None = None
-    group_idx: int | None = None
-
-
-class BlockRemoved(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
-    block_hashes: list[int]
-    medium: str | None
-    group_idx: int | None = None
-
-
-class AllBlocksCleared(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
-    pass
-
-
-KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
-
-
-class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    ts: float
-    events: list[KVEvent]
-    # vLLM's batch ends with this field, and encodes it (as nil) even when unset.
-    data_parallel_rank: int | None = None
-
-
-_ENCODER = msgspec.msgpack.Encoder()
-
-
-def encode_batch(ts: float, events: list[KVEvent]) -> bytes:
-    return _ENCODER.encode(KVEventBatch(ts=ts, events=events))
+__all__ = ["MEDIUM_GPU", "AllBlocksCleared", "BlockRemoved", "BlockStored", "KVEvent", "KVEventBatch",
+           "KVEventPublisher", "encode_batch"]
 
 
 class KVEventPublisher:
