@@ -66,7 +66,12 @@ def sample(platform: Any) -> dict[str, Any]:
     return {"gateway_rss_bytes": plat.rss_bytes([gateway]), "engine_rss_bytes": plat.rss_bytes(plat.replica_pids()),
             "redis_keys": stats.keys, "redis_used_memory_bytes": stats.used_memory_bytes,
             "redis_clients": stats.connected_clients, "gateway_sockets": plat.inet_sockets(gateway),
-            "cpu_s": plat.component_cpu_s(platform), "gc": plat.gc_pauses(platform)}
+            "cpu_s": plat.component_cpu_s(platform), "gc": plat.gc_pauses(platform),
+            "redis_persistence": plat.redis_persistence(platform.redis_url)}
+
+
+# What a sample holds beside a Window's fields (reported in tables of their own).
+NOT_WINDOW_FIELDS = ("at_s", "cpu_s", "gc", "redis_persistence")
 
 
 def build_windows(records: list[Any], t_measure: float, window_s: float, samples: list[dict[str, Any]]) -> list[Window]:
@@ -94,7 +99,7 @@ def build_windows(records: list[Any], t_measure: float, window_s: float, samples
         num, failed = counts.get(index, [0, 0])
         windows.append(Window(index=index, end_s=(index + 1) * window_s, num_requests=num, num_failed=failed,
                               ttft_p50_s=p50, ttft_p99_s=p99, tenant_ttft_p99_s=per_tenant,
-                              **{k: v for k, v in taken.items() if k not in ("at_s", "cpu_s", "gc")}))
+                              **{k: v for k, v in taken.items() if k not in NOT_WINDOW_FIELDS}))
     return windows
 
 
@@ -115,7 +120,7 @@ def cpu_rows(before: dict[str, Any], samples: list[dict[str, Any]], windows: lis
 
 def gc_rows(before: dict[str, Any], samples: list[dict[str, Any]]) -> list[list[Any]]:
     """Per window and part, the garbage collector's full collections, their total milliseconds, and pauses of
-    any generation over 50 ms (a pause stalls every request the process relays: tessera/gc_heap.py)."""
+    any generation over 50 ms (a pause stalls every request the process relays: tessera/telemetry/gc_heap.py)."""
     rows, previous = [], before["gc"]
     for index, taken in enumerate(samples):
         now = taken["gc"]
@@ -195,7 +200,10 @@ def main() -> None:
     print("Garbage collector per window and part: full collections / their total / pauses over 50 ms; objects "
           "frozen at start: " + ", ".join(f"{part} {int(v['frozen_objects']):,}"
                                           for part, v in samples[-1]["gc"].items()))
-    print_table(["win", *plat.GC_PARTS], gc_rows(before, samples))
+    print_table(["win", *plat.GC_PARTS, "Redis forks (AOF rewrites)", "AOF MiB"],
+                [[*row, taken["redis_persistence"]["total_forks"] - prior["redis_persistence"]["total_forks"],
+                  f"{taken['redis_persistence']['aof_current_size'] / 2**20:.1f}"]
+                 for row, taken, prior in zip(gc_rows(before, samples), samples, [before, *samples], strict=False)])
     slow = slowest(output.records, output.t0 + args.warmup_s, args.window_s)
     print()
     print("Slowest requests per window (seconds into the run, tenant, TTFT ms):")

@@ -132,6 +132,17 @@ def redis_stats(url: str) -> RedisStats:
         return RedisStats(int(client.dbsize()), int(memory["used_memory"]), int(clients["connected_clients"]))
 
 
+def redis_persistence(url: str) -> dict[str, int]:
+    """Redis's forks so far (an AOF rewrite forks: on 2 cores the copy competes with everything else), the
+    last fork's microseconds and the AOF's size: whether a slow window had a rewrite in it."""
+    with redis.Redis.from_url(url, socket_timeout=5) as client:
+        stats: dict[str, Any] = client.info("stats")
+        persistence: dict[str, Any] = client.info("persistence")
+        return {"total_forks": int(stats.get("total_forks", 0)),
+                "latest_fork_usec": int(stats.get("latest_fork_usec", 0)),
+                "aof_current_size": int(persistence.get("aof_current_size", 0))}
+
+
 def key_families(url: str, depth: int = 2) -> dict[str, int]:
     """Keys by their first ``depth`` colon-separated parts (``tessera:pfx``...), most numerous first:
     which family a growing key count comes from."""
@@ -181,12 +192,13 @@ def pid_alive(pid: int) -> bool:
 
 
 GC_PARTS = ("gateway", "engine", "kvcontrol")
-LONG_PAUSE_S = 0.05  # a bucket bound of tessera.gc_heap.PAUSE_BUCKETS_S
+LONG_PAUSE_S = 0.05  # a bucket bound of tessera.telemetry.gc_heap.PAUSE_BUCKETS_S
 
 
 def gc_pauses(platform: LocalPlatform) -> dict[str, dict[str, float]]:
-    """Per part, from its /metrics (tessera.gc_heap): full collections so far, their total seconds, collections
-    of any generation longer than 50 ms, and objects frozen at start. A part that does not answer is left out."""
+    """Per part, from its /metrics (tessera.telemetry.gc_heap): full collections so far, their total seconds,
+    collections of any generation longer than 50 ms, and objects frozen at start. A part that does not answer is
+    left out."""
     import asyncio
 
     from prometheus_client.parser import text_string_to_metric_families

@@ -200,7 +200,7 @@ MAY_IMPORT: dict[str, tuple[str, ...]] = {
                         "tessera.telemetry", "tessera.tenancy"),
     "tessera.local": ("tessera.data_plane_auth", "tessera.engine", "tessera.gateway", "tessera.redis_conn",
                       "tessera.registry",
-                      "tessera.tenancy", "tessera.settings"),
+                      "tessera.tenancy", "tessera.settings", "tessera.telemetry"),
     "tessera_operators.kvcontrol": ("tessera.data_plane_auth", "tessera.redis_conn", "tessera.registry",
                                     "tessera.routing",
                                     "tessera.settings", "tessera.telemetry", "tessera.tenancy"),

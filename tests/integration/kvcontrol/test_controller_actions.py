@@ -128,7 +128,7 @@ async def test_over_quota_tenant_is_demoted_and_restored(act_stack: KVStack) -> 
         after = await complete(client, stack.gateway_url, hog, stack.model, prompt(64, 4), 20)
     assert stack.metric("tessera_kvcontrol_actions_total", action="demote", tenant="act-hog") == 1
     assert stack.metric("tessera_kvcontrol_actions_total", action="restore", tenant="act-hog") == 1
-    # Started, the controller froze its startup heap (tessera.gc_heap): no full collection walks it again.
+    # Started, the controller froze its startup heap (tessera.telemetry.gc_heap): no full collection walks it again.
     assert stack.metric("tessera_gc_frozen_objects") > 10_000
     request_ids = {first.request_id, demoted.request_id, other.request_id, after.request_id}
 

@@ -87,7 +87,7 @@ def test_sim_replicas_register_serve_through_a_gateway_and_ray_replaces_a_killed
         (gpu,) = answer["devices"]["gpu_ids"]
         assert answer["devices"]["cuda_visible_devices"] == gpu
         assert answer["engine_id"] in before and answer["url"] == before[answer["engine_id"]]
-        # Its startup heap frozen (tessera.gc_heap), as vLLM's own server does: no full collection walks it.
+        # Its startup heap frozen (tessera.telemetry.gc_heap), as vLLM's own server does: no full collection walks it.
         assert answer["gc_frozen_objects"] > 10_000
     assert len({(a["devices"]["node_id"], a["devices"]["gpu_ids"][0]) for a in answers}) == len(
         {a["engine_id"] for a in answers})

@@ -51,7 +51,7 @@ def test_metrics_are_summed_across_worker_processes(tenancy_redis: RestartableRe
             ttft = [line for line in text.splitlines()
                     if line.startswith("tessera_gateway_ttft_seconds_count{") and f'"{tenant.name}"' in line]
             assert ttft and float(ttft[0].rsplit(" ", 1)[1]) == num_requests
-        # Each worker froze its startup heap (tessera.gc_heap): the summed count is well above one worker's
+        # Each worker froze its startup heap (tessera.telemetry.gc_heap): the summed count is well above one worker's
         # imports, and the collector's pauses are counted.
         frozen = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                   if line.startswith("tessera_gc_frozen_objects")]

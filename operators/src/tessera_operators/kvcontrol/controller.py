@@ -141,9 +141,9 @@ async def run_forever(settings: KVControlSettings) -> None:
     if settings.kvcontrol_metrics_port:
         metrics.serve(settings.kvcontrol_metrics_port)
     controller = await KVController(settings, metrics).start()
-    # Started: what the process holds now is its startup heap (tessera.gc_heap: frozen, no full collection walks
-    # it again); its collections' pauses go to /metrics.
-    from tessera.gc_heap import freeze_startup_heap, process_gc_pauses
+    # Started: what the process holds now is its startup heap (tessera.telemetry.gc_heap: frozen, no full
+    # collection walks it again); its collections' pauses go to /metrics.
+    from tessera.telemetry.gc_heap import freeze_startup_heap, process_gc_pauses
 
     freeze_startup_heap()
     metrics.registry.register(process_gc_pauses())

@@ -45,7 +45,7 @@ def serve(
 
     host = EngineHost(engine_config, settings.redis_url, engine_id=engine_id,
                       advertise_host=settings.advertise_host).start()
-    from tessera.gc_heap import freeze_startup_heap, process_gc_pauses
+    from tessera.telemetry.gc_heap import freeze_startup_heap, process_gc_pauses
 
     freeze_startup_heap()  # started and warmed up: the startup heap is no full collection's business (gc_heap.py)
     process_gc_pauses()

@@ -60,7 +60,7 @@ def sim(
     async def run() -> None:
         fleet = await SimFleet(sim_config, num_engines, settings.redis_url or None, engine_id_prefix).start()
         urls = [replica.url for replica in fleet.replicas]
-        from tessera.gc_heap import freeze_startup_heap, process_gc_pauses
+        from tessera.telemetry.gc_heap import freeze_startup_heap, process_gc_pauses
 
         freeze_startup_heap()  # as a vLLM replica does once started (gc_heap.py)
         process_gc_pauses()

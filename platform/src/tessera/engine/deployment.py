@@ -18,8 +18,8 @@ stops, engine/drain.py).
 
 from __future__ import annotations
 
-import logging
 import gc
+import logging
 import os
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -30,8 +30,8 @@ from tessera.engine.autoscaling import ReplicaLoad, replica_count_options, repli
 from tessera.engine.config import EngineBackend, EngineConfig
 from tessera.engine.devices import ReplicaDevices, current_devices
 from tessera.engine.placement import deployment_options, installed_vllm_build, resolve_accelerator
-from tessera.gc_heap import freeze_startup_heap, process_gc_pauses
 from tessera.settings import load_settings
+from tessera.telemetry.gc_heap import freeze_startup_heap, process_gc_pauses
 
 logger = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry, Gauge, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from tessera.engine.stats import EngineLoad
-from tessera.gc_heap import process_gc_pauses
+from tessera.telemetry.gc_heap import process_gc_pauses
 
 
 def render_engine_metrics(engine_id: str, model: str, load: EngineLoad, facts: dict[str, Any]) -> tuple[bytes, str]:

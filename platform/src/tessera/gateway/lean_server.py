@@ -29,7 +29,7 @@ from uvicorn.supervisors import multiprocess
 
 from tessera.gateway.drain import DRAIN_STATE_KEY, GatewayDrain
 from tessera.gateway.metrics import gc_pause_recorder
-from tessera.gc_heap import freeze_startup_heap, process_gc_pauses
+from tessera.telemetry.gc_heap import freeze_startup_heap, process_gc_pauses
 
 # A worker's housekeeping period (the date header, the shutdown check), seconds.
 SERVER_TICK_S = 1.0

@@ -17,9 +17,9 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from tessera import gc_heap
 from tessera.asgi import Receive, Scope, Send, send_response
 from tessera.gateway.errors import APIError
+from tessera.telemetry import gc_heap
 
 # Tenants whose series children ``GatewayMetrics.completed`` keeps bound (all forgotten at once past it).
 MAX_BOUND_TENANTS = 10_000

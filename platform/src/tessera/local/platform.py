@@ -29,6 +29,7 @@ from tessera.local.engine_failure import engine_failure_cause
 from tessera.local.ray_settings import quiet_ray_env, ray_init_kwargs
 from tessera.redis_conn import EmbeddedRedis, connect
 from tessera.registry import EngineRecord, EngineRegistry
+from tessera.telemetry.gc_heap import FREEZE_ENV
 from tessera.tenancy.policy import TenantPolicy
 from tessera.tenancy.store import TenantStore
 
@@ -184,6 +185,9 @@ class LocalPlatform:
             or str(ensure_key_file(opts.state_dir / "data-plane.key").resolve()),
             **opts.extra_env,
         }
+        # Passed on where set, so an A/B measurement reaches the engine replica too (tessera/telemetry/gc_heap.py).
+        if FREEZE_ENV in os.environ:
+            env.setdefault(FREEZE_ENV, os.environ[FREEZE_ENV])
         if opts.admin_token:
             env["TESSERA_ADMIN_TOKEN"] = opts.admin_token
         return env

@@ -1,4 +1,4 @@
-"""The garbage collector in long-running processes (tessera.gc_heap): the startup heap frozen, each pause
+"""The garbage collector in long-running processes (tessera.telemetry.gc_heap): the startup heap frozen, each pause
 counted per generation and served as a Prometheus histogram."""
 
 from __future__ import annotations
@@ -10,11 +10,11 @@ import sys
 
 from prometheus_client import CollectorRegistry, generate_latest
 
-from tessera.gc_heap import PAUSE_BUCKETS_S, GcPauses, GenerationPauses
+from tessera.telemetry.gc_heap import PAUSE_BUCKETS_S, GcPauses, GenerationPauses
 
 FREEZE_PROBE = """
 import gc, json, time
-from tessera.gc_heap import freeze_startup_heap
+from tessera.telemetry.gc_heap import freeze_startup_heap
 heap = [[i] for i in range(200_000)]  # what a process holds once started
 frozen = freeze_startup_heap()
 started = time.perf_counter(); gc.collect(); full_s = time.perf_counter() - started
