@@ -108,12 +108,17 @@ CPU_PARTS = ("gateway", "engine", "kvcontrol", "redis", "ray_other", "client")
 
 def cpu_rows(before: dict[str, Any], samples: list[dict[str, Any]], windows: list[Window]) -> list[list[Any]]:
     """Per window, each part's CPU milliseconds per request scheduled in it (the first window includes the
-    warm-up's requests' CPU, so read it as an upper bound)."""
+    warm-up's requests' CPU, so read it as an upper bound), then the machine's CPU seconds outside the platform
+    (other work beside the bench) and stolen by the hypervisor: whether a slow window was the machine's."""
     rows, previous = [], before["cpu_s"]
     for window, taken in zip(windows, samples, strict=True):
         now = taken["cpu_s"]
         per = max(window.num_requests, 1)
-        rows.append([window.index, *(f"{(now[p] - previous[p]) * 1000 / per:.1f}" for p in CPU_PARTS)])
+        ours = sum(now[p] - previous[p] for p in CPU_PARTS)
+        outside_s = now.get("machine_busy", 0.0) - previous.get("machine_busy", 0.0) - ours
+        steal_s = now.get("machine_steal", 0.0) - previous.get("machine_steal", 0.0)
+        rows.append([window.index, *(f"{(now[p] - previous[p]) * 1000 / per:.1f}" for p in CPU_PARTS),
+                     f"{max(outside_s, 0.0):.1f}", f"{steal_s:.1f}"])
         previous = now
     return rows
 
@@ -195,7 +200,7 @@ def main() -> None:
                  for w in windows])
     print()
     print("CPU ms per request, by part of the platform, per window (which part's cost grows):")
-    print_table(["win", *CPU_PARTS], cpu_rows(before, samples, windows))
+    print_table(["win", *CPU_PARTS, "not ours, CPU s", "VM steal, s"], cpu_rows(before, samples, windows))
     print()
     print("Garbage collector per window and part: full collections / their total / pauses over 50 ms; objects "
           "frozen at start: " + ", ".join(f"{part} {int(v['frozen_objects']):,}"

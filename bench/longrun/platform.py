@@ -115,6 +115,12 @@ def component_cpu_s(platform: LocalPlatform) -> dict[str, float]:
                 name = ("kvcontrol" if "tessera-kvcontrol" in line
                         else "redis" if "valkey-server" in line else "ray_other")
         totals[name or "ray_other"] += cpu(proc)
+    # The whole machine's: what ran beside the platform (busy CPU not ours; "outside" is read against the
+    # parts' sum per window) and what the hypervisor took (steal: a VM whose host is busy stalls every
+    # process at once, which looks like a slow window of ours).
+    machine = psutil.cpu_times()
+    totals["machine_busy"] = machine.user + machine.nice + machine.system + machine.irq + machine.softirq
+    totals["machine_steal"] = getattr(machine, "steal", 0.0)
     return {k: round(v, 2) for k, v in totals.items()}
 
 

@@ -31,7 +31,7 @@ from tessera.engine.config import EngineBackend, EngineConfig
 from tessera.engine.devices import ReplicaDevices, current_devices
 from tessera.engine.placement import deployment_options, installed_vllm_build, resolve_accelerator
 from tessera.settings import load_settings
-from tessera.telemetry.gc_heap import freeze_startup_heap, process_gc_pauses
+from tessera.telemetry.gc_heap import process_gc_pauses
 
 logger = logging.getLogger(__name__)
 
@@ -114,9 +114,10 @@ class EngineReplica:
                     self.devices.placement_group_id)
         self.host: ReplicaHost = start_host(config, settings.redis_url, f"{config.served_model_name}-{replica_id}",
                                             settings.advertise_host)
-        # Started and warmed up: vLLM's own server freezes its heap here, and this process (Ray's worker, vLLM's
-        # front end, the host) holds ~650,000 tracked objects, ~420 ms per full collection unfrozen (gc_heap.py).
-        freeze_startup_heap()
+        # NOTE: no freeze here: Ray Serve freezes a replica's heap once __init__ returns
+        # (RAY_SERVE_FREEZE_GC_ON_STARTUP, on by default) — this process (Ray's worker, vLLM's front end, the
+        # host) holds ~650,000 tracked objects, ~420 ms per full collection unfrozen (telemetry/gc_heap.py).
+        # Its collections' pauses are counted from here on, for /metrics.
         process_gc_pauses()
 
     def check_health(self) -> None:

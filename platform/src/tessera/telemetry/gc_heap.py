@@ -6,7 +6,9 @@ one full collection of them took ~420 ms on the 2-core CI machine (a gateway wor
 While it runs the process's event loop stands still, so every request it relays waits: these are the lone
 outliers of a TTFT p99. vLLM's own OpenAI server avoids this by freezing its heap once started
 (``gc.freeze()``: the objects alive then move to a permanent generation no collection walks); a process that
-hosts vLLM without that server — our engine replica — and our gateway and controller must do the same.
+hosts vLLM without that server must do the same: Ray Serve freezes each replica's heap once its constructor
+returns (``RAY_SERVE_FREEZE_GC_ON_STARTUP``, on by default), so an engine replica under Serve is covered; the
+engine hosted by ``tessera engine``, the gateway's workers and the KV controller call this module.
 
 ``freeze_startup_heap`` is called once a process has started and warmed up; what it allocates afterwards is
 collected as usual. ``GcPauses`` times each collection (``gc.callbacks``) and keeps a histogram per
