@@ -45,8 +45,33 @@ def _load(engine: EngineView, snapshot: RouteSnapshot) -> int:
     return max(engine.load, snapshot.local_in_flight.get(engine.engine_id, 0))
 
 
-def _by_load(snapshot: RouteSnapshot) -> list[EngineView]:
-    return sorted(snapshot.engines, key=lambda e: (e.under_pressure, _load(e, snapshot), e.kv_cache_usage, e.engine_id))
+# KV cache usage ranks equally loaded engines in steps of this share, not by its exact value (see _by_load).
+KV_USAGE_STEP = 0.1
+
+
+class _Spread:
+    """Tie-breaks among equally loaded engines that differ per decision.
+
+    NOTE: load signals lag (heartbeats every second; each gateway worker sees only its own in-flight
+    requests), and a fixed tie-break — an engine's id, or its exact KV usage, which differs in the fourth
+    digit — sends every decision between two heartbeats, from every worker, to the same engine: at 1,000
+    simulated engines least_loaded piled 228 requests on one replica while most sat idle (docs/routing.md).
+    A salt that changes with each decision spreads the ties; ``hash`` of a (salt, id) pair is seeded per
+    process, so two gateway workers spread differently too."""
+
+    __slots__ = ("_salt",)
+
+    def __init__(self) -> None:
+        self._salt = 0
+
+    def next_salt(self) -> int:
+        self._salt += 1
+        return self._salt
+
+
+def _by_load(snapshot: RouteSnapshot, salt: int) -> list[EngineView]:
+    return sorted(snapshot.engines, key=lambda e: (e.under_pressure, _load(e, snapshot),
+                                                   int(e.kv_cache_usage / KV_USAGE_STEP), hash((salt, e.engine_id))))
 
 
 def _pressure_last(order: list[EngineView]) -> tuple[str, ...]:
@@ -75,10 +100,12 @@ def _round_robin() -> PolicyFn:
 
 @register("least_loaded")
 def _least_loaded() -> PolicyFn:
+    spread = _Spread()
+
     def policy(snapshot: RouteSnapshot, request: RouteRequest) -> RouteDecision:
         if (empty := _empty(snapshot)) is not None:
             return empty
-        order = _by_load(snapshot)
+        order = _by_load(snapshot, spread.next_salt())
         return RouteDecision(tuple(e.engine_id for e in order), f"least_loaded load={_load(order[0], snapshot)}")
 
     return policy
@@ -90,11 +117,13 @@ def _rendezvous(key: str, engine_id: str) -> int:
 
 @register("session_affinity")
 def _session_affinity() -> PolicyFn:
+    spread = _Spread()
+
     def policy(snapshot: RouteSnapshot, request: RouteRequest) -> RouteDecision:
         if (empty := _empty(snapshot)) is not None:
             return empty
         if request.session_id is None:
-            order = _by_load(snapshot)
+            order = _by_load(snapshot, spread.next_salt())
             return RouteDecision(tuple(e.engine_id for e in order), "session_affinity no session: least_loaded")
         # Rendezvous hashing: a session stays put when other engines come and go.
         order = sorted(snapshot.engines, key=lambda e: -_rendezvous(request.session_id or "", e.engine_id))
