@@ -13,7 +13,7 @@ engine hosted by ``tessera engine``, the gateway's workers and the KV controller
 ``freeze_startup_heap`` is called once a process has started and warmed up; what it allocates afterwards is
 collected as usual. ``GcPauses`` times each collection (``gc.callbacks``) and keeps a histogram per
 generation, which the process's ``/metrics`` serve as ``tessera_gc_pause_seconds``: an operator looking at a
-slow p99 can see whether the collector was the cause. Measured with ``make bench-gc-pauses``.
+slow p99 can see whether the collector was the cause. docs/performance.md §11 has the measurements.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ FROZEN_METRIC_HELP = "Objects in the collector's permanent generation (the start
 METRIC_NAME = "tessera_gc_pause_seconds"
 METRIC_HELP = ("Time the Python garbage collector held this process, per collection, by generation (the "
                "startup heap is frozen, so a full collection walks only what was allocated since)")
-# Set to 0 to leave the heap unfrozen (to measure what freezing buys, bench/bench_gc_pauses.py).
+# Set to 0 to leave the heap unfrozen (to measure what freezing buys: make bench-soak reports the pauses).
 FREEZE_ENV = "TESSERA_GC_FREEZE"
 
 
