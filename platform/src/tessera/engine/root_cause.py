@@ -13,6 +13,7 @@ import json
 import os
 import re
 import tempfile
+import threading
 from copy import deepcopy
 from pathlib import Path
 
@@ -62,24 +63,33 @@ class EngineErrorLog:
             return last_exception_line(log.read())
 
 
+# Engines started in parallel threads call _configure_capture at once: one of them writes the file.
+_CAPTURE_LOCK = threading.Lock()
+
+
 def _configure_capture() -> Path | None:
-    current = os.environ.get("VLLM_LOGGING_CONFIG_PATH")
     ours = Path(tempfile.gettempdir()) / f"tessera-vllm-logging-{os.getpid()}.json"
     errors = ours.with_suffix(".errors.log")
-    if current and Path(current) != ours:
-        return None  # the operator's own vLLM logging config wins
-    if current is None:
-        from vllm.logger import DEFAULT_LOGGING_CONFIG
+    with _CAPTURE_LOCK:
+        current = os.environ.get("VLLM_LOGGING_CONFIG_PATH")
+        if current and Path(current) != ours:
+            return None  # the operator's own vLLM logging config wins
+        if current is None:
+            from vllm.logger import DEFAULT_LOGGING_CONFIG
 
-        config = deepcopy(DEFAULT_LOGGING_CONFIG)
-        config["handlers"]["tessera_errors"] = {"class": "logging.FileHandler", "filename": str(errors),
-                                                "level": "ERROR", "formatter": "vllm", "delay": True}
-        config["loggers"]["vllm"]["handlers"].append("tessera_errors")
-        ours.write_text(json.dumps(config))
-        # NOTE: set for the process, not per start: engines started in parallel threads would otherwise
-        # race on the variable. vLLM reads it when a child process imports it, and this process's own vLLM
-        # logging was configured at import, before this.
-        os.environ["VLLM_LOGGING_CONFIG_PATH"] = str(ours)
+            config = deepcopy(DEFAULT_LOGGING_CONFIG)
+            config["handlers"]["tessera_errors"] = {"class": "logging.FileHandler", "filename": str(errors),
+                                                    "level": "ERROR", "formatter": "vllm", "delay": True}
+            config["loggers"]["vllm"]["handlers"].append("tessera_errors")
+            # NOTE: written aside and renamed into place: an engine child of another thread may be reading
+            # the file (a rewrite in place was seen half-written by one: JSONDecodeError at its start).
+            staged = ours.with_suffix(f".{threading.get_ident()}.tmp")
+            staged.write_text(json.dumps(config))
+            os.replace(staged, ours)
+            # NOTE: set for the process, not per start: engines started in parallel threads would otherwise
+            # race on the variable. vLLM reads it when a child process imports it, and this process's own
+            # vLLM logging was configured at import, before this.
+            os.environ["VLLM_LOGGING_CONFIG_PATH"] = str(ours)
     return errors
 
 
