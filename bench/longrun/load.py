@@ -18,11 +18,13 @@ from .platform import Background
 
 
 def tenant_workload(keys: dict[str, str], *, rate_rps: float, duration_s: float, prompt_tokens: int,
-                    max_tokens: int, request_timeout_s: float, seed: int, name: str) -> Workload:
-    """``rate_rps`` in all, split evenly over the tenants of ``keys`` (name -> API key)."""
+                    max_tokens: int, request_timeout_s: float, seed: int, name: str,
+                    period_s: float | None = None) -> Workload:
+    """``rate_rps`` in all, split evenly over the tenants of ``keys`` (name -> API key). ``period_s``: each
+    tenant's arrivals repeat with that period (the loadgen's ``arrival.period_s``)."""
     tenants: list[dict[str, Any]] = [
         {"name": tenant, "api_key": key, "model": "tessera-small",
-         "arrival": {"process": "poisson", "rate_rps": rate_rps / len(keys)},
+         "arrival": {"process": "poisson", "rate_rps": rate_rps / len(keys), "period_s": period_s},
          "classes": [{"name": "chat", "prompt": {"tokens": prompt_tokens}, "output_tokens": max_tokens}]}
         for tenant, key in keys.items()]
     return Workload.model_validate({

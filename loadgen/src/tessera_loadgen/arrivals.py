@@ -16,6 +16,7 @@ and ``make_arrival_process("poisson", rate_rps=10, seed=1)`` builds one; an unkn
 
 from __future__ import annotations
 
+import itertools
 import random
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
@@ -81,6 +82,22 @@ def make_arrival_process(
 ) -> ArrivalProcess:
     """Build the named process with its own seeded random stream."""
     return get_arrival_process(name)(rate_rps, random.Random(seed), burstiness)
+
+
+def repeat_every(offsets: Iterator[float], period_s: float) -> Iterator[float]:
+    """The arrivals of the first ``period_s`` seconds of ``offsets``, and the same again every ``period_s``.
+
+    A long run then meets the same arrivals in every period (the same bursts, the same gaps), so a latency
+    compared period by period differs by what changed in the system, not by the random draw: a soak's p99
+    over a few hundred requests is set mostly by where the draw put its tightest bursts."""
+    if not period_s > 0:
+        raise ValueError(f"period must be > 0 s, got {period_s}")
+    first = list(itertools.takewhile(lambda t: t < period_s, offsets))
+    if not first:
+        return
+    for repeat in itertools.count():
+        for t in first:
+            yield t + repeat * period_s
 
 
 @register("poisson")

@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 
 import uvloop
 
-from tessera_loadgen.arrivals import make_arrival_process
+from tessera_loadgen.arrivals import make_arrival_process, repeat_every
 from tessera_loadgen.client import Target, TenantClient, discover_model
 from tessera_loadgen.factory import RequestFactory
 from tessera_loadgen.progress import LiveStats
@@ -270,6 +270,8 @@ class Runner:
             assert arrival is not None
             seed = f"{self.workload.seed}:arrivals:{ctx.tenant.name}"
             offsets = make_arrival_process(arrival.process, arrival.rate_rps, seed, arrival.burstiness).offsets_s()
+            if arrival.period_s is not None:
+                offsets = repeat_every(offsets, arrival.period_s)
             heap.append(_Arrival(t0 + next(offsets), order, ctx, offsets))
         heapq.heapify(heap)
         loop = asyncio.get_running_loop()

@@ -46,6 +46,10 @@ class Arrival(_Strict):
     burstiness: float | None = Field(
         None, gt=0, description="Gamma shape: < 1 bursty, 1 Poisson, > 1 regular. Only for 'gamma'."
     )
+    period_s: float | None = Field(
+        None, gt=0, description="Repeat the first period_s seconds of arrivals every period_s seconds (the "
+        "same offsets each period), so periods of a long run can be compared with each other; none: no repeat.",
+    )
 
     @field_validator("process")
     @classmethod

@@ -88,3 +88,19 @@ def test_user_view_equals_service_view_plus_schedule_lag(mock_server: MockFactor
     latency = overall["latency"]
     gap = latency["ttft_user_s"]["mean"] - latency["ttft_s"]["mean"]
     assert gap == pytest.approx(overall["schedule_lag_s"]["mean"], abs=1e-6)
+
+
+def test_a_periodic_arrival_schedule_sends_the_same_offsets_every_period(mock_server: MockFactory) -> None:
+    """``arrival.period_s``: the second period's requests are scheduled at the first's offsets plus the period
+    (what a soak compares window by window)."""
+    url = mock_server(ttft_s=0.001, itl_s=0.001)
+    workload = Workload.model_validate({
+        "num_requests": 24, "model": "mock-model", "seed": 4,
+        "tenants": [{"name": "t", "arrival": {"process": "poisson", "rate_rps": 40.0, "period_s": 0.25},
+                     "classes": [{"name": "c", "output_tokens": 2, "prompt": {"tokens": 8}}]}]})
+    result = run_in_loop(Runner(workload, Target.parse(url)).run())
+    t0 = min(r.t_sched for r in result.records)
+    offsets = sorted(r.t_sched - t0 for r in result.records)
+    first = [t for t in offsets if t < 0.25]
+    second = [t - 0.25 for t in offsets if 0.25 <= t < 0.5]
+    assert first and second[: len(first)] == pytest.approx(first[: len(second)], abs=1e-6)

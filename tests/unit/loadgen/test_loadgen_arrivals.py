@@ -83,3 +83,15 @@ def test_same_seed_same_schedule() -> None:
 def test_gamma_rejects_non_positive_burstiness() -> None:
     with pytest.raises(ValueError, match="burstiness"):
         get_arrival_process("gamma")(1.0, random.Random(0), burstiness=0.0)
+
+
+def test_repeat_every_replays_the_first_periods_arrivals() -> None:
+    from tessera_loadgen.arrivals import repeat_every
+
+    offsets = list(itertools.islice(repeat_every(make_arrival_process("poisson", 2.0, seed=3).offsets_s(), 10.0), 60))
+    first = [t for t in offsets if t < 10.0]
+    assert 5 < len(first) < 40 and all(b > a for a, b in itertools.pairwise(offsets))
+    second = [t - 10.0 for t in offsets if 10.0 <= t < 20.0]
+    assert second == pytest.approx(first)
+    with pytest.raises(ValueError, match="period must be > 0"):
+        next(repeat_every(iter([0.0]), 0.0))
