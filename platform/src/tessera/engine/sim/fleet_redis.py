@@ -25,7 +25,7 @@ import zmq.asyncio
 from tessera.redis_conn import connect
 from tessera.registry import EngineRecord, EngineRegistry, ModelInfo, register_model
 from tessera.routing.indexer import FeedStats, feed_index
-from tessera.routing.kv_events import DecodedBatch, decode_hashes, hashes_decoder
+from tessera.routing.kv_events import KVEventSubscriber
 from tessera.routing.prefix_index import PrefixIndex
 
 logger = logging.getLogger(__name__)
@@ -46,31 +46,6 @@ class FedEngine:
     feed_stats: FeedStats
 
 
-class HashesSubscriber:
-    """The real feed's hashes-only KV-event subscriber (``routing/kv_events.py``: the same decoder and
-    ``decode_hashes``), on a SUB socket that connects when made.
-
-    NOTE: ``KVEventSubscriber`` builds vLLM's full decoder type on construction even when it decodes hashes
-    only, which imports vLLM (and torch): tens of seconds of CPU on a busy 2-core machine and hundreds of MB,
-    for a fleet that otherwise never needs vLLM."""
-
-    def __init__(self, context: zmq.asyncio.Context, endpoint: str) -> None:
-        self._decoder = hashes_decoder()
-        self._sock = context.socket(zmq.SUB)
-        self._sock.setsockopt(zmq.SUBSCRIBE, b"")
-        self._sock.connect(endpoint)
-
-    def __aiter__(self) -> HashesSubscriber:
-        return self
-
-    async def __anext__(self) -> DecodedBatch:
-        _, seq_bytes, payload = await self._sock.recv_multipart()
-        return decode_hashes(int.from_bytes(seq_bytes, "big"), self._decoder.decode(payload))
-
-    def close(self) -> None:
-        self._sock.close(linger=0)
-
-
 class FleetRedis:
     def __init__(self, redis_url: str, engines: Sequence[FedEngine], models: Sequence[ModelInfo],
                  heartbeat_interval_s: float) -> None:
@@ -82,7 +57,7 @@ class FleetRedis:
         self._index = PrefixIndex(self._redis)
         self._slots = asyncio.Semaphore(REDIS_POOL_SIZE)
         self._zmq = zmq.asyncio.Context()
-        self._subscribers: list[HashesSubscriber] = []
+        self._subscribers: list[KVEventSubscriber] = []
 
     async def _each(self, write: Callable[[FedEngine], Awaitable[object]]) -> int:
         """``write(engine)`` for every replica, at most REDIS_POOL_SIZE at a time; returns how many failed
@@ -100,7 +75,8 @@ class FleetRedis:
     async def prepare_index(self) -> None:
         """Subscribes to every replica's events, then clears their old entries and sweeps dead engines'
         leftovers once; events published from the subscription on queue in the sockets, none is lost."""
-        self._subscribers = [HashesSubscriber(self._zmq, e.kv_events_endpoint) for e in self._engines]
+        self._subscribers = [KVEventSubscriber(e.kv_events_endpoint, with_blocks=False, context=self._zmq)
+                             for e in self._engines]
         while True:  # as the real feed: a Redis error at start-up is retried, never fatal
             try:
                 for engine in self._engines:

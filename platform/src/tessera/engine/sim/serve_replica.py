@@ -10,9 +10,8 @@ behind the simulated replica's routes (engine/sim/server.py).
 
 NOTE: nothing this module imports loads vLLM (engine/host.py and engine/stats.py do, at import): a
 simulated replica starts in about a second and a few tens of MB beyond Ray's own worker, so a local Ray
-cluster holds 64+ of them. Its prefix-index feed is therefore the real one (engine/index_feed.py's
-``index_feed_loop``) over the fleet's hashes-only subscriber, not ``KVEventSubscriber``, whose constructor
-imports vLLM.
+cluster holds 64+ of them. Its prefix-index feed is the real one (engine/index_feed.py's ``index_feed_loop``)
+over the hashes-only ``KVEventSubscriber`` (``with_blocks=False``), which does not import vLLM.
 """
 
 from __future__ import annotations
@@ -34,13 +33,13 @@ from tessera.engine.index_feed import index_feed_loop
 from tessera.engine.replica_lifecycle import ThreadedReplicaHost
 from tessera.engine.sim.config import SimEngineConfig
 from tessera.engine.sim.engine import SimClock, SimEngine
-from tessera.engine.sim.fleet_redis import HashesSubscriber
 from tessera.engine.sim.kv_wire import KVEvent, KVEventPublisher
 from tessera.engine.sim.server import SimEndpoints
 from tessera.engine.sim.step_time import MeasuredStepTime, RooflineStepTime
 from tessera.engine.tokenizer_source import published_tokenizer_dir
 from tessera.registry import EngineRecord, ModelInfo
 from tessera.routing.indexer import FeedStats
+from tessera.routing.kv_events import KVEventSubscriber
 from tessera.settings import load_settings
 
 logger = logging.getLogger(__name__)
@@ -178,6 +177,7 @@ class SimReplicaHost(ThreadedReplicaHost):
             assert self._zmq is not None  # made by _serve, which calls this
             local = "127.0.0.1" if self.bind_host == "0.0.0.0" else self.bind_host
             endpoint, events_context = f"tcp://{local}:{self.kv_events_port}", zmq.asyncio.Context.shadow(self._zmq)
-            loops.append(index_feed_loop(self.redis_url, self.engine_id,
-                                         lambda: HashesSubscriber(events_context, endpoint), self.index_stats))
+            loops.append(index_feed_loop(
+                self.redis_url, self.engine_id,
+                lambda: KVEventSubscriber(endpoint, with_blocks=False, context=events_context), self.index_stats))
         return loops
