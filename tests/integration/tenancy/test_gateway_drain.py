@@ -92,7 +92,9 @@ async def refused(url: str) -> bool:
     try:
         async with httpx.AsyncClient(timeout=2.0) as client:
             await client.get(f"{url}/health")
-    except httpx.ConnectError:
+    except (httpx.ConnectError, httpx.RemoteProtocolError):
+        # Refused, or (a connection the kernel queued just before the listening socket closed) reset without
+        # an answer: either way not served here, and a client retries it elsewhere.
         return True
     return False
 
