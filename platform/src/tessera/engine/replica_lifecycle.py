@@ -41,6 +41,23 @@ from tessera.settings import load_settings
 
 logger = logging.getLogger(__name__)
 
+# How long a stopping replica waits for its cancelled loops before it leaves the registry anyway, seconds.
+BACKGROUND_EXIT_TIMEOUT_S = 5.0
+
+
+async def _end(tasks: list[asyncio.Task[None]]) -> None:
+    """Cancels ``tasks`` and waits at most BACKGROUND_EXIT_TIMEOUT_S for them. NOTE: bounded: Python 3.11's
+    ``asyncio.wait_for`` (inside redis-py) can swallow a cancellation, and a loop that ran on kept a stopped
+    replica in the registry past its owner's join (make test, test_precise_routing)."""
+    for task in tasks:
+        task.cancel()
+    if not tasks:
+        return
+    _, pending = await asyncio.wait(tasks, timeout=BACKGROUND_EXIT_TIMEOUT_S)
+    for task in pending:
+        logger.warning("replica loop %s did not end within %.0f s of its cancellation", task.get_name(),
+                       BACKGROUND_EXIT_TIMEOUT_S)
+
 __all__ = ["ThreadedReplicaHost"]
 
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
@@ -126,9 +143,7 @@ class ThreadedReplicaHost(abc.ABC):
     async def _leave_registry(self) -> None:
         """The background loops end (no heartbeat, index feed or speculation control after this; a beat after
         the deregistration would register the replica again), then it leaves the registry and prefix index."""
-        for task in self._background_tasks:
-            task.cancel()
-        await asyncio.gather(*self._background_tasks, return_exceptions=True)
+        await _end(self._background_tasks)
         if self.redis_url:
             await deregister(self.redis_url, self.engine_id)
 
@@ -159,9 +174,7 @@ class ThreadedReplicaHost(abc.ABC):
         try:
             await self._server.serve(sockets=[self._http_socket])
         finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await _end(tasks)
             if self.redis_url:
                 await deregister(self.redis_url, self.engine_id)
 
