@@ -8,6 +8,7 @@ KV-eviction controller flags as under pressure always rank after the others.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import random
 from bisect import bisect_left
 from collections import OrderedDict
@@ -49,24 +50,12 @@ def _load(engine: EngineView, snapshot: RouteSnapshot) -> int:
 KV_USAGE_STEP = 0.1
 
 
-class _Spread:
-    """Tie-breaks among equally loaded engines that differ per decision.
-
-    NOTE: load signals lag (heartbeats every second; each gateway worker sees only its own in-flight
-    requests), and a fixed tie-break — an engine's id, or its exact KV usage, which differs in the fourth
-    digit — sends every decision between two heartbeats, from every worker, to the same engine: at 1,000
-    simulated engines least_loaded piled 228 requests on one replica while most sat idle (docs/routing.md).
-    A salt that changes with each decision spreads the ties; ``hash`` of a (salt, id) pair is seeded per
-    process, so two gateway workers spread differently too."""
-
-    __slots__ = ("_salt",)
-
-    def __init__(self) -> None:
-        self._salt = 0
-
-    def next_salt(self) -> int:
-        self._salt += 1
-        return self._salt
+# NOTE: equally loaded engines are told apart by a salt that changes with each decision (a policy instance
+# counts its decisions with itertools.count). Load signals lag (heartbeats every second; each gateway worker
+# sees only its own in-flight requests), and a fixed tie-break — an engine's id, or its exact KV usage, which
+# differs in the fourth digit — sent every decision between two heartbeats, from every worker, to the same
+# engine: at 1,000 simulated engines least_loaded piled 228 requests on one replica while most sat idle
+# (docs/routing.md). ``hash`` of a (salt, id) pair is seeded per process, so gateway workers spread differently.
 
 
 def _by_load(snapshot: RouteSnapshot, salt: int) -> list[EngineView]:
@@ -100,12 +89,12 @@ def _round_robin() -> PolicyFn:
 
 @register("least_loaded")
 def _least_loaded() -> PolicyFn:
-    spread = _Spread()
+    salts = itertools.count(1)
 
     def policy(snapshot: RouteSnapshot, request: RouteRequest) -> RouteDecision:
         if (empty := _empty(snapshot)) is not None:
             return empty
-        order = _by_load(snapshot, spread.next_salt())
+        order = _by_load(snapshot, next(salts))
         return RouteDecision(tuple(e.engine_id for e in order), f"least_loaded load={_load(order[0], snapshot)}")
 
     return policy
@@ -117,13 +106,13 @@ def _rendezvous(key: str, engine_id: str) -> int:
 
 @register("session_affinity")
 def _session_affinity() -> PolicyFn:
-    spread = _Spread()
+    salts = itertools.count(1)
 
     def policy(snapshot: RouteSnapshot, request: RouteRequest) -> RouteDecision:
         if (empty := _empty(snapshot)) is not None:
             return empty
         if request.session_id is None:
-            order = _by_load(snapshot, spread.next_salt())
+            order = _by_load(snapshot, next(salts))
             return RouteDecision(tuple(e.engine_id for e in order), "session_affinity no session: least_loaded")
         # Rendezvous hashing: a session stays put when other engines come and go.
         order = sorted(snapshot.engines, key=lambda e: -_rendezvous(request.session_id or "", e.engine_id))
