@@ -4,7 +4,7 @@ processes), once per test session."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from pathlib import Path
 
 import pytest
@@ -13,6 +13,7 @@ from tessera.local.platform import LocalPlatform, LocalPlatformOptions
 from tessera.redis_conn import connect
 from tessera.registry import EngineRegistry
 from tests.support.machine import free_port
+from tests.support.platform_report import describe_platform
 
 ADMIN_TOKEN = "e2e-admin-token"
 
@@ -44,3 +45,14 @@ def engine_url(platform_stack: LocalPlatform) -> str:
             await redis.aclose()
 
     return asyncio.run(read())
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None],
+                              ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    """A failed test that used the platform reports what the platform was doing (tests/support/platform_report)."""
+    report: pytest.TestReport = yield
+    platform = getattr(item, "funcargs", {}).get("platform_stack")
+    if report.failed and isinstance(platform, LocalPlatform):
+        report.sections.append(("platform at failure", describe_platform(platform)))
+    return report

@@ -32,8 +32,12 @@ class FakeEngine:
     url: str = ""
     num_open: int = 0
     tokens_sent: dict[str, int] = field(default_factory=dict)  # request id -> delta lines written
+    connections: set[asyncio.Task[None]] = field(default_factory=set)
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self.connections.add(task)
         try:
             while True:
                 head = await reader.readuntil(b"\r\n\r\n")
@@ -44,7 +48,15 @@ class FakeEngine:
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
         finally:
+            self.connections.discard(task)
             writer.close()
+
+    async def close_connections(self) -> None:
+        """Closes the open connections, as a replica process that exits does (its sockets go with it): left
+        open with nobody reading, a gateway's pooled connection would wait on them for its full timeout."""
+        for task in list(self.connections):
+            task.cancel()
+        await asyncio.gather(*self.connections, return_exceptions=True)
 
     async def _generate(self, body: dict[str, object], writer: asyncio.StreamWriter) -> None:
         request_id = str(body["request_id"])
@@ -97,6 +109,7 @@ def running_fake_engine(redis_url: str, model: str, tokenizer_dir: Path, line_ga
             await registry.deregister(record.engine_id)
         finally:
             server.close()
+            await engine.close_connections()
             await redis.aclose()
 
     thread = threading.Thread(target=loop.run_until_complete, args=(main(),), name="fake-engine", daemon=True)
@@ -108,3 +121,5 @@ def running_fake_engine(redis_url: str, model: str, tokenizer_dir: Path, line_ga
     finally:
         loop.call_soon_threadsafe(stop.set)
         thread.join(timeout=10)
+        if not thread.is_alive():
+            loop.close()

@@ -34,6 +34,7 @@ from tessera.gateway.http_wire import (
     HEAD_TIMEOUT_S,
     IDLE_TIMEOUT_S,
     EngineHTTP,
+    EngineRefused,
     EngineTimeout,
     EngineUnreachable,
     StreamResponse,
@@ -54,6 +55,9 @@ class StreamResult:
     completion_tokens: int = 0
     retries: int = 0
     first_delta_ns: int | None = None  # wall clock (time.time_ns) of the first delta received
+    # An engine may have seen the request: one answered, or a connection was made to one. False when every
+    # attempt was refused a connection: nothing was served and settle undoes the admission (settle.py).
+    reached_engine: bool = False
 
 
 # Takes a batch of deltas (in stream order); returns None, or a future to wait for before the next batch.
@@ -178,6 +182,7 @@ class EngineClient:
             result.retries = attempt
             try:
                 async with self.http.post(f"{url}/generate", encode_request(sent), headers) as resp:
+                    result.reached_engine = True
                     if resp.status != 200:
                         last_error = f"engine {engine_id} answered {resp.status}: {(await resp.text())[:200]}"
                         last_reason = f"a replica answered {resp.status}"
@@ -189,6 +194,7 @@ class EngineClient:
                     resp.relay(answer)
                     failure = await answer.ended
             except (EngineUnreachable, TimeoutError) as exc:
+                result.reached_engine |= not isinstance(exc, EngineRefused)
                 last_error, last_reason = f"engine {engine_id} unreachable: {exc}", public_reason(exc)
                 continue
             if answer.done:

@@ -53,6 +53,10 @@ class EngineUnreachable(ConnectionError):
     """The engine refused the connection, or closed it before the response ended."""
 
 
+class EngineRefused(EngineUnreachable):
+    """No connection could be made (refused, or not accepted in time): the engine never saw the request."""
+
+
 class EngineTimeout(EngineUnreachable):
     """The engine did not answer, or went quiet mid-stream, within its time."""
 
@@ -330,10 +334,10 @@ class EngineHTTP:
             async with asyncio.timeout(self._connect_timeout_s):
                 _, conn = await loop.create_connection(_Connection, *address)
         except TimeoutError:
-            raise EngineUnreachable(f"no connection to {address[0]}:{address[1]} within "
+            raise EngineRefused(f"no connection to {address[0]}:{address[1]} within "
                                     f"{self._connect_timeout_s} s") from None
         except OSError as exc:
-            raise EngineUnreachable(f"cannot connect to {address[0]}:{address[1]}: {exc}") from exc
+            raise EngineRefused(f"cannot connect to {address[0]}:{address[1]}: {exc}") from exc
         return conn
 
     async def close(self) -> None:

@@ -92,9 +92,19 @@ class FinishQueue:
         return len(self._parked)
 
     async def finish(self, lease: Lease, prompt_tokens: int, completion_tokens: int) -> None:
-        pending = PendingFinish(lease, prompt_tokens, completion_tokens, datetime.now(UTC))
+        await self._send_or_park(PendingFinish(lease, prompt_tokens, completion_tokens, datetime.now(UTC)))
+
+    async def unserved(self, lease: Lease) -> None:
+        """Undoes the admission of a request no engine saw (none was live, the route could not be read, or
+        every replica refused the connection): its slot in the rate window, its reservation and lease go back,
+        nothing is billed — an outage must not spend the tenant's limits. A request an engine may have seen is
+        always finished instead (a tenant whose requests break engines gets no free retries)."""
+        if not lease.detached:
+            await self._send_or_park(PendingFinish(lease, 0, 0, datetime.now(UTC), SettleKind.VOID))
+
+    async def _send_or_park(self, pending: PendingFinish) -> None:
         try:
-            await self._admission.finish(lease, prompt_tokens, completion_tokens, pending.finished_at)
+            await self._send(pending)
         except Exception as exc:
             if not _waits(exc, self._is_transient):
                 raise

@@ -1,7 +1,8 @@
 """Phase ``settle``, after the request whatever its end: the span's usage attributes and the metrics (for a
 request whose engine call started), then billing. Billing charges at least what was generated, also when the
-client went away mid-stream; when Redis does not answer, the finish waits in ``billing.FinishQueue`` (usage
-is never lost)."""
+client went away mid-stream. A request no engine saw (none was live, or every one refused the connection)
+is not billed and its admission is undone. When Redis does not answer, the finish waits in
+``billing.FinishQueue`` (usage is never lost)."""
 
 from __future__ import annotations
 
@@ -31,5 +32,9 @@ async def settle(ctx: RequestContext, metrics: GatewayMetrics, finishes: FinishQ
         ttft_s = (None if result.first_delta_ns is None
                   else elapsed_s - (time.time_ns() - result.first_delta_ns) / 1e9)
         metrics.completed(ctx.tenant.name, result.completion_tokens, elapsed_s, ttft_s)
-    if ctx.lease is not None:
+    if ctx.lease is None:
+        return
+    if ctx.called and result.reached_engine:
         await finishes.finish(ctx.lease, ctx.num_prompt_tokens, result.completion_tokens)
+    else:
+        await finishes.unserved(ctx.lease)
