@@ -142,8 +142,9 @@ async def test_a_replica_is_promoted_and_the_gateway_admits_again_without_double
         assert new_primary is not old_primary and new_primary.alive(), "a replica was promoted"
         first = min(o.sent_at for o in load.outcomes)
         last = max(o.answered_at for o in load.outcomes)
-        assert last - first < 60, (f"whole load {last - first:.1f} s: kill at +{killed_at - first:.1f} s, admitting again at "
-                                   f"+{admitting_again_at - first:.1f} s, {Counter((o.status, o.code) for o in load.outcomes)}")
+        assert last - first < 60, (
+            f"whole load {last - first:.1f} s: kill at +{killed_at - first:.1f} s, admitting again at "
+            f"+{admitting_again_at - first:.1f} s, {Counter((o.status, o.code) for o in load.outcomes)}")
 
         admitted = load.admitted()
         in_lost_window = [o for o in admitted if killed_at - LOST_WINDOW_S <= o.answered_at <= killed_at]
