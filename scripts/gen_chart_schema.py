@@ -517,6 +517,8 @@ def chart_properties() -> dict[str, JSON]:
             {
                 "enabled": BOOLEAN,
                 "args": {"type": "array", "items": STRING},
+                # One Deployment per shard (kvcontrol/sharding.py); TESSERA_KVCONTROL_SHARDS allows 256.
+                "shards": {"type": "integer", "minimum": 1, "maximum": 256},
                 "metricsPort": PORT,
                 "kvEventsPorts": port_range(),
                 "resources": RESOURCES,

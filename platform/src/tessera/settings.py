@@ -60,6 +60,12 @@ class TesseraSettings(BaseSettings):
         description="A request reads the model catalog itself when the gateway's copy is older than this, "
         "seconds; at least catalog_refresh_s.",
     )
+    kvcontrol_shards: int = Field(
+        default=1, ge=1, le=256,
+        description="How many KV-controller processes share the engines (each controls the engines whose id "
+        "hashes to its shard, kvcontrol/sharding.py). The gateway reads one demotion flag per shard, so it "
+        "must be given the same number as the controllers (the chart sets both).",
+    )
     lease_ttl_s: float = Field(
         default=30.0, gt=0.0,
         description="Concurrency lease TTL, seconds: a crashed gateway's leases free themselves after this; "

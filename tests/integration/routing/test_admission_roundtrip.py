@@ -137,6 +137,23 @@ async def test_the_demotion_flag_rides_in_admission_and_applies_at_once(gateway:
     assert (await flow.admit(tenant, 100, plan)).demoted is False
 
 
+async def test_each_controller_shard_demotes_on_its_own_flag(gateway: Gateway,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the engines split among three controller shards, the gateway reads all three flags in the same
+    round trip, and one shard clearing its flag does not lift another shard's demotion."""
+    monkeypatch.setattr(gateway.admission, "demotion_shards", 3)
+    flow = _admitter(gateway)
+    tenant, request, _ = await _setup(gateway, TenantPolicy())
+    plan = await gateway.router.plan(request)
+    await set_demoted(gateway.redis, tenant.name, "kv quota exceeded on e7", ttl_s=30, shard=2)
+    _forbid(gateway.admission, "admit", monkeypatch)
+    assert (await flow.admit(tenant, 100, plan)).demoted is True
+    await clear_demoted(gateway.redis, tenant.name, shard=0)  # shard 0 restores the tenant on its engines
+    assert (await flow.admit(tenant, 100, plan)).demoted is True
+    await clear_demoted(gateway.redis, tenant.name, shard=2)
+    assert (await flow.admit(tenant, 100, plan)).demoted is False
+
+
 async def test_the_trip_is_one_write_whose_replies_parse_to_the_standalone_answers(gateway: Gateway) -> None:
     tenant, request, _ = await _setup(gateway, TenantPolicy(requests_per_minute=1))
     plan = await gateway.router.plan(request)

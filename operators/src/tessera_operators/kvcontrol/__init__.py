@@ -104,6 +104,8 @@ def _parse(argv: Sequence[str] | None) -> KVControlSettings:
     parser.add_argument("--model", help="control only the engines serving this model")
     parser.add_argument("--policy", help="PolicyConfig as JSON, e.g. '{\"highWatermark\": 0.85}'")
     parser.add_argument("--observe-only", action="store_true", default=None, help="ledger and spans, no actions")
+    parser.add_argument("--shard", type=int, help="this process's shard, from 0 (default: TESSERA_KVCONTROL_SHARD)")
+    parser.add_argument("--shards", type=int, help="how many controller processes share the engines (default 1)")
     args = parser.parse_args(argv)
     from .settings import KVControlSettings
 
@@ -111,7 +113,8 @@ def _parse(argv: Sequence[str] | None) -> KVControlSettings:
         "redis_url": args.redis_url, "kvcontrol_metrics_port": args.metrics_port,
         "kvcontrol_poll_interval_s": args.poll_interval, "kvcontrol_model": args.model,
         "kvcontrol_policy": json.loads(args.policy) if args.policy else None,
-        "kvcontrol_observe_only": args.observe_only,
+        "kvcontrol_observe_only": args.observe_only, "kvcontrol_shard": args.shard,
+        "kvcontrol_shards": args.shards,
     }
     return KVControlSettings(**{k: v for k, v in overrides.items() if v is not None})
 

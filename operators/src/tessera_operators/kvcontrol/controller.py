@@ -17,6 +17,7 @@ from .directory import DemotionBook, TenantDirectory
 from .loop import EngineControlLoop, LoopContext
 from .metrics import ControllerMetrics
 from .settings import KVControlSettings
+from .sharding import shard_of
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +50,7 @@ class KVController:
                                                                                settings.kvcontrol_tenant_refresh_s),
             demotions=DemotionBook(), metrics=self.metrics, policy=settings.kvcontrol_policy,
             poll_interval_s=settings.kvcontrol_poll_interval_s, flag_ttl_s=settings.kvcontrol_flag_ttl_s,
-            observe_only=settings.kvcontrol_observe_only,
+            observe_only=settings.kvcontrol_observe_only, shard=settings.kvcontrol_shard,
             signer=self.signer,
         )
         await self.ctx.tenants.refresh(force=True)
@@ -81,8 +82,10 @@ class KVController:
                 logger.warning("engine discovery failed: %s", exc)
 
     def _wanted(self, record: EngineRecord) -> bool:
-        model = self.settings.kvcontrol_model
-        return bool(record.kv_events_endpoint) and (model is None or record.model == model)
+        settings = self.settings
+        model = settings.kvcontrol_model
+        return (bool(record.kv_events_endpoint) and (model is None or record.model == model)
+                and shard_of(record.engine_id, settings.kvcontrol_shards) == settings.kvcontrol_shard)
 
     async def discover(self) -> None:
         """Starts loops for new engines, stops loops of engines that left (or moved their endpoint)."""

@@ -69,6 +69,7 @@ class LoopContext:
     poll_interval_s: float = 0.2
     flag_ttl_s: int = 10
     observe_only: bool = False
+    shard: int = 0  # this process's controller shard: its demotion flags are its own (tenancy/demotion.py)
     # The live engines as the controller's discovery last read them (with their pressure flags): a tick
     # never waits on Redis to decide.
     live_engines: dict[str, EngineRecord] = field(default_factory=dict)
@@ -129,7 +130,7 @@ class EngineControlLoop:
         try:
             for tenant in list(self.demoting):
                 if self.ctx.demotions.restore(tenant, self.engine_id):
-                    await clear_demoted(self.ctx.redis, tenant)
+                    await clear_demoted(self.ctx.redis, tenant, self.ctx.shard)
             if self.under_pressure:
                 await self.ctx.redis.delete(pressure_key(self.engine_id))
         except Exception as exc:  # best effort; the flags' TTLs clean up anyway
@@ -358,11 +359,11 @@ class EngineControlLoop:
             if isinstance(action, Demote):
                 self.ctx.demotions.demote(tenant, self.engine_id)
                 self.demoting.add(tenant)
-                await set_demoted(redis, tenant, f"{self.engine_id}: {action.cause}", ttl)
+                await set_demoted(redis, tenant, f"{self.engine_id}: {action.cause}", ttl, self.ctx.shard)
             else:
                 self.demoting.discard(tenant)
                 if self.ctx.demotions.restore(tenant, self.engine_id):
-                    await clear_demoted(redis, tenant)
+                    await clear_demoted(redis, tenant, self.ctx.shard)
         elif isinstance(action, SetPressure | ClearPressure):
             attributes["tessera.kv.usage"] = round(action.usage, 4)
             traceparents = [r.traceparent for r in self.requests.values()]
@@ -405,6 +406,7 @@ class EngineControlLoop:
             return
         self._flags_refreshed = time.monotonic()
         for tenant in self.demoting:
-            await set_demoted(self.ctx.redis, tenant, f"{self.engine_id}: over_kv_quota", self.ctx.flag_ttl_s)
+            await set_demoted(self.ctx.redis, tenant, f"{self.engine_id}: over_kv_quota", self.ctx.flag_ttl_s,
+                              self.ctx.shard)
         if self.under_pressure:
             await self.ctx.redis.set(pressure_key(self.engine_id), "kv_pressure", ex=self.ctx.flag_ttl_s)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from tessera.settings import TesseraSettings
 
@@ -39,6 +39,18 @@ class KVControlSettings(TesseraSettings):
         default="INFO", description="Log level; DEBUG logs every loop's snapshot and decisions on every poll."
     )
     kvcontrol_model: str | None = Field(default=None, description="Control only the engines serving this model.")
+    kvcontrol_shard: int = Field(
+        default=0, ge=0,
+        description="This process's shard, in [0, kvcontrol_shards): it controls the engines whose id hashes "
+        "there (sharding.py). The chart runs one controller per shard.",
+    )
     kvcontrol_policy: PolicyConfig = Field(
         default_factory=PolicyConfig, description="Watermarks and levers, as JSON (see policy.PolicyConfig)."
     )
+
+    @model_validator(mode="after")
+    def _shard_in_range(self) -> KVControlSettings:
+        if self.kvcontrol_shard >= self.kvcontrol_shards:
+            raise ValueError(f"TESSERA_KVCONTROL_SHARD is {self.kvcontrol_shard}, but there are only "
+                             f"{self.kvcontrol_shards} shards (TESSERA_KVCONTROL_SHARDS): shards count from 0")
+        return self

@@ -66,7 +66,7 @@ class Gateway:
         self.auth = Authenticator(self.store, settings.key_cache_ttl_s, settings.redis_fail_open, _is_store_error)
         self.catalog = ModelCatalog(self.redis, refresh_s=settings.catalog_refresh_s,
                                     max_age_s=settings.catalog_max_age_s, wire=self.wire)
-        self.admission = Admission(self.redis, settings.lease_ttl_s, self.wire)
+        self.admission = Admission(self.redis, settings.lease_ttl_s, self.wire, settings.kvcontrol_shards)
         self.router = Router(self.redis, settings.routing_policy, PrefixIndex(self.redis),
                              refresh_s=settings.registry_refresh_s, max_age_s=settings.registry_max_age_s,
                              wire=self.wire, index_source=settings.prefix_index,

@@ -135,12 +135,18 @@ class Admission:
     """``wire``: the request path's lean Redis connection (redis_wire.py), when the caller has one; every
     request's ``finish`` then goes over it (one write, hiredis parsing) instead of through redis-py."""
 
-    def __init__(self, redis: aioredis.Redis, lease_ttl_s: float = LEASE_TTL_S, wire: RedisWire | None = None) -> None:
+    def __init__(self, redis: aioredis.Redis, lease_ttl_s: float = LEASE_TTL_S, wire: RedisWire | None = None,
+                 demotion_shards: int = 1) -> None:
+        """``demotion_shards``: how many KV-controller shards set demotion flags (admission_trip.py reads
+        every one's in the same round trip)."""
         if lease_ttl_s <= 0:
             raise ValueError(f"lease_ttl_s must be positive, got {lease_ttl_s}")
+        if demotion_shards < 1:
+            raise ValueError(f"demotion_shards must be at least 1, got {demotion_shards}")
         self._redis = redis
         self._wire = wire
         self.lease_ttl_s = lease_ttl_s
+        self.demotion_shards = demotion_shards
         self._admit = redis.register_script(_lua("admission.lua"))
         self._finish = redis.register_script(_lua("finish.lua"))
         self._renew = redis.register_script(_lua("renew.lua"))

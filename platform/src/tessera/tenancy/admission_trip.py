@@ -1,10 +1,11 @@
 """Admission's one Redis round trip on the request path, as a command builder and its reply parser.
 
 One write carries, in order: the admission script (``EVALSHA``, see admission.py), ``EXISTS`` of the
-tenant's demotion flag (demotion.py), and optionally one more command that rides along (the gateway sends
-the route's prefix lookup here when it routes on the Redis index, so an admitted request needs no round trip
-of its own to route; with its local index nothing rides along). Over the gateway's lean connection
-(``redis_wire.RedisWire``) that is the one Redis round trip before the engine call.
+tenant's demotion flags (demotion.py: one per controller shard), and optionally one more command that
+rides along (the gateway sends the route's prefix lookup here when it routes on the Redis index, so an
+admitted request needs no round trip of its own to route; with its local index nothing rides along). Over
+the gateway's lean connection (``redis_wire.RedisWire``) that is the one Redis round trip before the engine
+call.
 
 A Redis that lost its scripts (restarted, flushed) answers NOSCRIPT: that script did not run, so the
 parser admits once more with ``Admission.admit``, which loads the script (admitted exactly once); the
@@ -20,7 +21,7 @@ from redis.exceptions import NoScriptError
 
 from tessera.redis_wire import Command
 from tessera.tenancy.admission import Admission, AdmitCall, Lease, Rejection
-from tessera.tenancy.demotion import demoted_key
+from tessera.tenancy.demotion import demoted_keys
 from tessera.tenancy.policy import TenantPolicy
 
 
@@ -55,7 +56,7 @@ def build_trip(admission: Admission, tenant: str, policy: TenantPolicy, reserve_
     """``prompt_tokens`` and ``engine_request_id`` go on the request's ticket (admission.py ``prepare``)."""
     call = admission.prepare(tenant, policy, reserve_tokens, prompt_tokens, engine_request_id)
     commands: list[Command] = [("EVALSHA", admission.admit_sha, len(call.keys), *call.keys, *call.args),
-                               ("EXISTS", demoted_key(tenant))]
+                               ("EXISTS", *demoted_keys(tenant, admission.demotion_shards))]
     if extra is not None:
         commands.append(extra)
     return AdmissionTrip(tenant, policy, call, commands, prompt_tokens, engine_request_id)
