@@ -321,3 +321,29 @@ def test_prefix_affinity_ranks_a_large_fleets_first_engines_exactly_as_a_full_so
         want = _reference_prefix_affinity(snap, request)
         assert len(got) == policies.MAX_RANKED_ENGINES
         assert list(got) == [e for e, _ in want[:policies.MAX_RANKED_ENGINES]]
+
+
+def _naive_walk(ring: policies._Ring, key: int, num_engines: int) -> tuple[int, ...]:
+    """The first ``num_engines`` distinct owners clockwise from ``key``'s point, one point at a time."""
+    start, seen = ring.start(key), {}
+    for step in range(len(ring.owners)):
+        seen.setdefault(ring.owners[(start + step) % len(ring.owners)])
+        if len(seen) == num_engines:
+            break
+    return tuple(seen)
+
+
+@pytest.mark.parametrize("num_engines", [1, 3, 17, 64, 300])
+def test_ring_walks_and_offsets_are_the_plain_walk(num_engines: int) -> None:
+    """The ring's stretch-doubling walk (and its memo, which may answer with a longer walk than asked) starts
+    as walking point by point does, for short and whole walks; ordering engines by ``offset`` is ordering
+    them by their place in the whole walk."""
+    rng = random.Random(num_engines)
+    ring = policies._Ring(tuple(f"ring-e{i}" for i in range(num_engines)))
+    for _ in range(200):
+        key = rng.getrandbits(64)
+        for length in {1, min(num_engines, 32), num_engines}:
+            walk = ring.walk(key, length)
+            assert len(walk) >= length and walk[:length] == _naive_walk(ring, key, length)
+        whole = _naive_walk(ring, key, num_engines)
+        assert sorted(range(num_engines), key=lambda i: ring.offset(key, i)) == list(whole)

@@ -221,7 +221,7 @@ class _Ring:
     each, and, per point, the distinct engines met walking clockwise from it (computed on first use, so a
     new ring costs nothing until requests land on its points)."""
 
-    __slots__ = ("_walks", "owners", "points")
+    __slots__ = ("_walks", "owners", "points", "positions")
 
     def __init__(self, engine_ids: tuple[str, ...]) -> None:
         per_engine = max(1, min(RING_POINTS_PER_ENGINE, RING_MAX_POINTS // max(len(engine_ids), 1)))
@@ -231,22 +231,43 @@ class _Ring:
         order = sorted(range(len(points)), key=points.__getitem__)
         self.points = [points[k] for k in order]
         self.owners = [k // per_engine for k in order]
+        # Each engine's places on the ring, ascending (for ``offset``).
+        self.positions: list[list[int]] = [[] for _ in engine_ids]
+        for position, owner in enumerate(self.owners):
+            self.positions[owner].append(position)
         self._walks: dict[int, tuple[int, ...]] = {}
+
+    def start(self, key: int) -> int:
+        """The ring position a walk from ``key`` starts at."""
+        start = bisect_left(self.points, _ring_key(key))
+        return 0 if start == len(self.points) else start
+
+    def offset(self, key: int, engine: int) -> int:
+        """How far clockwise from ``key``'s start the engine's first point lies. Engines ordered by it are in
+        ``walk`` order (a walk lists engines as it first meets one of their points), at O(log points) an
+        engine where placing one engine by a walk costs a walk of the fleet."""
+        start, places = self.start(key), self.positions[engine]
+        j = bisect_left(places, start)
+        return places[j] - start if j < len(places) else places[0] + len(self.points) - start
 
     def walk(self, key: int, num_engines: int) -> tuple[int, ...]:
         """The first ``num_engines`` distinct engines clockwise from ``key``'s position."""
-        start = bisect_left(self.points, _ring_key(key))
-        if start == len(self.points):
-            start = 0
+        start = self.start(key)
         walk = self._walks.get(start)
         if walk is None or len(walk) < num_engines:
-            seen: dict[int, None] = {}
+            # The distinct owners of a stretch of the ring from ``start``, the stretch doubled until it holds
+            # enough: dict.fromkeys keeps first appearances in order, in C (a Python step per point cost
+            # ~10 us for a cold 32-engine walk).
             owners, num_points = self.owners, len(self.owners)
-            for step in range(num_points):
-                seen.setdefault(owners[(start + step) % num_points])
-                if len(seen) >= num_engines:
+            span = min(num_points, 2 * num_engines)
+            while True:
+                end = start + span
+                stretch = owners[start:end] if end <= num_points else owners[start:] + owners[:end - num_points]
+                seen = dict.fromkeys(stretch)
+                if len(seen) >= num_engines or span == num_points:
                     break
-            walk = self._walks[start] = tuple(seen)
+                span = min(num_points, 2 * span)
+            walk = self._walks[start] = tuple(itertools.islice(seen, num_engines))
         return walk
 
 
@@ -281,12 +302,15 @@ class _Fleet:
     loads: list[int]
     sum_loads: int
     ring: _Ring
+    ids: tuple[str, ...]
+    under_pressure: list[bool]
 
     @classmethod
     def of(cls, engines: tuple[EngineView, ...]) -> _Fleet:
         loads = [e.load for e in engines]
-        return cls(engines, {e.engine_id: i for i, e in enumerate(engines)}, loads, sum(loads),
-                   _ring(tuple(e.engine_id for e in engines)))
+        ids = tuple(e.engine_id for e in engines)
+        return cls(engines, {engine_id: i for i, engine_id in enumerate(ids)}, loads, sum(loads), _ring(ids), ids,
+                   [e.under_pressure for e in engines])
 
 
 @register("prefix_affinity")
@@ -318,7 +342,7 @@ def _prefix_affinity() -> PolicyFn:
         if (empty := _empty(snapshot)) is not None:
             return empty
         fleet = fleet_of(snapshot.engines)
-        engines, index, fleet_loads = fleet.engines, fleet.index, fleet.loads
+        engines, index, fleet_loads, under_pressure = fleet.engines, fleet.index, fleet.loads, fleet.under_pressure
         # Load = max(heartbeat, this gateway's in-flight count): only engines with requests in flight change.
         loads: dict[int, int] = {}
         sum_loads = fleet.sum_loads
@@ -344,34 +368,34 @@ def _prefix_affinity() -> PolicyFn:
         num_engines = len(engines)
         walk_len = min(num_engines, 2 * MAX_RANKED_ENGINES)
         home_rank: dict[int, int] = {}
-        first_open: list[int] = []
+        walk_open: list[int] = []  # the open homes met, in ring order
         while True:
-            num_open = 0
-            first_open.clear()
+            walk_open.clear()
             for rank, i in enumerate(fleet.ring.walk(key, walk_len)):
                 home_rank[i] = rank
-                if not engines[i].under_pressure and loads.get(i, fleet_loads[i]) < bound:
-                    num_open += 1
-                    if num_open <= 2:
-                        first_open.append(i)  # the prefix's first two open homes
-                    if num_open == MAX_RANKED_ENGINES:
+                if not under_pressure[i] and (loads.get(i, fleet_loads[i]) if loads else fleet_loads[i]) < bound:
+                    walk_open.append(i)
+                    if len(walk_open) == MAX_RANKED_ENGINES:
                         break
-            if num_open == MAX_RANKED_ENGINES or walk_len == num_engines:
+            if len(walk_open) == MAX_RANKED_ENGINES or walk_len == num_engines:
                 break
             walk_len = min(num_engines, 4 * walk_len)  # many engines over the bound: look further
         # A holder beyond the walk (rare: holders are mostly the prefix's first homes) still needs its
-        # place on the ring, to break a tie with another holder the same way in every gateway.
+        # place on the ring, to break a tie with another holder the same way in every gateway: after every
+        # walked engine, in ring order. NOTE: by the distance to its first point, not by extending the walk
+        # to it — a cold walk of the whole fleet cost ~1 ms at 1,000 engines (the route's p99, issue #17).
         for i in cached:
             if i not in home_rank:
-                home_rank[i] = fleet.ring.walk(key, num_engines).index(i)
+                home_rank[i] = num_engines + fleet.ring.offset(key, i)
 
         # Two homes per prefix: the second takes the first's place while it is idle and the first is not,
         # so two cold prompts do not queue on one engine while another sits idle. Only idle capacity
         # counts: a busy fleet keeps one home per prefix (a second copy evicts another prefix).
-        if len(first_open) == 2:
-            first, second = first_open
+        if len(walk_open) >= 2:
+            first, second = walk_open[0], walk_open[1]
             if loads.get(second, fleet_loads[second]) == 0 < loads.get(first, fleet_loads[first]):
                 home_rank[first], home_rank[second] = home_rank[second], home_rank[first]
+                walk_open[0], walk_open[1] = second, first
 
         def rank_key(i: int) -> tuple[bool, bool, int, int, int]:
             load = loads.get(i, fleet_loads[i])
@@ -381,7 +405,17 @@ def _prefix_affinity() -> PolicyFn:
                      if credit else 0)
             return engines[i].under_pressure, over, -credit, price, home_rank.get(i, num_engines + i)
 
-        ranked = sorted({*home_rank, *loads, *cached}, key=rank_key)[:MAX_RANKED_ENGINES]
+        if len(walk_open) == MAX_RANKED_ENGINES:
+            # The usual case, without a key per candidate: every open engine ranks before every closed one,
+            # and MAX_RANKED_ENGINES open ones were met, so the ranking is the open holders with credit (by
+            # rank_key) and then the walk's open engines in ring order. (An open engine beyond the walk without
+            # credit ranks after all of them.) Equal to the full sort below (tests/unit/routing/test_policies.py).
+            credited = sorted((i for i, tokens in cached.items() if tokens and not engines[i].under_pressure
+                               and loads.get(i, fleet_loads[i]) < bound), key=rank_key)
+            ranked = credited + [i for i in walk_open if i not in cached or not cached[i]]
+            del ranked[MAX_RANKED_ENGINES:]
+        else:
+            ranked = sorted({*home_rank, *loads, *cached}, key=rank_key)[:MAX_RANKED_ENGINES]
         top = ranked[0]
         top_cached, top_load = cached.get(top, 0), loads.get(top, fleet_loads[top])
         holder = max(cached, key=lambda i: (cached[i], -loads.get(i, fleet_loads[i])), default=None)
@@ -393,6 +427,7 @@ def _prefix_affinity() -> PolicyFn:
             reason = f"prefix_affinity bounded_load: holder load {holder_load} >= {bound:.1f}, load={top_load}"
         else:
             reason = f"prefix_affinity holder under kv pressure, load={top_load}"
-        return RouteDecision(tuple(engines[i].engine_id for i in ranked), reason, top_cached)
+        ids = fleet.ids
+        return RouteDecision(tuple([ids[i] for i in ranked]), reason, top_cached)
 
     return policy
