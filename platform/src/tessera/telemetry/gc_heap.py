@@ -60,12 +60,10 @@ class GenerationPauses:
     bucket_counts: list[int] = field(default_factory=lambda: [0] * (len(PAUSE_BUCKETS_S) + 1))
     num_collections: int = 0
     total_s: float = 0.0
-    max_s: float = 0.0
 
     def add(self, pause_s: float) -> None:
         self.num_collections += 1
         self.total_s += pause_s
-        self.max_s = max(self.max_s, pause_s)
         for index, bound in enumerate(PAUSE_BUCKETS_S):
             if pause_s <= bound:
                 self.bucket_counts[index] += 1
@@ -76,8 +74,9 @@ class GenerationPauses:
 class GcPauses(Collector):
     """Times each collection of this process; a Prometheus collector of what it saw.
 
-    ``on_pause(generation, seconds)``, if given, is called after each collection as well (the gateway passes
-    a multiprocess ``Histogram``'s observe, since its workers' series are summed from files, not collected)."""
+    ``on_pause(generation, seconds)``, if given, is called after each collection instead of counting here
+    (the gateway passes a multiprocess ``Histogram``'s observe, since its workers' series are summed from
+    files, not collected: counting twice would cost every generation-0 collection for nothing)."""
 
     def __init__(self, on_pause: Callable[[int, float], None] | None = None) -> None:
         self.generations = [GenerationPauses() for _ in range(3)]
@@ -102,10 +101,10 @@ class GcPauses(Collector):
             self._started_at = time.perf_counter()
             return
         pause_s = time.perf_counter() - self._started_at
-        generation = info["generation"]
-        self.generations[generation].add(pause_s)
         if self._on_pause is not None:
-            self._on_pause(generation, pause_s)
+            self._on_pause(info["generation"], pause_s)
+        else:
+            self.generations[info["generation"]].add(pause_s)
 
     def collect(self) -> Iterator[GaugeMetricFamily | HistogramMetricFamily]:
         yield GaugeMetricFamily(FROZEN_METRIC_NAME, FROZEN_METRIC_HELP, value=gc.get_freeze_count())
