@@ -7,6 +7,7 @@ import gc
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 from prometheus_client import CollectorRegistry, generate_latest
 
@@ -71,15 +72,53 @@ def test_each_collection_is_timed_by_generation_and_served() -> None:
     assert "tessera_gc_frozen_objects " in text
 
 
-def test_a_recorder_of_its_own_gets_each_pause_instead() -> None:
-    """The gateway's workers record into a multiprocess histogram (summed from files): the pauses go there
-    only, not also into this process's own counts."""
-    seen: list[tuple[int, float]] = []
-    pauses = GcPauses(on_pause=lambda generation, pause_s: seen.append((generation, pause_s))).install()
+def test_kept_pauses_are_taken_once_in_order() -> None:
+    pauses = GcPauses(keep_pending=True).install()
     try:
         gc.collect(2)
         gc.collect(1)
     finally:
         pauses.uninstall()
-    assert seen[0][0] == 2 and seen[0][1] > 0 and any(generation == 1 for generation, _ in seen)
-    assert all(g.num_collections == 0 for g in pauses.generations)
+    taken = pauses.take_pending()
+    assert taken[0][0] == 2 and taken[0][1] > 0 and any(generation == 1 for generation, _ in taken)
+    assert pauses.take_pending() == []
+    assert pauses.generations[2].num_collections >= 1  # counted as well
+
+
+# A worker's metrics as the gateway keeps them: multiprocess values (one non-reentrant lock per process),
+# new labelled children (a new tenant) created while the collector runs at nearly every allocation.
+_LOCK_SCENARIO = """
+import gc, sys
+from prometheus_client import CollectorRegistry, Counter, generate_latest, multiprocess
+from tessera.gateway.metrics import gc_pause_exporter
+from tessera.telemetry.gc_heap import process_gc_pauses
+pauses = process_gc_pauses(keep_pending=True)
+export = gc_pause_exporter()
+requests = Counter("scenario_requests_total", "requests", ["tenant"], registry=None)
+gc.set_threshold(1)
+for i in range(300):
+    requests.labels(f"tenant-{i}").inc()
+    if i % 10 == 0:
+        export(pauses.take_pending())
+gc.set_threshold(700)
+export(pauses.take_pending())
+registry = CollectorRegistry()
+multiprocess.MultiProcessCollector(registry, sys.argv[1])
+print(generate_latest(registry).decode())
+"""
+
+
+def test_a_collection_inside_the_metrics_lock_does_not_deadlock_the_worker(tmp_path: Path) -> None:
+    """The collector can start inside prometheus_client's multiprocess lock (a new labelled child allocates
+    while holding it). The pause callback once observed into a multiprocess histogram from there and the
+    worker's thread waited on its own lock for ever: a gateway worker that neither answered nor closed its
+    connections. The pauses now leave the callback as plain data and reach the histogram from the worker's
+    tick. (Run in a child process: a deadlock is a timeout here, not a hung test run.)"""
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", _LOCK_SCENARIO, str(tmp_path)], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert 'scenario_requests_total{tenant="tenant-299"} 1.0' in done.stdout
+    counts = [float(line.rsplit(" ", 1)[1]) for line in done.stdout.splitlines()
+              if line.startswith("tessera_gc_pause_seconds_count")]
+    assert sum(counts) > 0, "the pauses reached the workers' histogram"

@@ -28,7 +28,7 @@ import uvicorn
 from uvicorn.supervisors import multiprocess
 
 from tessera.gateway.drain import DRAIN_STATE_KEY, GatewayDrain
-from tessera.gateway.metrics import gc_pause_recorder
+from tessera.gateway.metrics import gc_pause_exporter
 from tessera.telemetry.gc_heap import freeze_startup_heap, process_gc_pauses
 
 # A worker's housekeeping period (the date header, the shutdown check), seconds.
@@ -44,7 +44,8 @@ class LeanServer(uvicorn.Server):
         # Once the app has started (its lifespan ran), what the worker holds is its startup heap: frozen, a
         # full collection no longer walks it (gc_heap.py; ~45 ms per collection unfrozen).
         freeze_startup_heap()
-        process_gc_pauses(gc_pause_recorder())
+        self._gc_pauses = process_gc_pauses(keep_pending=True)
+        self._export_gc_pauses = gc_pause_exporter()
 
     async def main_loop(self) -> None:
         counter = 0
@@ -52,6 +53,8 @@ class LeanServer(uvicorn.Server):
         while not should_exit:
             await asyncio.sleep(SERVER_TICK_S - time.monotonic() % SERVER_TICK_S)
             counter = (counter + _TICKS_PER_DATE) % _COUNTER_WRAP
+            # The collector's pauses since the last tick, written here, in ordinary code (gc_heap.GcPauses).
+            self._export_gc_pauses(self._gc_pauses.take_pending())
             should_exit = await self.on_tick(counter)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:

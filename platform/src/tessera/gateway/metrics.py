@@ -76,10 +76,12 @@ class GatewayMetrics:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
 
-def gc_pause_recorder() -> Callable[[int, float], None]:
-    """Where a worker's garbage-collector pauses go (gc_heap.GcPauses' ``on_pause``): a histogram written to
-    the multiprocess directory, so ``/metrics`` sums every worker's, as it does the request series. Call it
-    once the worker has frozen its heap: it also records how many objects that froze."""
+def gc_pause_exporter() -> Callable[[list[tuple[int, float]]], None]:
+    """Where a worker's garbage-collector pauses go: a histogram written to the multiprocess directory, so
+    ``/metrics`` sums every worker's, as it does the request series. It is fed from the worker's server tick
+    with what ``gc_heap.GcPauses.take_pending`` kept, never from the collector's callback (the multiprocess
+    values' lock, see gc_heap.GcPauses). Call it once the worker has frozen its heap: it also records how
+    many objects that froze."""
     histogram = Histogram(gc_heap.METRIC_NAME, gc_heap.METRIC_HELP, ["generation"], registry=None,
                           buckets=gc_heap.PAUSE_BUCKETS_S)
     by_generation = [histogram.labels(str(generation)) for generation in range(3)]
@@ -87,10 +89,11 @@ def gc_pause_recorder() -> Callable[[int, float], None]:
     Gauge(gc_heap.FROZEN_METRIC_NAME, gc_heap.FROZEN_METRIC_HELP, registry=None,
           multiprocess_mode="livesum").set(gc.get_freeze_count())
 
-    def observe(generation: int, pause_s: float) -> None:
-        by_generation[generation].observe(pause_s)
+    def export(pauses: list[tuple[int, float]]) -> None:
+        for generation, pause_s in pauses:
+            by_generation[generation].observe(pause_s)
 
-    return observe
+    return export
 
 
 def render_all_workers() -> bytes:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import gc
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
@@ -37,6 +37,9 @@ METRIC_HELP = ("Time the Python garbage collector held this process, per collect
                "startup heap is frozen, so a full collection walks only what was allocated since)")
 # Set to 0 to leave the heap unfrozen (to measure what freezing buys: make bench-soak reports the pauses).
 FREEZE_ENV = "TESSERA_GC_FREEZE"
+# Pauses kept for an exporter between two of its takes (a process collects generation 0 a few hundred times
+# a second under load; the gateway takes them every server tick).
+MAX_PENDING_PAUSES = 10_000
 
 
 def freeze_startup_heap() -> int:
@@ -74,15 +77,35 @@ class GenerationPauses:
 class GcPauses(Collector):
     """Times each collection of this process; a Prometheus collector of what it saw.
 
-    ``on_pause(generation, seconds)``, if given, is called after each collection instead of counting here
-    (the gateway passes a multiprocess ``Histogram``'s observe, since its workers' series are summed from
-    files, not collected: counting twice would cost every generation-0 collection for nothing)."""
+    The callback runs inside the collector, which any allocation of any code can start — including code
+    that holds a lock: prometheus_client's multiprocess values share one non-reentrant lock, and a new
+    labelled child allocates while holding it. So the callback takes no lock and calls nothing that may: it
+    counts in plain lists, and with ``keep_pending`` also keeps each pause for ordinary code to export later
+    (``take_pending``; the gateway's workers write them to their multiprocess histogram on their server
+    tick). NOTE: a callback that observed into that histogram directly deadlocked the gateway's event loop
+    on its own lock (a worker that neither answered nor closed connections: the e2e and tenancy failures of
+    issue #16's stops 26-27)."""
 
-    def __init__(self, on_pause: Callable[[int, float], None] | None = None) -> None:
+    def __init__(self, keep_pending: bool = False) -> None:
         self.generations = [GenerationPauses() for _ in range(3)]
-        self._on_pause = on_pause
+        self._pending: list[tuple[int, float]] | None = [] if keep_pending else None
         self._started_at = 0.0
         self._installed = False
+
+    def keep_pending(self) -> None:
+        """From now on keep each pause for ``take_pending``."""
+        if self._pending is None:
+            self._pending = []
+
+    def take_pending(self) -> list[tuple[int, float]]:
+        """The pauses (generation, seconds) seen since the last call, oldest first; at most
+        ``MAX_PENDING_PAUSES`` (a caller that stopped taking them loses the newest, never memory)."""
+        pending = self._pending
+        if not pending:
+            return []
+        # A collection started by the new list's allocation appends to the old one, which is returned.
+        self._pending = []
+        return pending
 
     def install(self) -> GcPauses:
         if not self._installed:
@@ -101,10 +124,11 @@ class GcPauses(Collector):
             self._started_at = time.perf_counter()
             return
         pause_s = time.perf_counter() - self._started_at
-        if self._on_pause is not None:
-            self._on_pause(info["generation"], pause_s)
-        else:
-            self.generations[info["generation"]].add(pause_s)
+        generation = info["generation"]
+        self.generations[generation].add(pause_s)
+        pending = self._pending
+        if pending is not None and len(pending) < MAX_PENDING_PAUSES:
+            pending.append((generation, pause_s))
 
     def collect(self) -> Iterator[GaugeMetricFamily | HistogramMetricFamily]:
         yield GaugeMetricFamily(FROZEN_METRIC_NAME, FROZEN_METRIC_HELP, value=gc.get_freeze_count())
@@ -122,9 +146,12 @@ class GcPauses(Collector):
 _process_pauses: GcPauses | None = None
 
 
-def process_gc_pauses(on_pause: Callable[[int, float], None] | None = None) -> GcPauses:
-    """This process's one ``GcPauses``, installed on first use (a collector times a process, not an object)."""
+def process_gc_pauses(keep_pending: bool = False) -> GcPauses:
+    """This process's one ``GcPauses``, installed on first use (a collector times a process, not an object);
+    ``keep_pending``: its pauses are kept for ``take_pending`` as well."""
     global _process_pauses
     if _process_pauses is None:
-        _process_pauses = GcPauses(on_pause).install()
+        _process_pauses = GcPauses(keep_pending).install()
+    elif keep_pending:
+        _process_pauses.keep_pending()
     return _process_pauses
