@@ -16,11 +16,12 @@ from tessera_operators.kvcontrol.settings import KVControlSettings
 from tessera_operators.kvcontrol.sharding import shard_of
 
 NUM_ENGINES = 12
+MODEL = "shard-test-model"  # the session's Redis holds other tests' engines: the controllers watch this model
 
 
 def _record(i: int) -> EngineRecord:
     # Port 9 (discard) on loopback: nothing answers, so the loops' polls fail fast and harmlessly.
-    return EngineRecord(f"shard-test-engine-{i}", "http://127.0.0.1:9", "shard-model", 16, 1024, 4096,
+    return EngineRecord(f"shard-test-engine-{i}", "http://127.0.0.1:9", MODEL, 16, 1024, 4096,
                         kv_events_endpoint="tcp://127.0.0.1:9")
 
 
@@ -37,7 +38,8 @@ async def registry(redis_server: EmbeddedRedis) -> AsyncIterator[EngineRegistry]
 async def test_every_engine_has_exactly_one_controller(redis_server: EmbeddedRedis,
                                                        registry: EngineRegistry) -> None:
     controllers = [KVController(KVControlSettings(redis_url=redis_server.url, kvcontrol_shard=shard,
-                                                  kvcontrol_shards=2, kvcontrol_metrics_port=0))
+                                                  kvcontrol_shards=2, kvcontrol_metrics_port=0,
+                                                  kvcontrol_model=MODEL))
                    for shard in (0, 1)]
     try:
         for controller in controllers:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import time
+from collections.abc import Callable
 from types import FrameType
 
 import uvicorn
@@ -29,7 +30,7 @@ from uvicorn.supervisors import multiprocess
 
 from tessera.gateway.drain import DRAIN_STATE_KEY, GatewayDrain
 from tessera.gateway.metrics import gc_pause_exporter
-from tessera.telemetry.gc_heap import freeze_startup_heap, process_gc_pauses
+from tessera.telemetry.gc_heap import GcPauses, freeze_startup_heap, process_gc_pauses
 
 # A worker's housekeeping period (the date header, the shutdown check), seconds.
 SERVER_TICK_S = 1.0
@@ -39,6 +40,10 @@ _COUNTER_WRAP = 864_000
 
 
 class LeanServer(uvicorn.Server):
+    # Set at startup: this process's collector pauses and where the tick writes them (gc_heap.GcPauses).
+    _gc_pauses: GcPauses | None = None
+    _export_gc_pauses: Callable[[list[tuple[int, float]]], None] | None = None
+
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets)
         # Once the app has started (its lifespan ran), what the worker holds is its startup heap: frozen, a
@@ -54,7 +59,8 @@ class LeanServer(uvicorn.Server):
             await asyncio.sleep(SERVER_TICK_S - time.monotonic() % SERVER_TICK_S)
             counter = (counter + _TICKS_PER_DATE) % _COUNTER_WRAP
             # The collector's pauses since the last tick, written here, in ordinary code (gc_heap.GcPauses).
-            self._export_gc_pauses(self._gc_pauses.take_pending())
+            if self._gc_pauses is not None and self._export_gc_pauses is not None:
+                self._export_gc_pauses(self._gc_pauses.take_pending())
             should_exit = await self.on_tick(counter)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
