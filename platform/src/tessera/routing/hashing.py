@@ -48,3 +48,10 @@ def block_hash_chain(token_ids: list[int], block_size: int, cache_salt: str | No
     if block_size <= 0:
         return ()
     return tuple(to_event_hash(h) for h in block_hashes_bytes(token_ids, block_size, cache_salt))
+
+
+def stable_hash64(text: str) -> int:
+    """A 64-bit hash of ``text`` that every process and Python version agrees on (``hash()`` of a str is
+    salted per process): BLAKE2b, 8 bytes, big-endian. Consistent and rendezvous hashing over engine ids
+    (routing/policies.py) and the KV controller's shards (kvcontrol/sharding.py) use it."""
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import lru_cache
 
+from tessera.routing.hashing import stable_hash64
 from tessera.routing.snapshot import EngineView, RouteDecision, RouteRequest, RouteSnapshot
 
 PolicyFn = Callable[[RouteSnapshot, RouteRequest], RouteDecision]
@@ -101,7 +102,7 @@ def _least_loaded() -> PolicyFn:
 
 
 def _rendezvous(key: str, engine_id: str) -> int:
-    return int.from_bytes(hashlib.blake2b(f"{key}|{engine_id}".encode(), digest_size=8).digest(), "big")
+    return stable_hash64(f"{key}|{engine_id}")
 
 
 @register("session_affinity")
@@ -206,14 +207,13 @@ _MASK_64 = (1 << 64) - 1
 
 @lru_cache(maxsize=4096)
 def _engine_salt(engine_id: str) -> int:
-    return int.from_bytes(hashlib.blake2b(engine_id.encode(), digest_size=8).digest(), "big")
+    return stable_hash64(engine_id)
 
 
 @lru_cache(maxsize=65536)
 def _ring_points(engine_id: str, num_points: int) -> tuple[int, ...]:
     """An engine's points on the ring (64-bit, as block hashes are): the same in every gateway process."""
-    return tuple(int.from_bytes(hashlib.blake2b(f"{engine_id}#{k}".encode(), digest_size=8).digest(), "big")
-                 for k in range(num_points))
+    return tuple(stable_hash64(f"{engine_id}#{k}") for k in range(num_points))
 
 
 class _Ring:
