@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import platform
+import shlex
 import sys
 import tempfile
 import time
@@ -128,7 +129,8 @@ class Bench:
                     self.vllm_group(engine, round_index)
                 else:
                     self.run_stack("tessera", lambda: stacks.start_tessera(
-                        self.model_dir, self.work, self.args.ray_worker_niceness), round_index)
+                        self.model_dir, self.work, self.args.ray_worker_niceness,
+                        shlex.split(self.args.tessera_up_args)), round_index)
         self.complete = True
 
     def payload(self) -> tuple[dict[str, Any], str]:
@@ -176,6 +178,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--stacks", nargs="+", default=list(STACKS), choices=STACKS, help="Stacks to run.")
     parser.add_argument("--ray-worker-niceness", type=int, default=None,
                         help="RAY_worker_niceness for tessera up (default: Ray's own, 15, as users run it).")
+    parser.add_argument("--tessera-up-args", default="",
+                        help="More `tessera up` options for the Tessera stack, one string (an experiment's arm), "
+                        "e.g. --tessera-up-args=--no-cpu-split.")
     args = parser.parse_args(argv)
     if args.quick:
         args.sequential, args.phase_s = min(args.sequential, 10), min(args.phase_s, 8.0)

@@ -208,18 +208,20 @@ def start_litellm(vllm: Running, work: Path) -> Running:
                     "proxy_version": _version("litellm"), "log": str(log)}, lambda: _stop_group(proc))
 
 
-def start_tessera(model_dir: Path, work: Path, ray_worker_niceness: int | None = None) -> Running:
+def start_tessera(model_dir: Path, work: Path, ray_worker_niceness: int | None = None,
+                  extra_args: list[str] | None = None) -> Running:
     """``tessera up`` as a user starts it, then a tenant through ``tessera tenants create``.
 
     NOTE: Ray's raylet starts its workers, the engine replica and its vLLM processes among them, at niceness
     15 unless ``RAY_worker_niceness`` says otherwise; `tessera up` sets 0 (local/ray_settings.py).
     ``ray_worker_niceness`` overrides it (None: what `tessera up` sets, as a user runs it); the report states
-    the niceness each engine process ran at."""
+    the niceness each engine process ran at. ``extra_args``: more `tessera up` options (an experiment's arm,
+    e.g. ``--no-cpu-split``), named in the report's command."""
     port = free_port()
     state = work / "tessera-state"
     log = work / "tessera-up.log"
     cmd = [str(BIN / "tessera"), "up", "--model", str(model_dir), "--engines", "1", "--port", str(port),
-           "--state-dir", str(state)]
+           "--state-dir", str(state), *(extra_args or [])]
     env = {**os.environ}
     if ray_worker_niceness is not None:
         env["RAY_worker_niceness"] = str(ray_worker_niceness)

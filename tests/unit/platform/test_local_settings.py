@@ -6,7 +6,9 @@ import os
 
 import pytest
 
-from tessera.local.platform import split_cpus
+from tessera.engine.config import EngineConfig
+from tessera.engine.vllm_engine import shm_busy_loop_s
+from tessera.local.platform import PINNED_SHM_BUSY_LOOP_S, engine_placement_defaults, split_cpus
 from tessera.local.ray_settings import QUIET_RAY_ENV, quiet_ray_env, ray_init_kwargs
 
 
@@ -30,3 +32,16 @@ def test_the_split_gives_the_platform_the_last_core_and_the_engines_the_rest(mon
     assert split_cpus() == ({4}, {7})
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
     assert split_cpus() == (None, None)
+
+
+def test_an_engine_on_cores_of_its_own_busy_waits_briefly_and_a_setting_given_wins() -> None:
+    def resolved(pinned: bool, overrides: dict[str, object]) -> float:
+        config = EngineConfig.model_validate({"model": "/m", **engine_placement_defaults(pinned, overrides),
+                                              **overrides})
+        return shm_busy_loop_s(config)
+
+    assert resolved(True, {}) == PINNED_SHM_BUSY_LOOP_S
+    assert 0 < PINNED_SHM_BUSY_LOOP_S < 1.0  # vLLM's own second would spin out every idle gap
+    assert resolved(False, {}) == 0.0  # unpinned on CPU: the spin would take the gateway's core
+    assert resolved(True, {"shmBusyLoopS": 0.5}) == 0.5
+    assert resolved(True, {"shm_busy_loop_s": 0}) == 0.0

@@ -34,6 +34,10 @@ from tessera.tenancy.policy import TenantPolicy
 from tessera.tenancy.store import TenantStore
 
 ENGINE_APP = "tessera-engines"
+# vLLM's queue busy-wait for engines on cores of their own (`engine_placement_defaults`): longer than a decode
+# step of the small model on one core (3-6 ms), far shorter than vLLM's 1 s. Measured with
+# `bench_stack.py --tessera-up-args`: docs/performance.md section 7.
+PINNED_SHM_BUSY_LOOP_S = 0.01
 
 
 class PlatformStartError(RuntimeError):
@@ -110,6 +114,7 @@ class LocalPlatform:
     def start(self, timeout_s: float = 600.0) -> LocalPlatform:
         deadline = time.monotonic() + timeout_s
         opts = self.options
+        engine_cpus, platform_cpus = split_cpus() if opts.cpu_split else (None, None)
         model_dir = opts.model_dir or default_small_model_dir(opts.state_dir)
         if opts.model_dir is None and not is_small_model_dir(model_dir):
             print(f"[tessera] generating the small model in {model_dir}", flush=True)
@@ -119,10 +124,9 @@ class LocalPlatform:
         self.engine_config = EngineConfig.model_validate(
             {"model": str(model_dir.resolve()), "served_model_name": opts.engine_overrides.get(
                 "served_model_name", "tessera-small" if opts.model_dir is None else model_dir.name),
-             **opts.engine_overrides})
+             **engine_placement_defaults(engine_cpus is not None, opts.engine_overrides), **opts.engine_overrides})
         self.engine_config.validate_for_cpu() if not _has_gpu() else None
 
-        engine_cpus, platform_cpus = split_cpus() if opts.cpu_split else (None, None)
         own_cpus = os.sched_getaffinity(0)
         _pin(platform_cpus)  # what this process starts from here on inherits its CPUs
         self.start_redis()
@@ -324,6 +328,20 @@ class LocalPlatform:
             self._redis_lock = None
         with contextlib.suppress(FileNotFoundError):
             (self.run_dir / "redis_url").unlink()
+
+
+def engine_placement_defaults(engine_pinned: bool, overrides: dict[str, Any]) -> dict[str, Any]:
+    """EngineConfig defaults that follow from where the engine runs (the caller's overrides win).
+
+    ``engine_pinned``: the CPU split gave the engine's processes cores of their own (2 cores or more). Then
+    vLLM's queue readers may busy-wait briefly: a reader that yields (``sched_yield``) on a core whose other
+    task is the model's own thread gives way to it, and a window longer than a decode step keeps a running
+    request's hand-overs free of socket wake-ups, while the readers sleep ``PINNED_SHM_BUSY_LOOP_S`` after a
+    request ends instead of vLLM's second. Unpinned, the platform's default (0 on CPU) stands: there the spin
+    takes the gateway's and Redis's core."""
+    if not engine_pinned or "shm_busy_loop_s" in overrides or "shmBusyLoopS" in overrides:
+        return {}
+    return {"shm_busy_loop_s": PINNED_SHM_BUSY_LOOP_S}
 
 
 def split_cpus() -> tuple[set[int] | None, set[int] | None]:
