@@ -240,9 +240,9 @@ def step_samples(steps: list[StepRecord]) -> list[Any]:
     return samples
 
 
-async def probe_steps(url: str) -> None:
+async def probe_steps(url: str) -> list[Outcome]:
     """The calibration probes (module docstring, 2): a background request keeps the engine stepping while
-    isolated prompts and decode batches run."""
+    isolated prompts and decode batches run. Returns the isolated prompts' outcomes (their frontend delays)."""
     import httpx
 
     rng = random.Random(SEED + 1)
@@ -252,8 +252,9 @@ async def probe_steps(url: str) -> None:
         await asyncio.sleep(0.3)
         prompts = list(PROBE_PROMPTS) * 3
         rng.shuffle(prompts)
+        isolated = []
         for n in prompts:
-            await stream(client, url, [token(rng) for _ in range(n)], 1)
+            isolated.append(await stream(client, url, [token(rng) for _ in range(n)], 1))
             await asyncio.sleep(0.02)  # a few background-only steps between probes
         for b in PROBE_BATCHES * 2:
             await asyncio.gather(*(stream(client, url, [token(rng) for _ in range(16)], 24) for _ in range(b)))
@@ -261,6 +262,7 @@ async def probe_steps(url: str) -> None:
         background.cancel()  # the host aborts a request whose client left
         await asyncio.gather(background, return_exceptions=True)
     await asyncio.sleep(0.5)
+    return isolated
 
 
 async def warm_up(url: str) -> None:
@@ -297,7 +299,7 @@ def run_real(requests: list[Request], repeats: int) -> dict[str, Any]:
     try:
         asyncio.run(warm_up(host.url))
         log.take()
-        asyncio.run(probe_steps(host.url))
+        probe_outcomes = asyncio.run(probe_steps(host.url))
         probe, _ = log.take()
         runs = []
         for repeat in range(repeats):
@@ -309,7 +311,7 @@ def run_real(requests: list[Request], repeats: int) -> dict[str, Any]:
             runs.append({"load_average_1m": load, "outcomes": outcomes, "steps": steps, "core_itls_s": core_itls})
             print(f"real run {repeat + 1}/{repeats}: {fmt_summary(summarize(outcomes))} (load {load:.2f})",
                   flush=True)
-        return {"probe_steps": probe, "runs": runs}
+        return {"probe_steps": probe, "probe_outcomes": probe_outcomes, "runs": runs}
     finally:
         host.stop()
 
@@ -317,8 +319,10 @@ def run_real(requests: list[Request], repeats: int) -> dict[str, Any]:
 # ---- the sim -------------------------------------------------------------------------------------------------
 
 
-def run_sim(costs: dict[str, float], requests: list[Request], time_scale: float) -> tuple[list[Outcome], int]:
-    """The workload against one simulated replica: its outcomes and how many steps it took."""
+def run_sim(costs: dict[str, float], requests: list[Request], time_scale: float,
+            frontend_delays_s: list[float]) -> tuple[list[Outcome], int]:
+    """The workload against one simulated replica (its requests reach the scheduler after one of
+    ``frontend_delays_s``, drawn per request): its outcomes and how many steps it took."""
     from tessera.engine.sim.config import SimEngineConfig
     from tessera.engine.sim.fleet import SimFleet
 
@@ -326,7 +330,7 @@ def run_sim(costs: dict[str, float], requests: list[Request], time_scale: float)
         "served_model_name": MODEL, "block_size": BLOCK, "num_gpu_blocks": NUM_GPU_BLOCKS,
         "max_model_len": MAX_MODEL_LEN, "max_num_seqs": MAX_NUM_SEQS,
         "max_num_batched_tokens": MAX_NUM_BATCHED_TOKENS, "time_scale": time_scale, "vocab_size": VOCAB,
-        "step_time": {"kind": "measured", **costs},
+        "step_time": {"kind": "measured", **costs}, "frontend_delays_s": frontend_delays_s, "frontend_seed": SEED,
     })
 
     async def run() -> tuple[list[Outcome], int]:
@@ -429,6 +433,10 @@ def main() -> None:
                         help="Give the sim the measured spread of step times around the model (the shared "
                              "machine's noise) as seeded, independent per-step factors. It overshoots: much "
                              "of the spread is the frontend's late delivery, which never slows the engine.")
+    parser.add_argument("--frontend", choices=("probes", "workload", "none"), default="probes",
+                        help="Which real requests' frontend delays (TTFT - core queue - core prefill) the sim's "
+                             "requests draw theirs from: the probes' isolated prompts (default), the workload's "
+                             "own requests (in-sample), or none.")
     parser.add_argument("--num-requests", type=int, default=150)
     parser.add_argument("--rate", type=float, default=2.0, help="Poisson arrivals per second.")
     parser.add_argument("--repeats", type=int, default=2, help="Real workload runs (the spread is reported).")
@@ -448,6 +456,7 @@ def main() -> None:
         workload = [StepSample(**s) for s in saved["workload_samples"]]
         real_summaries = saved["real"]["runs"]
         real_extra = {k: v for k, v in saved["real"].items() if k != "runs"}
+        frontends = {"probes": saved.get("probe_frontend_s"), "workload": saved.get("workload_frontend_s")}
     else:
         real = run_real(requests, args.repeats)
         probe = step_samples(real["probe_steps"])
@@ -456,6 +465,7 @@ def main() -> None:
                            "num_steps": len(r["steps"]), "ttfts_s": [o.ttft_s for o in r["outcomes"]]}
                           for r in real["runs"]]
         overheads = sorted(o for r in real["runs"] for o in frontend_overhead_s(r["outcomes"]))
+        frontends = {"probes": sorted(frontend_overhead_s(real["probe_outcomes"])), "workload": overheads}
         core_itls = sorted(i for r in real["runs"] for i in r["core_itls_s"])
         real_extra = {"frontend_overhead_p50_s": percentile(overheads, 50),
                       "frontend_overhead_p90_s": percentile(overheads, 90),
@@ -464,7 +474,8 @@ def main() -> None:
         args.results.parent.mkdir(parents=True, exist_ok=True)
         args.results.write_text(json.dumps({
             "date": started, "real_date": started, "real": {"runs": real_summaries, **real_extra},
-            "probe_samples": [asdict(s) for s in probe], "workload_samples": [asdict(s) for s in workload]}))
+            "probe_samples": [asdict(s) for s in probe], "workload_samples": [asdict(s) for s in workload],
+            "probe_frontend_s": frontends["probes"], "workload_frontend_s": frontends["workload"]}))
     terms = [t.strip() for t in args.terms.split(",") if t.strip()]
     fits = {"probes": fit_report("probes", fit_measured_step_time(probe, terms), probe, workload, "workload"),
             "workload": fit_report("workload", fit_measured_step_time(workload, terms), workload, probe, "probes")}
@@ -482,9 +493,16 @@ def main() -> None:
           f"{real_extra.get('frontend_overhead_p90_s', float('nan')) * 1000:.2f} ms; its own ITL (core clock) "
           f"p50 {real_extra.get('core_itl_p50_s', float('nan')) * 1000:.2f} ms, p99 "
           f"{real_extra.get('core_itl_p99_s', float('nan')) * 1000:.2f} ms", flush=True)
+    frontend_delays = [] if args.frontend == "none" else frontends.get(args.frontend)
+    if frontend_delays is None:
+        raise SystemExit(f"the saved real half has no {args.frontend} frontend delays (it predates them): "
+                         "run without --sim-only, or pass --frontend none")
+    if frontend_delays:
+        print(f"sim frontend delays: {len(frontend_delays)} from the {args.frontend}, p50 "
+              f"{percentile(frontend_delays, 50) * 1000:.2f} ms, p90 {percentile(frontend_delays, 90) * 1000:.2f} ms")
     sim_summaries: list[dict[str, Any]] = []
     for repeat in range(args.sim_repeats):
-        outcomes, num_steps = run_sim(costs, requests, args.time_scale)
+        outcomes, num_steps = run_sim(costs, requests, args.time_scale, frontend_delays)
         sim_summaries.append({**summarize(outcomes), "num_steps": num_steps, "ttfts_s": [o.ttft_s for o in outcomes]})
         print(f"sim run {repeat + 1}/{args.sim_repeats}: {fmt_summary(sim_summaries[-1])}", flush=True)
     shown = {k: v for k, v in costs.items() if k != "jitter_factors"}
@@ -504,6 +522,8 @@ def main() -> None:
         "workload": {"num_requests": args.num_requests, "rate_per_s": args.rate, "max_tokens": MAX_TOKENS,
                      "shared_prefix_tokens": SHARED_PREFIX_TOKENS, "unique_tokens": UNIQUE_TOKENS, "seed": SEED},
         "sim_costs": costs, "fit_on": args.fit_on if not args.step_costs else "given", "fits": fits,
+        "frontend": args.frontend, "probe_frontend_s": frontends.get("probes"),
+        "workload_frontend_s": frontends.get("workload"),
         "real": {"runs": real_summaries, **real_extra}, "sim": {"runs": sim_summaries}, "comparison": rows,
         "goal_met": met, "paired_ttft_error": paired, "probe_samples": [asdict(s) for s in probe],
         "workload_samples": [asdict(s) for s in workload],

@@ -21,6 +21,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -218,8 +219,10 @@ def start_tessera(model_dir: Path, work: Path, ray_worker_niceness: int | None =
     the niceness each engine process ran at. ``extra_args``: more `tessera up` options (an experiment's arm,
     e.g. ``--no-cpu-split``), named in the report's command."""
     port = free_port()
-    state = work / "tessera-state"
-    log = work / "tessera-up.log"
+    # A state directory per start: `tessera up` keeps its Redis data there, and a second round on the first
+    # round's directory would find its tenant already made.
+    state = Path(tempfile.mkdtemp(prefix="tessera-state-", dir=work))
+    log = state.with_name(state.name.replace("tessera-state-", "tessera-up-") + ".log")
     cmd = [str(BIN / "tessera"), "up", "--model", str(model_dir), "--engines", "1", "--port", str(port),
            "--state-dir", str(state), *(extra_args or [])]
     env = {**os.environ}

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from tessera.engine.sim.step_time import RooflineStepTime, StepTimeConfig, roofline_num_gpu_blocks
 
@@ -39,6 +39,11 @@ class SimEngineConfig(BaseModel):
         "Wall seconds the event loop may wake late (timer resolution, a busy loop) at a step's end while the "
         "next step still starts at that end in simulated time, so modelled step times hold exactly; a "
         "lateness beyond it is lag, and shows as latency."))
+    frontend_delays_s: tuple[float, ...] = Field(default=(), description=(
+        "Simulated seconds from a request's arrival at the replica to its arrival at the scheduler (a real "
+        "engine's input processing and the hop to its engine core), drawn per request from these measured "
+        "values (empty: none). TTFT and E2E count it; the engine's own queue time does not."))
+    frontend_seed: int = Field(default=0, description="Seed of the frontend-delay draws.")
     http_host: str = Field(default="127.0.0.1", description="Address the replicas' HTTP servers bind.")
     advertise_host: str = Field(default="127.0.0.1", description="Host in the URLs the replicas register.")
     heartbeat_interval_s: float = Field(default=1.0, gt=0.0, description="Registry heartbeat period (wall s).")
@@ -46,6 +51,13 @@ class SimEngineConfig(BaseModel):
         "Feed the Redis prefix index from each replica's KV events, as a real replica's host does."))
     vocab_size: int = Field(default=32000, ge=2, description="Sampled token ids lie in [0, vocab_size).")
     max_body_bytes: int = Field(default=8 * 1024 * 1024, ge=1024, description="Largest request body (413 over).")
+
+    @field_validator("frontend_delays_s")
+    @classmethod
+    def _non_negative(cls, delays: tuple[float, ...]) -> tuple[float, ...]:
+        if any(d < 0 for d in delays):
+            raise ValueError("frontend_delays_s must be >= 0")
+        return delays
 
     @model_validator(mode="after")
     def _blocks_known(self) -> SimEngineConfig:

@@ -9,12 +9,18 @@ to every step. If the process falls further behind (a thousand engines on two co
 follows the wall clock, so lag shows up as latency rather than vanishing. Every duration in a request's stats is
 simulated; the ``*_ts`` timestamps are the clock's epoch plus simulated time. KV-event batches carry the
 wall-clock time they were published, as vLLM's do.
+
+Frontend: a real engine's request reaches its scheduler a few milliseconds after the replica received it
+(input processing, the hop to the engine core). With ``frontend_delays_s`` each request enters the scheduler
+that long after its arrival (one measured value drawn per request): its TTFT counts the delay, its queue
+time starts at the scheduler, and nothing else waits for it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
 import zlib
 from collections.abc import Callable
@@ -88,6 +94,7 @@ class SimEngine:
         self._last_add_s = 0.0  # simulated arrival of the last request
         self.prefix_queries = 0
         self.prefix_hits = 0
+        self._frontend_rng = random.Random(config.frontend_seed)
 
     # -- requests -----------------------------------------------------------------------------------------
 
@@ -102,15 +109,32 @@ class SimEngine:
                                   f"({self.num_gpu_blocks - 1} blocks of {self.config.block_size})")
         if body.request_id in self._streams:
             raise ValueError(f"request {body.request_id!r} is already running")
-        self._last_add_s = self.clock.now()
+        arrival_s = self.clock.now()
         request = SimRequest(body.request_id, list(body.prompt_token_ids), body.max_tokens,
                              BlockHashChain(body.prompt_token_ids, self.config.block_size, body.cache_salt),
-                             priority=body.priority, cache_salt=body.cache_salt, arrival_s=self._last_add_s)
-        self.scheduler.add_request(request)
+                             priority=body.priority, cache_salt=body.cache_salt, arrival_s=arrival_s)
         stream = RequestStream(request)
         self._streams[body.request_id] = stream
-        self._work.set()
+        delay_s = self._frontend_delay_s()
+        if delay_s > 0:
+            asyncio.get_running_loop().call_later(delay_s * self.clock.time_scale, self._enter, stream,
+                                                  arrival_s + delay_s)
+        else:
+            self._enter(stream, arrival_s)
         return stream
+
+    def _frontend_delay_s(self) -> float:
+        delays = self.config.frontend_delays_s
+        return self._frontend_rng.choice(delays) if delays else 0.0
+
+    def _enter(self, stream: RequestStream, at_s: float) -> None:
+        """The request reaches the scheduler at simulated ``at_s`` (unless it was aborted on the way)."""
+        if stream.done:
+            return
+        stream.request.scheduler_arrival_s = at_s
+        self._last_add_s = max(self._last_add_s, at_s)
+        self.scheduler.add_request(stream.request)
+        self._work.set()
 
     def abort(self, request_id: str, reason: str = "aborted") -> bool:
         """Stops a request still queued or running (its blocks freed); its stream ends with ``reason``."""
@@ -134,7 +158,7 @@ class SimEngine:
         return RequestStats(
             num_prompt_tokens=len(r.prompt_token_ids), num_cached_tokens=max(0, r.num_cached_tokens),
             num_output_tokens=len(r.output_token_ids), num_steps=r.num_steps, num_preemptions=r.num_preemptions,
-            queued_s=max(0.0, r.scheduled_s - r.arrival_s) if r.num_cached_tokens >= 0 else 0.0,
+            queued_s=max(0.0, r.scheduled_s - r.scheduler_arrival_s) if r.num_cached_tokens >= 0 else 0.0,
             prefill_s=max(0.0, r.first_token_s - r.scheduled_s) if r.first_token_s else 0.0,
             ttft_s=r.first_token_s - r.arrival_s if r.first_token_s else 0.0,
             decode_s=end_s - r.first_token_s if r.first_token_s else 0.0,

@@ -51,7 +51,8 @@ class SimRequest:
     chain: BlockHashChain
     priority: int = 0
     cache_salt: str | None = None
-    arrival_s: float = 0.0
+    arrival_s: float = 0.0  # at the replica
+    scheduler_arrival_s: float = 0.0  # at the scheduler (later by the frontend delay, engine.py)
     output_token_ids: list[int] = field(default_factory=list)
     blocks: list[Block] = field(default_factory=list)
     num_computed_tokens: int = 0
