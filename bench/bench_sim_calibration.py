@@ -11,8 +11,10 @@ against the real CPU engine on the same workload — TTFT and ITL p50/p99 side b
    (prompt sequences and tokens, decoding sequences) and when the frontend received it.
 2. Step costs, from the engine's own steps (``tessera.engine.sim.step_time_fit``): while one long request
    keeps the engine stepping, isolated prompts of 32–1,536 tokens (3 each) and decode batches of 2–8
-   sequences run one after another; each step's time is the gap since the previous step (valid only when
-   the engine had work left after it, so the gap holds no idle time). The ``measured`` model (per step, per
+   sequences (384-token prompts, the workload's typical context) run one after another; each step's time
+   is the gap since the previous step (valid only when the engine had work left after it, so the gap holds
+   no idle time). The isolated prompts' frontend delays (TTFT less the engine core's queue and prefill)
+   become the sim's ``frontend_delays_s`` (``--frontend``). The ``measured`` model (per step, per
    extra sequence, per prompt token, per prompt sequence — the prefill/decode mix — and per query-key pair)
    is fitted on the medians per step shape. The same fit on the workload's own steps is printed beside it
    as a check, with how well each explains the other's steps.
@@ -74,6 +76,11 @@ GOAL_ERROR = 0.15
 SEED = 17
 PROBE_PROMPTS = (32, 64, 128, 256, 384, 512, 768, 1024, 1536)
 PROBE_BATCHES = (1, 2, 3, 5, 7)  # decoding beside the background request: 2-8 sequences
+# The decode-batch probes' prompt length: about the workload's contexts (a shared 256-token prefix for half,
+# 64-512 unique tokens). A sequence's share of a decode step grows with the context it attends to, which the
+# step model has no term for; probes of 16 tokens fitted ~15-135 us per extra sequence where the workload's
+# own steps fit ~400-600 us, and the sim's ITL came out 20-35 % short (docs/routing.md, calibration).
+PROBE_DECODE_PROMPT_TOKENS = 384
 BACKGROUND_TOKENS = 1900
 METRICS = ("ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s")
 
@@ -257,7 +264,8 @@ async def probe_steps(url: str) -> list[Outcome]:
             isolated.append(await stream(client, url, [token(rng) for _ in range(n)], 1))
             await asyncio.sleep(0.02)  # a few background-only steps between probes
         for b in PROBE_BATCHES * 2:
-            await asyncio.gather(*(stream(client, url, [token(rng) for _ in range(16)], 24) for _ in range(b)))
+            await asyncio.gather(*(stream(client, url, [token(rng) for _ in range(PROBE_DECODE_PROMPT_TOKENS)], 24)
+                                   for _ in range(b)))
             await asyncio.sleep(0.02)
         background.cancel()  # the host aborts a request whose client left
         await asyncio.gather(background, return_exceptions=True)
