@@ -115,6 +115,7 @@ class LocalPlatform:
         deadline = time.monotonic() + timeout_s
         opts = self.options
         engine_cpus, platform_cpus = split_cpus() if opts.cpu_split else (None, None)
+        has_gpu = _has_gpu()
         model_dir = opts.model_dir or default_small_model_dir(opts.state_dir)
         if opts.model_dir is None and not is_small_model_dir(model_dir):
             print(f"[tessera] generating the small model in {model_dir}", flush=True)
@@ -124,8 +125,9 @@ class LocalPlatform:
         self.engine_config = EngineConfig.model_validate(
             {"model": str(model_dir.resolve()), "served_model_name": opts.engine_overrides.get(
                 "served_model_name", "tessera-small" if opts.model_dir is None else model_dir.name),
-             **engine_placement_defaults(engine_cpus is not None, opts.engine_overrides), **opts.engine_overrides})
-        self.engine_config.validate_for_cpu() if not _has_gpu() else None
+             **engine_placement_defaults(engine_cpus is not None and not has_gpu, opts.engine_overrides),
+             **opts.engine_overrides})
+        self.engine_config.validate_for_cpu() if not has_gpu else None
 
         own_cpus = os.sched_getaffinity(0)
         _pin(platform_cpus)  # what this process starts from here on inherits its CPUs
@@ -333,12 +335,12 @@ class LocalPlatform:
 def engine_placement_defaults(engine_pinned: bool, overrides: dict[str, Any]) -> dict[str, Any]:
     """EngineConfig defaults that follow from where the engine runs (the caller's overrides win).
 
-    ``engine_pinned``: the CPU split gave the engine's processes cores of their own (2 cores or more). Then
+    ``engine_pinned``: the engine computes on the CPU, on cores the split gave it (2 cores or more). Then
     vLLM's queue readers may busy-wait briefly: a reader that yields (``sched_yield``) on a core whose other
     task is the model's own thread gives way to it, and a window longer than a decode step keeps a running
     request's hand-overs free of socket wake-ups, while the readers sleep ``PINNED_SHM_BUSY_LOOP_S`` after a
     request ends instead of vLLM's second. Unpinned, the platform's default (0 on CPU) stands: there the spin
-    takes the gateway's and Redis's core."""
+    takes the gateway's and Redis's core; with a GPU, so does vLLM's own second (its steps may outlast 10 ms)."""
     if not engine_pinned or "shm_busy_loop_s" in overrides or "shmBusyLoopS" in overrides:
         return {}
     return {"shm_busy_loop_s": PINNED_SHM_BUSY_LOOP_S}
