@@ -222,7 +222,7 @@ def start_tessera(model_dir: Path, work: Path, ray_worker_niceness: int | None =
     # A state directory per start: `tessera up` keeps its Redis data there, and a second round on the first
     # round's directory would find its tenant already made.
     state = Path(tempfile.mkdtemp(prefix="tessera-state-", dir=work))
-    log = state.with_name(state.name.replace("tessera-state-", "tessera-up-") + ".log")
+    log = work / f"{state.name}.log"  # `tessera up`'s output, beside its state directory
     cmd = [str(BIN / "tessera"), "up", "--model", str(model_dir), "--engines", "1", "--port", str(port),
            "--state-dir", str(state), *(extra_args or [])]
     env = {**os.environ}

@@ -30,7 +30,7 @@ from uvicorn.supervisors import multiprocess
 
 from tessera.gateway.drain import DRAIN_STATE_KEY, GatewayDrain
 from tessera.gateway.metrics import gc_pause_exporter
-from tessera.telemetry.gc_heap import GcPauses, freeze_startup_heap, process_gc_pauses
+from tessera.telemetry.gc_heap import freeze_startup_heap, process_gc_pauses
 
 # A worker's housekeeping period (the date header, the shutdown check), seconds.
 SERVER_TICK_S = 1.0
@@ -40,17 +40,17 @@ _COUNTER_WRAP = 864_000
 
 
 class LeanServer(uvicorn.Server):
-    # Set at startup: this process's collector pauses and where the tick writes them (gc_heap.GcPauses).
-    _gc_pauses: GcPauses | None = None
-    _export_gc_pauses: Callable[[list[tuple[int, float]]], None] | None = None
+    # Set at startup: writes the collector's pauses since the last call to the workers' histogram
+    # (gc_heap.GcPauses.take_pending, metrics.gc_pause_exporter).
+    _export_gc_pauses: Callable[[], None] | None = None
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets)
         # Once the app has started (its lifespan ran), what the worker holds is its startup heap: frozen, a
         # full collection no longer walks it (gc_heap.py; ~45 ms per collection unfrozen).
         freeze_startup_heap()
-        self._gc_pauses = process_gc_pauses(keep_pending=True)
-        self._export_gc_pauses = gc_pause_exporter()
+        pauses, export = process_gc_pauses(keep_pending=True), gc_pause_exporter()
+        self._export_gc_pauses = lambda: export(pauses.take_pending())
 
     async def main_loop(self) -> None:
         counter = 0
@@ -59,8 +59,8 @@ class LeanServer(uvicorn.Server):
             await asyncio.sleep(SERVER_TICK_S - time.monotonic() % SERVER_TICK_S)
             counter = (counter + _TICKS_PER_DATE) % _COUNTER_WRAP
             # The collector's pauses since the last tick, written here, in ordinary code (gc_heap.GcPauses).
-            if self._gc_pauses is not None and self._export_gc_pauses is not None:
-                self._export_gc_pauses(self._gc_pauses.take_pending())
+            if self._export_gc_pauses is not None:
+                self._export_gc_pauses()
             should_exit = await self.on_tick(counter)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
