@@ -10,7 +10,8 @@ replies, matched in order (Redis answers a connection's commands in the order th
 lost connection fails every pending call and drops the connection, since a late reply would otherwise be
 handed to the next caller; the next call reconnects. Errors are redis-py's own exception types, so callers
 handle both clients alike (``NoScriptError`` for NOSCRIPT, ``OutOfMemoryError`` for a server at maxmemory,
-``ResponseError`` for the other error replies).
+``BusyLoadingError`` — a ``ConnectionError``, so "Redis unavailable" — for a server still loading its data
+after a restart or busy in a long script, ``ResponseError`` for the other error replies).
 
 Failover. With a ``redis+sentinel://`` URL each new connection first asks the Sentinels for the primary
 (``redis_sentinel.SentinelResolver``) and checks ``ROLE`` with its AUTH/SELECT before any command is sent: a
@@ -32,8 +33,8 @@ from typing import Any
 
 import hiredis
 from redis.asyncio.connection import SSLConnection, UnixDomainSocketConnection, parse_url
+from redis.exceptions import BusyLoadingError, NoScriptError, OutOfMemoryError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoScriptError, OutOfMemoryError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from tessera.redis_sentinel import SentinelResolver, is_sentinel_url, parse_sentinel_url
@@ -53,8 +54,18 @@ def pack_commands(commands: list[Command]) -> bytes:
     return b"".join(parts)
 
 
-def as_redis_error(reply: hiredis.ReplyError) -> ResponseError:
+# Replies from a server that is up but cannot run commands yet: loading its append-only file or snapshot
+# (a restarted Redis accepts connections before its data is back), or blocked in a long script. redis-py
+# raises ``BusyLoadingError`` for LOADING, a ``ConnectionError``: the caller waits as for a Redis that is
+# down (503 fail-closed, a finish parked and retried), where a plain ``ResponseError`` would be a 500 and a
+# finish dropped as unrecordable.
+NOT_READY = ("LOADING", "BUSY ")
+
+
+def as_redis_error(reply: hiredis.ReplyError) -> Exception:
     message = str(reply)
+    if message.startswith(NOT_READY):
+        return BusyLoadingError(message)
     if message.startswith("NOSCRIPT"):
         return NoScriptError(message)
     if message.startswith("OOM"):
