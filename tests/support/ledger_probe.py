@@ -36,6 +36,7 @@ def main(model_dir: str, rounds: int, seed: int) -> None:
     from vllm.v1.core.kv_cache_utils import get_block_hash
     from vllm.v1.engine.llm_engine import LLMEngine
 
+    from tessera.engine.capabilities import ask_vllm, resolve
     from tessera.engine.config import EngineConfig
     from tessera.routing.hashing import block_hashes_bytes
     from tessera.routing.kv_events import decode_batch
@@ -46,6 +47,8 @@ def main(model_dir: str, rounds: int, seed: int) -> None:
     config = EngineConfig.model_validate({"model": model_dir, "num_gpu_blocks_override": NUM_GPU_BLOCKS,
                                           "block_size": BLOCK_SIZE, "max_model_len": 1024,
                                           "max_num_batched_tokens": 256})
+    # As the host does: the KV dtype this CPU runs (FP8 needs AVX-512 or AMX; the ledger is the same in bf16).
+    config = resolve(config, ask_vllm(config)).config
     engine = LLMEngine.from_engine_args(EngineArgs(**config.to_vllm_kwargs(kv_events_endpoint=f"tcp://*:{port}")))
     sub = zmq.Context.instance().socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
