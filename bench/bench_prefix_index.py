@@ -185,6 +185,19 @@ async def measure_route(redis_url: str, num_engines: int, num_blocks: int) -> di
             hits += decision.expected_cached_tokens > 0
             routed.append(req)
     parts = route_parts(feed.index, records, routed)
+    # The same requests routed twice more: each one's best of the three times is the code's cost with the
+    # machine's jitter (timer ticks, a neighbour's burst: on the 2-vCPU VM a decision's p99 is 2-3x its p50
+    # even where each request's best time is flat) mostly taken out. Reported beside the raw p99, which the
+    # goal is judged on.
+    again: list[list[float]] = []
+    for _ in range(2):
+        times = []
+        for req in routed:
+            t = time.perf_counter_ns()
+            await router.route(req)
+            times.append((time.perf_counter_ns() - t) / 1e3)
+        again.append(times)
+    best_of_3 = [min(first, *later) for first, *later in zip(route_us, *again, strict=True)]
     gc.unfreeze()
     pages = huge_pages()  # while the index is alive
     await router.close()
@@ -192,7 +205,7 @@ async def measure_route(redis_url: str, num_engines: int, num_blocks: int) -> di
         await registry.deregister(engine_id)
     await redis.aclose()
     return {"num_engines": num_engines, "num_blocks": feed.index.num_blocks, "route": pct(route_us),
-            "route_mean_us": trimmed_mean(route_us), "parts": parts,
+            "route_mean_us": trimmed_mean(route_us), "route_best_of_3": pct(best_of_3), "parts": parts,
             "credited_share": hits / len(route_us), "lookup_1000_tokens": lookup, "huge_pages": pages}
 
 
@@ -284,6 +297,8 @@ def print_table(result: dict[str, Any]) -> None:
             (f"whole Router decision, {fleet_name}",
              f"p50 {r['route']['p50_us']:.1f} / p99 {r['route']['p99_us']:.1f} us",
              f"<= {GOALS[goal]:.0f} us p99", r["route"]["p99_us"] <= GOALS[goal]),
+            ("  each request's best of 3 routes (the code's cost, the machine's jitter mostly out)",
+             f"p50 {r['route_best_of_3']['p50_us']:.1f} / p99 {r['route_best_of_3']['p99_us']:.1f} us", "", None),
             ("  of which the index lookup (these requests)",
              f"p50 {parts['lookup']['p50_us']:.1f} / p99 {parts['lookup']['p99_us']:.1f} us", "", None),
             ("  of which the prefix_affinity policy",

@@ -309,9 +309,13 @@ def test_prefix_affinity_ranks_a_large_fleets_first_engines_exactly_as_a_full_so
     its ranking must equal the first MAX_RANKED_ENGINES of a full sort by (score, home order)."""
     rng = random.Random(5)
     policy = make_policy("prefix_affinity")
-    for trial in range(200):
+    for trial in range(400):
+        # Mostly a few engines under pressure (the fast path: MAX_RANKED_ENGINES open homes met); in every
+        # fourth fleet most are (fewer open engines than that: the full sort).
+        pressured = 0.6 if trial % 4 == 0 else 0.05
+        size = rng.choice((17, 40, 120))
         fleet = tuple(engine(f"e{i:03d}", running=rng.randrange(4), waiting=rng.choice((0, 0, 0, 1)),
-                             pressure=rng.random() < 0.05, block_size=16) for i in range(rng.choice((17, 40, 120))))
+                             pressure=rng.random() < pressured, block_size=16) for i in range(size))
         ids = [e.engine_id for e in fleet]
         cached = {e: rng.randrange(1, 64) for e in rng.sample(ids, rng.randrange(0, 4))}
         in_flight = {e: rng.randrange(1, 8) for e in rng.sample(ids, rng.randrange(0, 4))}

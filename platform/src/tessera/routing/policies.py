@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import math
 import random
 from bisect import bisect_left
 from collections import OrderedDict
@@ -295,7 +296,8 @@ MAX_RANKED_ENGINES = 16
 @dataclass(slots=True)
 class _Fleet:
     """What prefix_affinity can compute once per registry read (the router passes the same ``engines``
-    tuple until the next one): per-engine arrays and the consistent-hash ring."""
+    tuple until the next one): per-engine arrays, the consistent-hash ring, and the engines closed to new
+    affinity requests at each whole-number load bound (``closed_at``)."""
 
     engines: tuple[EngineView, ...]
     index: dict[str, int]
@@ -304,13 +306,28 @@ class _Fleet:
     ring: _Ring
     ids: tuple[str, ...]
     under_pressure: list[bool]
+    # (load, engine) by load, highest first; and the closed sets made so far, by threshold.
+    by_load: list[tuple[int, int]]
+    _closed: dict[int, frozenset[int]]
 
     @classmethod
     def of(cls, engines: tuple[EngineView, ...]) -> _Fleet:
         loads = [e.load for e in engines]
         ids = tuple(e.engine_id for e in engines)
         return cls(engines, {engine_id: i for i, engine_id in enumerate(ids)}, loads, sum(loads), _ring(ids), ids,
-                   [e.under_pressure for e in engines])
+                   [e.under_pressure for e in engines], sorted(((load, i) for i, load in enumerate(loads)),
+                                                          reverse=True), {})
+
+    def closed_at(self, threshold: int) -> frozenset[int]:
+        """Engines under pressure or with a heartbeat load of at least ``threshold``: closed to affinity
+        requests while the bound is ``threshold`` (integer loads: ``load < bound`` is ``load < ceil(bound)``).
+        A registry read sees a handful of thresholds, so each set is built once."""
+        closed = self._closed.get(threshold)
+        if closed is None:
+            over = itertools.takewhile(lambda entry: entry[0] >= threshold, self.by_load)
+            closed = self._closed[threshold] = frozenset(
+                [i for _, i in over] + [i for i, flag in enumerate(self.under_pressure) if flag])
+        return closed
 
 
 @register("prefix_affinity")
@@ -342,7 +359,7 @@ def _prefix_affinity() -> PolicyFn:
         if (empty := _empty(snapshot)) is not None:
             return empty
         fleet = fleet_of(snapshot.engines)
-        engines, index, fleet_loads, under_pressure = fleet.engines, fleet.index, fleet.loads, fleet.under_pressure
+        engines, index, fleet_loads = fleet.engines, fleet.index, fleet.loads
         # Load = max(heartbeat, this gateway's in-flight count): only engines with requests in flight change.
         loads: dict[int, int] = {}
         sum_loads = fleet.sum_loads
@@ -366,36 +383,35 @@ def _prefix_affinity() -> PolicyFn:
         # Engines beyond it rank after every one in it.
         key = request.block_hashes[0] if request.block_hashes else _engine_salt(request.session_id or request.tenant)
         num_engines = len(engines)
+        ring = fleet.ring
+        # Closed engines: the fleet's at this bound, and those this gateway's own requests took over it (a
+        # local load only ever raises an engine's).
+        closed = fleet.closed_at(math.ceil(bound))
+        if loads and (extra := [i for i, load in loads.items() if load >= bound]):
+            closed = closed.union(extra)
         walk_len = min(num_engines, 2 * MAX_RANKED_ENGINES)
-        home_rank: dict[int, int] = {}
-        walk_open: list[int] = []  # the open homes met, in ring order
         while True:
-            walk_open.clear()
-            for rank, i in enumerate(fleet.ring.walk(key, walk_len)):
-                home_rank[i] = rank
-                if not under_pressure[i] and (loads.get(i, fleet_loads[i]) if loads else fleet_loads[i]) < bound:
-                    walk_open.append(i)
-                    if len(walk_open) == MAX_RANKED_ENGINES:
-                        break
+            walk = ring.walk(key, walk_len)
+            # The open homes met, in ring order (filterfalse and islice: the walk is scanned in C).
+            walk_open = list(itertools.islice(itertools.filterfalse(closed.__contains__, walk), MAX_RANKED_ENGINES))
             if len(walk_open) == MAX_RANKED_ENGINES or walk_len == num_engines:
                 break
             walk_len = min(num_engines, 4 * walk_len)  # many engines over the bound: look further
-        # A holder beyond the walk (rare: holders are mostly the prefix's first homes) still needs its
-        # place on the ring, to break a tie with another holder the same way in every gateway: after every
-        # walked engine, in ring order. NOTE: by the distance to its first point, not by extending the walk
-        # to it — a cold walk of the whole fleet cost ~1 ms at 1,000 engines (the route's p99, issue #17).
-        for i in cached:
-            if i not in home_rank:
-                home_rank[i] = num_engines + fleet.ring.offset(key, i)
 
         # Two homes per prefix: the second takes the first's place while it is idle and the first is not,
         # so two cold prompts do not queue on one engine while another sits idle. Only idle capacity
         # counts: a busy fleet keeps one home per prefix (a second copy evicts another prefix).
+        swapped: dict[int, int] = {}
         if len(walk_open) >= 2:
             first, second = walk_open[0], walk_open[1]
             if loads.get(second, fleet_loads[second]) == 0 < loads.get(first, fleet_loads[first]):
-                home_rank[first], home_rank[second] = home_rank[second], home_rank[first]
+                swapped = {first: second, second: first}
                 walk_open[0], walk_open[1] = second, first
+
+        def home_rank(i: int) -> int:
+            # An engine's place on the ring from the prefix's key: the distance to its first point orders
+            # engines as the walk does (``_Ring.offset``), without walking to an engine beyond the walk.
+            return ring.offset(key, swapped.get(i, i))
 
         def rank_key(i: int) -> tuple[bool, bool, int, int, int]:
             load = loads.get(i, fleet_loads[i])
@@ -403,31 +419,40 @@ def _prefix_affinity() -> PolicyFn:
             credit = 0 if over else cached.get(i, 0)
             price = (TOKENS_PER_RUNNING_REQUEST * load + TOKENS_PER_WAITING_REQUEST * engines[i].num_waiting
                      if credit else 0)
-            return engines[i].under_pressure, over, -credit, price, home_rank.get(i, num_engines + i)
+            return engines[i].under_pressure, over, -credit, price, home_rank(i)
 
         if len(walk_open) == MAX_RANKED_ENGINES:
             # The usual case, without a key per candidate: every open engine ranks before every closed one,
             # and MAX_RANKED_ENGINES open ones were met, so the ranking is the open holders with credit (by
             # rank_key) and then the walk's open engines in ring order. (An open engine beyond the walk without
             # credit ranks after all of them.) Equal to the full sort below (tests/unit/routing/test_policies.py).
-            credited = sorted((i for i, tokens in cached.items() if tokens and not engines[i].under_pressure
-                               and loads.get(i, fleet_loads[i]) < bound), key=rank_key)
-            ranked = credited + [i for i in walk_open if i not in cached or not cached[i]]
+            credited = [i for i, tokens in cached.items() if tokens and i not in closed]
+            if len(credited) > 1:  # one holder (the usual hit) needs no key
+                credited.sort(key=rank_key)
+            ranked = credited + [i for i in walk_open if not cached.get(i)] if credited else walk_open
             del ranked[MAX_RANKED_ENGINES:]
         else:
-            ranked = sorted({*home_rank, *loads, *cached}, key=rank_key)[:MAX_RANKED_ENGINES]
+            # Few open engines: every engine walked, holder and in-flight one is scored (closed ones too, the
+            # pressured last); an engine never walked ranks by its index after all walked ones.
+            walked = {i: rank for rank, i in enumerate(walk)}  # the whole fleet: the walk went all the way
+            walked.update({i: walked[j] for i, j in swapped.items()})
+
+            def full_key(i: int) -> tuple[bool, bool, int, int, int]:
+                under, over, credit, price, _ = rank_key(i)
+                return under, over, credit, price, walked[i]
+            ranked = sorted({*walked, *loads, *cached}, key=full_key)[:MAX_RANKED_ENGINES]
         top = ranked[0]
         top_cached, top_load = cached.get(top, 0), loads.get(top, fleet_loads[top])
-        holder = max(cached, key=lambda i: (cached[i], -loads.get(i, fleet_loads[i])), default=None)
         if top_cached > 0:
             reason = f"prefix_affinity cached_tokens={top_cached} load={top_load}"
-        elif holder is None:
+        elif not cached:
             reason = f"prefix_affinity miss: home load={top_load}"
-        elif (holder_load := loads.get(holder, fleet_loads[holder])) >= bound:
-            reason = f"prefix_affinity bounded_load: holder load {holder_load} >= {bound:.1f}, load={top_load}"
         else:
-            reason = f"prefix_affinity holder under kv pressure, load={top_load}"
-        ids = fleet.ids
-        return RouteDecision(tuple([ids[i] for i in ranked]), reason, top_cached)
+            holder = max(cached, key=lambda i: (cached[i], -loads.get(i, fleet_loads[i])))
+            if (holder_load := loads.get(holder, fleet_loads[holder])) >= bound:
+                reason = f"prefix_affinity bounded_load: holder load {holder_load} >= {bound:.1f}, load={top_load}"
+            else:
+                reason = f"prefix_affinity holder under kv pressure, load={top_load}"
+        return RouteDecision(tuple(map(fleet.ids.__getitem__, ranked)), reason, top_cached)
 
     return policy

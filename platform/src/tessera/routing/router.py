@@ -15,6 +15,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
@@ -55,11 +56,11 @@ def engine_view(record: EngineRecord) -> EngineView:
                       record.num_gpu_blocks, record.block_size, record.under_pressure)
 
 
-@dataclass(frozen=True, slots=True)
-class RoutePlan:
+class RoutePlan(NamedTuple):
     """A request's route before the prefix lookup: the live engines of its model, and the lookup as one Redis
     command (None when the policy or the prompt needs none), for a caller that sends it in a round trip of
-    its own making (the gateway sends it with admission). ``lookup_args`` are that command's arguments."""
+    its own making (the gateway sends it with admission). ``lookup_args`` are that command's arguments. A
+    NamedTuple, as the routing values made per request are (snapshot.py)."""
 
     request: RouteRequest
     records: list[EngineRecord]
@@ -247,7 +248,9 @@ class Router:
         if view is None or view.records is not plan.records:  # a plan made before the last registry read
             view = _ModelView(plan.records, tuple(engine_view(r) for r in plan.records),
                               {r.engine_id: r for r in plan.records})
-        snapshot = RouteSnapshot(view.views, cached, dict(self._in_flight))
+        # The live in-flight counts, not a copy: the policy runs to its answer without yielding, so they
+        # cannot change under it.
+        snapshot = RouteSnapshot(view.views, cached, self._in_flight)
         return self._policy(snapshot, plan.request), view.by_id
 
     def _live_mask(self, index: LocalPrefixIndex, model: str, view: _ModelView) -> int:

@@ -1,8 +1,19 @@
-"""What a routing policy sees: small frozen values, no Redis, no HTTP (policies are pure functions)."""
+"""What a routing policy sees: small immutable values, no Redis, no HTTP (policies are pure functions).
+
+The values made per request (``RouteRequest``, ``RouteSnapshot``, ``RouteDecision``) are NamedTuples: as
+immutable as a frozen dataclass, and several times cheaper to build (a frozen dataclass sets each field
+through ``object.__setattr__``: ~1 µs a value, on a routing decision whose goal is 50 µs, issue #17).
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import NamedTuple
+
+# The empty default of a snapshot's mappings: read-only, so one object can serve every snapshot.
+_NONE: Mapping[str, int] = MappingProxyType({})
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,8 +32,7 @@ class EngineView:
         return self.num_running + self.num_waiting
 
 
-@dataclass(frozen=True, slots=True)
-class RouteRequest:
+class RouteRequest(NamedTuple):
     tenant: str
     model: str
     num_prompt_tokens: int
@@ -36,17 +46,15 @@ class RouteRequest:
     cache_salt: str | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class RouteSnapshot:
+class RouteSnapshot(NamedTuple):
     engines: tuple[EngineView, ...]
     # engine_id -> how many leading blocks of this request's chain that engine holds (from KV events).
-    cached_prefix_blocks: dict[str, int] = field(default_factory=dict)
+    cached_prefix_blocks: Mapping[str, int] = _NONE
     # engine_id -> requests this gateway routed there and has not seen finish (fresher than heartbeats).
-    local_in_flight: dict[str, int] = field(default_factory=dict)
+    local_in_flight: Mapping[str, int] = _NONE
 
 
-@dataclass(frozen=True, slots=True)
-class RouteDecision:
+class RouteDecision(NamedTuple):
     ranked: tuple[str, ...]
     reason: str
     expected_cached_tokens: int = 0
