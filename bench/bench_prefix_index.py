@@ -297,7 +297,7 @@ def print_table(result: dict[str, Any]) -> None:
             (f"whole Router decision, {fleet_name}",
              f"p50 {r['route']['p50_us']:.1f} / p99 {r['route']['p99_us']:.1f} us",
              f"<= {GOALS[goal]:.0f} us p99", r["route"]["p99_us"] <= GOALS[goal]),
-            ("  each request's best of 3 routes (the code's cost, the machine's jitter mostly out)",
+            ("  each request's best of 3 routes (the machine's jitter mostly out)",
              f"p50 {r['route_best_of_3']['p50_us']:.1f} / p99 {r['route_best_of_3']['p99_us']:.1f} us", "", None),
             ("  of which the index lookup (these requests)",
              f"p50 {parts['lookup']['p50_us']:.1f} / p99 {parts['lookup']['p99_us']:.1f} us", "", None),

@@ -252,7 +252,8 @@ class EngineConfig(BaseModel):
         "memory queues after each message before they sleep on a socket, seconds. vLLM's own value, 1.0, keeps "
         "each process on a core while a request runs and for a second after; 0 frees those cores for about a "
         "third of the CPU per request and costs some latency (docs/performance.md). Default (null): 0 on the "
-        "CPU build, where the model's own threads need those cores; 1.0 with GPUs.",
+        "CPU build, where the model's own threads need those cores; 1.0 with GPUs; under `tessera up`, a CPU "
+        "engine pinned to cores of its own gets 0.01 (a short spin that the pinned cores can afford).",
     )
 
     @model_validator(mode="after")

@@ -432,14 +432,15 @@ def _prefix_affinity() -> PolicyFn:
             ranked = credited + [i for i in walk_open if not cached.get(i)] if credited else walk_open
             del ranked[MAX_RANKED_ENGINES:]
         else:
-            # Few open engines: every engine walked, holder and in-flight one is scored (closed ones too, the
-            # pressured last); an engine never walked ranks by its index after all walked ones.
-            walked = {i: rank for rank, i in enumerate(walk)}  # the whole fleet: the walk went all the way
+            # Fewer open engines than that: the walk went round the whole fleet, so every engine is scored
+            # (closed ones too, the pressured last) and placed by its rank in the walk.
+            walked = {i: rank for rank, i in enumerate(walk)}
             walked.update({i: walked[j] for i, j in swapped.items()})
 
             def full_key(i: int) -> tuple[bool, bool, int, int, int]:
                 under, over, credit, price, _ = rank_key(i)
                 return under, over, credit, price, walked[i]
+
             ranked = sorted({*walked, *loads, *cached}, key=full_key)[:MAX_RANKED_ENGINES]
         top = ranked[0]
         top_cached, top_load = cached.get(top, 0), loads.get(top, fleet_loads[top])
