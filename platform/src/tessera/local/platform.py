@@ -38,6 +38,8 @@ ENGINE_APP = "tessera-engines"
 # step of the small model on one core (3-6 ms), far shorter than vLLM's 1 s. Measured with
 # `bench_stack.py --tessera-up-args`: docs/performance.md section 7.
 PINNED_SHM_BUSY_LOOP_S = 0.01
+# How long the banner key waits for its fsync: Valkey's everysec fsync plus its 2 s postponed write, with room.
+_KEY_FSYNC_WAIT_MS = 5000
 
 
 class PlatformStartError(RuntimeError):
@@ -301,7 +303,14 @@ class LocalPlatform:
                 await store.create_tenant(name, policy)
             elif policy is not None:
                 await store.set_policy(name, policy)
-            return (await store.issue_key(name)).plaintext
+            key = (await store.issue_key(name)).plaintext
+            if self.redis is not None:
+                # The key is printed once and never again: wait until the embedded server's append-only file
+                # holds it on disk. Valkey acknowledges a write before its everysec fsync and, while an fsync
+                # is still running (a busy disk), postpones even the write for up to 2 s, so a SIGKILL right
+                # after the banner could otherwise lose the key it printed.
+                await redis.waitaof(1, 0, _KEY_FSYNC_WAIT_MS)
+            return key
         finally:
             await redis.aclose()
 
