@@ -22,6 +22,14 @@ async def _owner(redis_url: str, key: str) -> str | None:
         await redis.aclose()
 
 
+def _what_the_server_kept(data_dir: Path) -> str:
+    """The data directory's files and the servers' log, for a failure to say whether the write never reached
+    the append-only file or the next server did not replay it."""
+    files = sorted(f"{p.relative_to(data_dir)} {p.stat().st_size} B" for p in data_dir.rglob("*") if p.is_file())
+    logs = "".join(p.read_text(errors="replace")[-3000:] for p in data_dir.glob("*.log"))
+    return f"files: {files}\nlog:\n{logs}"
+
+
 @pytest.mark.parametrize("how", ["stop", "kill"])
 def test_a_tenant_key_survives_the_next_run(tmp_path: Path, how: str) -> None:
     first = LocalPlatform(LocalPlatformOptions(state_dir=tmp_path))
@@ -39,7 +47,7 @@ def test_a_tenant_key_survives_the_next_run(tmp_path: Path, how: str) -> None:
     second = LocalPlatform(LocalPlatformOptions(state_dir=tmp_path))
     second.start_redis()
     try:
-        assert asyncio.run(_owner(second.redis_url, key)) == "demo"
+        assert asyncio.run(_owner(second.redis_url, key)) == "demo", _what_the_server_kept(tmp_path / "redis")
         # The next run's banner key is a new key of the same tenant; the old one keeps working beside it.
         assert asyncio.run(_owner(second.redis_url, asyncio.run(second.create_tenant("demo")))) == "demo"
         assert asyncio.run(_owner(second.redis_url, key)) == "demo"
