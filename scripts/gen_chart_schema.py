@@ -402,6 +402,7 @@ def chart_properties() -> dict[str, JSON]:
             "maxBodyBytes": integer(1024),
             "limits": obj({"maxUrlBytes": integer(256), "maxHeaderBytes": integer(1024), "headerTimeoutS": integer(1),
                            "maxConnectionsPerWorker": integer(1), "maxInFlightPerWorker": integer(1)}),
+            "loopStallLimitS": number(0),
             "drain": obj({"preStopSleepS": integer(0, 120), "timeoutS": integer(1, 3600)}),
             "adminToken": obj({"existingSecret": STRING, "key": {"type": "string", "minLength": 1}}),
             "resources": RESOURCES,

@@ -113,6 +113,12 @@ class TesseraSettings(BaseSettings):
         "signal); a stream still running then ends with an SSE error event and is billed for what it generated "
         "(gateway/drain.py). The chart's terminationGracePeriodSeconds covers it.",
     )
+    loop_stall_limit_s: float = Field(
+        default=10.0, ge=0.0,
+        description="A gateway worker whose event loop has not turned for this long writes every thread's stack "
+        "to stderr and exits, and a fresh worker takes its place (gateway/loop_watchdog.py), seconds; 0 never. "
+        "Far above anything that may block the loop on purpose (a full collection, ~50 ms).",
+    )
     engine_head_timeout_s: float = Field(
         default=30.0, gt=0.0,
         description="An engine replica that sends no response head this long after a request is taken for hung, "

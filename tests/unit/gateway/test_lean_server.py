@@ -37,6 +37,28 @@ async def test_it_ticks_once_a_second_refreshing_the_date_and_exits_within_a_tic
     assert time.monotonic() - stopped <= 0.1 + 0.05
 
 
+async def test_each_tick_beats_the_loop_watchdog_and_shutdown_disarms_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(lean_server, "SERVER_TICK_S", 0.05)
+    server = LeanServer(uvicorn.Config(app=lambda *_: None), watch_in_thread=False)
+    server.server_state.default_headers = []
+    beats: list[float] = []
+    beat = server.watchdog.beat
+
+    def counted_beat() -> None:
+        beats.append(time.monotonic())
+        beat()
+
+    server.watchdog.beat = counted_beat  # type: ignore[method-assign]
+    assert not server.watchdog.armed  # not before the first tick: startup may take its time
+    loop = asyncio.ensure_future(server.main_loop())
+    await asyncio.sleep(0.3)
+    assert len(beats) >= 4 and server.watchdog.armed
+    server.handle_exit(15, None)  # SIGTERM: the drain may keep the loop busy, the watchdog stands down
+    assert not server.watchdog.armed
+    await asyncio.wait_for(loop, 1.0)
+    assert not server.watchdog.armed
+
+
 def test_the_ticks_fall_on_the_refreshers_grid() -> None:
     """The refreshers wake at multiples of their period; the server's 1 s tick is one of them."""
     from tessera.routing.router import REGISTRY_CACHE_S

@@ -46,3 +46,11 @@ def test_the_grace_period_leaves_the_cut_streams_time_to_be_billed(pre_stop_s: i
 def test_a_wrong_drain_value_fails_the_install(drain: JSON) -> None:
     with pytest.raises(helm_python.HelmValuesError):
         render({"gateway": {"drain": drain}})
+
+
+def test_the_loop_watchdog_limit_reaches_the_gateway_and_a_negative_one_fails_the_install() -> None:
+    """gateway.loopStallLimitS (gateway/loop_watchdog.py): a worker stuck this long is replaced."""
+    assert _env(_pod())["TESSERA_LOOP_STALL_LIMIT_S"] == "10"
+    assert _env(_pod({"gateway": {"loopStallLimitS": 0}}))["TESSERA_LOOP_STALL_LIMIT_S"] == "0"
+    with pytest.raises(helm_python.HelmValuesError):
+        render({"gateway": {"loopStallLimitS": -1}})

@@ -12,6 +12,11 @@ this project's VMs, more than everything else an idle gateway does). Its tick do
 It also drives the worker's drain (``drain.py``): the signal itself begins it (``/ready`` goes 503 before
 the listening socket closes), and uvicorn's graceful shutdown runs beside the cut at the deadline.
 
+Each tick also beats the worker's loop watchdog (``loop_watchdog.py``): a worker whose loop stops turning
+for ``TESSERA_LOOP_STALL_LIMIT_S`` writes its threads' stacks to stderr and exits, and the supervisor starts
+a new one. ``LeanWorker.pong`` checks it, in the thread that answers the supervisor's pings; a one-worker
+gateway checks from a thread of its own.
+
 The tick falls on the refreshers' grid (``refresher.py``: multiples of the period on the monotonic clock), so
 an idle process that still refreshes its caches wakes once for all of them. ``make bench-gateway-cpu``
 measures a worker's idle CPU.
@@ -29,7 +34,9 @@ import uvicorn
 from uvicorn.supervisors import multiprocess
 
 from tessera.gateway.drain import DRAIN_STATE_KEY, GatewayDrain
+from tessera.gateway.loop_watchdog import LoopWatchdog
 from tessera.gateway.metrics import gc_pause_exporter
+from tessera.settings import load_settings
 from tessera.telemetry.gc_heap import freeze_startup_heap, process_gc_pauses
 
 # A worker's housekeeping period (the date header, the shutdown check), seconds.
@@ -44,6 +51,13 @@ class LeanServer(uvicorn.Server):
     # (gc_heap.GcPauses.take_pending, metrics.gc_pause_exporter).
     _export_gc_pauses: Callable[[], None] | None = None
 
+    def __init__(self, config: uvicorn.Config, watch_in_thread: bool = True) -> None:
+        """``watch_in_thread``: check the loop watchdog from a thread of its own (a gateway of one worker);
+        False under uvicorn's supervisor, whose ping thread checks it (``LeanWorker.pong``)."""
+        super().__init__(config)
+        self.watchdog = LoopWatchdog(load_settings().loop_stall_limit_s)
+        self._watch_in_thread = watch_in_thread
+
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets)
         # Once the app has started (its lifespan ran), what the worker holds is its startup heap: frozen, a
@@ -54,17 +68,29 @@ class LeanServer(uvicorn.Server):
 
     async def main_loop(self) -> None:
         counter = 0
-        should_exit = await self.on_tick(counter)
-        while not should_exit:
-            await asyncio.sleep(SERVER_TICK_S - time.monotonic() % SERVER_TICK_S)
-            counter = (counter + _TICKS_PER_DATE) % _COUNTER_WRAP
-            # The collector's pauses since the last tick, written here, in ordinary code (gc_heap.GcPauses).
-            if self._export_gc_pauses is not None:
-                self._export_gc_pauses()
+        watchdog = self.watchdog
+        watchdog.beat()
+        stop_watching = watchdog.watch_in_thread() if self._watch_in_thread else None
+        try:
             should_exit = await self.on_tick(counter)
+            while not should_exit:
+                await asyncio.sleep(SERVER_TICK_S - time.monotonic() % SERVER_TICK_S)
+                if not self.should_exit:  # a signal came: the watchdog stays down (handle_exit)
+                    watchdog.beat()
+                counter = (counter + _TICKS_PER_DATE) % _COUNTER_WRAP
+                # The collector's pauses since the last tick, written here, in ordinary code (gc_heap.GcPauses).
+                if self._export_gc_pauses is not None:
+                    self._export_gc_pauses()
+                should_exit = await self.on_tick(counter)
+        finally:
+            # Shutdown ticks no more; the drain's deadline and uvicorn's backstop bound it instead.
+            watchdog.disarm()
+            if stop_watching is not None:
+                stop_watching()
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # The signal handler: the drain (and its deadline) starts now, not at the next tick.
+        self.watchdog.disarm()
         drain = self._drain()
         if drain is not None:
             drain.begin()
@@ -104,13 +130,21 @@ class LeanSupervisor(multiprocess.Multiprocess):
 
 
 class LeanWorker(multiprocess.Process):
-    """A worker process of uvicorn's supervisor (``--workers`` > 1) that serves with ``LeanServer``."""
+    """A worker process of uvicorn's supervisor (``--workers`` > 1) that serves with ``LeanServer``, and
+    whose answer to the supervisor's ping (every 0.5 s, from a thread of the worker's) also checks that the
+    worker's event loop still turns: uvicorn's own answer comes from that thread whatever the loop does."""
 
     @property
     def server(self) -> uvicorn.Server:
         if self._server is None:
-            self._server = LeanServer(config=self.config)
+            self._server = LeanServer(config=self.config, watch_in_thread=False)
         return self._server
+
+    def pong(self) -> None:
+        super().pong()
+        server = self._server
+        if isinstance(server, LeanServer):
+            server.watchdog.check()  # a stuck loop: stacks to stderr, exit; the supervisor starts a new worker
 
 
 __all__ = ["SERVER_TICK_S", "LeanServer", "LeanSupervisor", "LeanWorker"]
