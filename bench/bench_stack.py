@@ -53,7 +53,7 @@ async def measure(running: stacks.Running, plan: list[workload.Phase], maker: wo
     runs = []
     me = psutil.Process()
     for phase in plan:
-        prompts, offsets = workload.phase_requests(phase, maker, round_index)
+        prompts, offsets = workload.phase_requests(phase, maker, round_index, running.name)
         meter = cpu.CpuMeter(running.roots).start()
         client0, wall0 = sum(me.cpu_times()[:2]), time.perf_counter()
         samples = await workload.run_phase(running.target, phase, prompts, offsets)

@@ -8,7 +8,13 @@ import pytest
 
 from tessera.engine.config import EngineConfig
 from tessera.engine.vllm_engine import shm_busy_loop_s
-from tessera.local.platform import PINNED_SHM_BUSY_LOOP_S, engine_placement_defaults, split_cpus
+from tessera.local.platform import (
+    ENGINE_OMP_WAIT_POLICY,
+    PINNED_SHM_BUSY_LOOP_S,
+    engine_placement_defaults,
+    engine_thread_env,
+    split_cpus,
+)
 from tessera.local.ray_settings import QUIET_RAY_ENV, quiet_ray_env, ray_init_kwargs
 
 
@@ -28,10 +34,26 @@ def test_ray_starts_without_dashboard_and_without_copying_worker_logs() -> None:
 def test_the_split_gives_the_platform_the_last_core_and_the_engines_the_rest(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
     assert split_cpus() == ({0, 1, 2}, {3})
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {4, 7})
-    assert split_cpus() == ({4}, {7})
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2})
+    assert split_cpus() == ({0, 1}, {2})
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
     assert split_cpus() == (None, None)
+
+
+def test_on_two_cores_the_engine_also_computes_on_the_platforms_core(monkeypatch: pytest.MonkeyPatch) -> None:
+    # One core of its own would halve the engine's prefill compute (docs/performance.md section 7).
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {4, 7})
+    assert split_cpus() == ({4, 7}, {7})
+
+
+def test_engine_threads_one_per_engine_core_waiting_passively_only_on_a_shared_core() -> None:
+    shared = engine_thread_env({0, 1}, {1}, {0, 1}, 1, {})
+    assert shared == {"OMP_NUM_THREADS": "2", "OMP_WAIT_POLICY": ENGINE_OMP_WAIT_POLICY}
+    assert engine_thread_env({0, 1, 2}, {3}, {0, 1, 2, 3}, 1, {}) == {"OMP_NUM_THREADS": "3"}
+    assert engine_thread_env({0, 1, 2}, {3}, {0, 1, 2, 3}, 2, {}) == {"OMP_NUM_THREADS": "1"}
+    assert engine_thread_env(None, None, {0, 1, 2, 3}, 1, {}) == {"OMP_NUM_THREADS": "4"}  # no split
+    # What the environment already says wins.
+    assert engine_thread_env({0, 1}, {1}, {0, 1}, 1, {"OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "ACTIVE"}) == {}
 
 
 def test_an_engine_on_cores_of_its_own_busy_waits_briefly_and_a_setting_given_wins() -> None:

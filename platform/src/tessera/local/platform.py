@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -38,6 +39,13 @@ ENGINE_APP = "tessera-engines"
 # step of the small model on one core (3-6 ms), far shorter than vLLM's 1 s. Measured with
 # `bench_stack.py --tessera-up-args`: docs/performance.md section 7.
 PINNED_SHM_BUSY_LOOP_S = 0.01
+# The split leaves the engine cores of its own only from this many CPUs up. With fewer (2), one engine core
+# would halve the prefill's compute (an AVX2-only 2-core VM: TTFT p50 50 -> 36 ms with both cores, E2E p50 94
+# -> 77 ms; docs/performance.md section 7), so the engine computes on the platform's core too, and its OpenMP
+# threads wait passively there (``ENGINE_OMP_WAIT_POLICY``) so that a barrier does not spin on the gateway's
+# and Redis's only core.
+MIN_CPUS_FOR_OWN_ENGINE_CORES = 3
+ENGINE_OMP_WAIT_POLICY = "PASSIVE"
 # How long the banner key waits for its fsync: Valkey's everysec fsync plus its 2 s postponed write, with room.
 _KEY_FSYNC_WAIT_MS = 5000
 
@@ -135,12 +143,9 @@ class LocalPlatform:
         _pin(platform_cpus)  # what this process starts from here on inherits its CPUs
         self.start_redis()
         env = self._env()
-        # NOTE: Ray sets OMP_NUM_THREADS to an actor's whole CPUs (1 for the engine replica) unless it is set;
-        # vLLM's CPU build then computes on one thread where `vllm serve` uses every core it may run on.
-        # Several replicas share the cores between them.
-        if "OMP_NUM_THREADS" not in os.environ:
-            engine_cores = len(engine_cpus) if engine_cpus else len(own_cpus)
-            env.setdefault("OMP_NUM_THREADS", str(max(1, engine_cores // max(1, opts.num_engines))))
+        for name, value in engine_thread_env(engine_cpus, platform_cpus, own_cpus, opts.num_engines,
+                                             os.environ).items():
+            env.setdefault(name, value)
         os.environ.update(env)
 
         print(f"[tessera] starting Ray Serve with {opts.num_engines} engine replica(s)", flush=True)
@@ -356,12 +361,33 @@ def engine_placement_defaults(engine_pinned: bool, overrides: dict[str, Any]) ->
 
 
 def split_cpus() -> tuple[set[int] | None, set[int] | None]:
-    """(engine CPUs, platform CPUs): all this process may use but the last, and the last; (None, None) with
-    fewer than 2."""
+    """(engine CPUs, platform CPUs): all this process may use but the last, and the last; with fewer than
+    ``MIN_CPUS_FOR_OWN_ENGINE_CORES``, all of them and the last (the engine shares the platform's core);
+    (None, None) with fewer than 2."""
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) < 2:
         return None, None
-    return set(cpus[:-1]), {cpus[-1]}
+    engine_cpus = cpus if len(cpus) < MIN_CPUS_FOR_OWN_ENGINE_CORES else cpus[:-1]
+    return set(engine_cpus), {cpus[-1]}
+
+
+def engine_thread_env(engine_cpus: set[int] | None, platform_cpus: set[int] | None, own_cpus: set[int],
+                      num_engines: int, environ: Mapping[str, str]) -> dict[str, str]:
+    """The engines' OpenMP settings (a value already in ``environ`` wins).
+
+    Ray sets OMP_NUM_THREADS to an actor's whole CPUs (1 for the engine replica) unless it is set; vLLM's CPU
+    build then computes on one thread where `vllm serve` uses every core it may run on. So: one thread per
+    engine core, several replicas sharing the cores between them. Where the engine's cores include the
+    platform's (``split_cpus`` on 2 CPUs), its threads wait passively: an OpenMP barrier that spins would take
+    the core the gateway and Redis answer on."""
+    env: dict[str, str] = {}
+    if "OMP_NUM_THREADS" not in environ:
+        engine_cores = len(engine_cpus) if engine_cpus else len(own_cpus)
+        env["OMP_NUM_THREADS"] = str(max(1, engine_cores // max(1, num_engines)))
+    shares = engine_cpus is not None and platform_cpus is not None and bool(engine_cpus & platform_cpus)
+    if shares and "OMP_WAIT_POLICY" not in environ:
+        env["OMP_WAIT_POLICY"] = ENGINE_OMP_WAIT_POLICY
+    return env
 
 
 def _pin(cpus: set[int] | None) -> None:
