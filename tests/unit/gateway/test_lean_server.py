@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import time
+from types import SimpleNamespace
 
 import pytest
 import uvicorn
+from uvicorn.supervisors import multiprocess
 
 from tessera.gateway import lean_server
-from tessera.gateway.lean_server import LeanServer
+from tessera.gateway.lean_server import LeanServer, LeanWorker
 
 
 async def test_it_ticks_once_a_second_refreshing_the_date_and_exits_within_a_tick(
@@ -64,3 +66,24 @@ def test_the_ticks_fall_on_the_refreshers_grid() -> None:
     from tessera.routing.router import REGISTRY_CACHE_S
 
     assert REGISTRY_CACHE_S % lean_server.SERVER_TICK_S == 0
+
+
+def test_a_worker_makes_its_server_before_its_ping_thread_can(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Made lazily by both threads at once, the ping thread could keep a server that never runs, whose loop
+    # watchdog never beats: a stuck worker was then never replaced.
+    worker = LeanWorker(uvicorn.Config(app=lambda *_: None), [])
+    when_ping_thread_made: list[object] = []
+
+    class RecordingThread:
+        def __init__(self, target: object, daemon: bool) -> None:
+            when_ping_thread_made.append(worker._server)
+
+        def start(self) -> None:
+            pass
+
+    monkeypatch.setattr(multiprocess, "threading", SimpleNamespace(Thread=RecordingThread))
+    ran: list[object] = []
+    monkeypatch.setattr(LeanServer, "run", lambda self, sockets=None: ran.append(self))
+    worker.target([])
+    assert isinstance(when_ping_thread_made[0], LeanServer)
+    assert ran == when_ping_thread_made == [worker.server]  # one server: the one that runs is the one pinged

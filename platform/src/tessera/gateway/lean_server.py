@@ -140,6 +140,14 @@ class LeanWorker(multiprocess.Process):
             self._server = LeanServer(config=self.config, watch_in_thread=False)
         return self._server
 
+    def target(self, sockets: list[socket.socket] | None = None) -> None:
+        # NOTE: made here, before uvicorn's target starts the ping thread: both threads would otherwise make it
+        # lazily through ``server`` at once when a ping is already waiting, and the ping thread could keep a
+        # second LeanServer that never runs, whose watchdog never beats, so a stuck loop went unnoticed (CI:
+        # a worker stuck 60 s and never replaced, 2 runs in 9 here).
+        self.server  # noqa: B018
+        super().target(sockets)
+
     def pong(self) -> None:
         super().pong()
         server = self._server
