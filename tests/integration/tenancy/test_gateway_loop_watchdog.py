@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -40,6 +42,22 @@ def _workers(gateway: GatewayProcess) -> set[int]:
     return workers
 
 
+def _what_the_stuck_worker_does(pid: int) -> str:
+    """Every thread's stack of a worker the watchdog did not end (py-spy, from outside the process)."""
+    py_spy = Path(sys.executable).with_name("py-spy")
+    try:
+        dump = subprocess.run([str(py_spy), "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"(no py-spy dump of {pid}: {exc})"
+    return f"py-spy dump of worker {pid}:\n{dump.stdout}{dump.stderr}"
+
+
+def _log_without_settlements(gateway: GatewayProcess) -> str:
+    # The settler's lines for other tests' orphaned reservations (the Redis is shared) would fill the tail.
+    lines = gateway.log_tail(200_000).splitlines()
+    return "\n".join(line for line in lines if "charged its whole reservation" not in line)[-6000:]
+
+
 def _every_connection_answered(gateway: GatewayProcess, connections: int = 12) -> None:
     for _ in range(connections):  # a new connection each: the kernel hands them to either worker
         assert httpx.get(f"{gateway.url}/health", timeout=5).status_code == 200
@@ -62,7 +80,7 @@ def test_a_stuck_worker_is_replaced_and_says_where_it_was_stuck(tenancy_redis: R
             time.sleep(0.2)
         else:
             raise AssertionError(f"worker {stuck} is still there (or not replaced): {_workers(gateway)}\n"
-                                 f"{gateway.log_tail()}")
+                                 f"{_what_the_stuck_worker_does(stuck)}\n{_log_without_settlements(gateway)}")
         log = gateway.log_tail(20_000)
         assert f"worker {stuck}: its event loop has not turned for" in log, log
         assert "_stall_the_loop" in log, "the main thread's stack names where it was stuck"
