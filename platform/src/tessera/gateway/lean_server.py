@@ -143,8 +143,7 @@ class LeanWorker(multiprocess.Process):
     def target(self, sockets: list[socket.socket] | None = None) -> None:
         # NOTE: made here, before uvicorn's target starts the ping thread: both threads would otherwise make it
         # lazily through ``server`` at once when a ping is already waiting, and the ping thread could keep a
-        # second LeanServer that never runs, whose watchdog never beats, so a stuck loop went unnoticed (CI:
-        # a worker stuck 60 s and never replaced, 2 runs in 9 here).
+        # second LeanServer that never runs, whose watchdog never beats, and a stuck loop would go unnoticed.
         self.server  # noqa: B018
         super().target(sockets)
 
