@@ -349,7 +349,8 @@ class LocalPlatform:
 def engine_placement_defaults(engine_pinned: bool, overrides: dict[str, Any]) -> dict[str, Any]:
     """EngineConfig defaults that follow from where the engine runs (the caller's overrides win).
 
-    ``engine_pinned``: the engine computes on the CPU, on cores the split gave it (2 cores or more). Then
+    ``engine_pinned``: the engine computes on the CPU, on cores the split gave it (2 cores or more; on 2 it
+    shares the platform's, where this busy-wait was measured too, docs/performance.md section 7). Then
     vLLM's queue readers may busy-wait briefly: a reader that yields (``sched_yield``) on a core whose other
     task is the model's own thread gives way to it, and a window longer than a decode step keeps a running
     request's hand-overs free of socket wake-ups, while the readers sleep ``PINNED_SHM_BUSY_LOOP_S`` after a
