@@ -6,8 +6,10 @@ is done. Read as a plain error reply, the admission was a 500 and the finish was
 losing the usage of every request whose retry met the load (CI saw a fail-open request's 4 tokens vanish
 after a Redis restart).
 
-A real valkey-server holds the LOADING state for seconds: ``key-load-delay`` (µs per key) slows the load of
-a snapshot with many keys, and a small ``loading-process-events-interval-bytes`` makes it answer meanwhile.
+A real valkey-server holds the LOADING state for as long as the test needs: ``key-load-delay`` (µs per key)
+stretches the load of a snapshot with many keys past a minute, a small ``loading-process-events-interval-bytes``
+makes it answer meanwhile, and the test ends the load itself by setting the delay to 0 (CONFIG SET is served
+while loading). The phase does not depend on how fast this machine loads or how busy it is.
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ from pathlib import Path
 
 import pytest
 import redis
+from redis.backoff import NoBackoff
 from redis.exceptions import BusyLoadingError
+from redis.retry import Retry
 
 from tessera.gateway.errors import STORE_ERRORS
 from tessera.redis_conn import connect
@@ -32,9 +36,9 @@ from tests.support.machine import free_port
 from tests.support.sentinel_cluster import PASSWORD, Node
 
 POLICY = TenantPolicy(token_budget=1_000_000, budget_period="day")
-# 20,000 keys at 200 µs each: a load of about 4 s, long enough to act in on a busy machine.
-FILLER_KEYS = 20_000
-LOAD_DELAY_US = 200
+# 60,000 keys at 1 ms each: a load of over a minute unless the test ends it (release_loading).
+FILLER_KEYS = 60_000
+LOAD_DELAY_US = 1_000
 
 
 def _is_store_error(exc: BaseException) -> bool:
@@ -59,9 +63,16 @@ async def wire(node: Node) -> AsyncIterator[RedisWire]:
     await lean.close()
 
 
+def _client_without_retries(node: Node) -> redis.Redis:
+    """redis-py retries a LOADING reply three times with backoff of up to seconds by default; probing with it
+    took 3.5-6 s per PING, which once outlasted a short load and made this test fail on timing alone."""
+    return redis.Redis(host="127.0.0.1", port=node.port, password=PASSWORD, socket_timeout=5,
+                       socket_connect_timeout=5, retry=Retry(NoBackoff(), 0))
+
+
 def restart_into_loading(node: Node) -> None:
-    """Snapshots what is there (with enough filler to load slowly), restarts, and returns once the server
-    answers LOADING."""
+    """Snapshots what is there (with enough filler to load for over a minute), restarts, and returns once the
+    server answers LOADING. The load lasts until release_loading."""
     with node.client() as client:
         pipe = client.pipeline(transaction=False)
         for i in range(FILLER_KEYS):
@@ -73,15 +84,22 @@ def restart_into_loading(node: Node) -> None:
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
         try:
-            with node.client() as client:
+            with _client_without_retries(node) as client:
                 client.ping()
         except BusyLoadingError:
             return
         except redis.ConnectionError:
             time.sleep(0.01)  # not listening yet
             continue
-        raise AssertionError("the server finished loading before the test could act: raise FILLER_KEYS")
+        raise AssertionError("the server finished loading before the test could act: it should have taken "
+                             f"{FILLER_KEYS * LOAD_DELAY_US / 1e6:.0f} s\n{node.log_tail()}")
     raise AssertionError(f"the server never answered:\n{node.log_tail()}")
+
+
+def release_loading(node: Node) -> None:
+    """Ends the load at once: with no delay per key the rest of the snapshot loads in milliseconds."""
+    with _client_without_retries(node) as client:
+        client.config_set("key-load-delay", 0)
 
 
 async def test_a_loading_redis_fails_admission_closed_and_the_finish_waits_until_it_is_back(
@@ -104,6 +122,7 @@ async def test_a_loading_redis_fails_admission_closed_and_the_finish_waits_until
     await queue.finish(lease, 10, 20)
     assert queue.num_parked == 1
     # ...and recorded once the load is done.
+    release_loading(node)
     await queue.close(timeout_s=30.0)
     assert queue.num_parked == 0
     assert (await admission.usage("t", "day"))["total_tokens"] == 30
