@@ -28,6 +28,7 @@ from tessera.engine.config import EngineConfig
 from tessera.engine.protocol import RequestStats
 from tessera.engine.speculation_control import WORKER_EXTENSION, SpeculationControl, num_speculative_tokens
 from tessera.engine.speculation_policy import PolicySettings
+from tessera.engine.vllm_metrics import VllmMetrics
 
 pytestmark = pytest.mark.engine
 
@@ -56,7 +57,9 @@ async def engine(small_model_dir: Path) -> AsyncIterator[Any]:
     kwargs = resolve(config, ask_vllm(config)).config.to_vllm_kwargs()
     # The default config asks for the extension itself (speculative.adaptive.enabled).
     assert kwargs["worker_extension_cls"] == WORKER_EXTENSION
-    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+    # vLLM's metrics bound to a registry of their own, as the host binds them: vLLM's default logger would fill
+    # the process-wide REGISTRY of whichever test worker runs this module (test_vllm_metrics checks it).
+    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs), stat_loggers=[VllmMetrics().stat_logger])
     # The host's warm-up pass (see host.WARMUP_PROMPT_TOKENS): a first pass of fewer than 5 tokens kills the
     # CPU worker on some machines.
     async for _ in engine.generate({"prompt_token_ids": list(range(1, 17))}, SamplingParams(max_tokens=1),
