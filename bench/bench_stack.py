@@ -130,7 +130,7 @@ class Bench:
                 else:
                     self.run_stack("tessera", lambda: stacks.start_tessera(
                         self.model_dir, self.work, self.args.ray_worker_niceness,
-                        shlex.split(self.args.tessera_up_args)), round_index)
+                        shlex.split(self.args.tessera_up_args), dict(self.args.tessera_env)), round_index)
         self.complete = True
 
     def payload(self) -> tuple[dict[str, Any], str]:
@@ -168,6 +168,13 @@ class Bench:
                 text)
 
 
+def _env_setting(text: str) -> tuple[str, str]:
+    name, sep, value = text.partition("=")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {text!r}")
+    return name, value
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="A smoke run: 10 sequential requests, 8 s phases.")
@@ -181,6 +188,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tessera-up-args", default="",
                         help="More `tessera up` options for the Tessera stack, one string (an experiment's arm), "
                         "e.g. --tessera-up-args=--no-cpu-split.")
+    parser.add_argument("--tessera-env", type=_env_setting, action="append", default=[], metavar="NAME=VALUE",
+                        help="An environment variable for `tessera up` only (repeatable), e.g. an arm's "
+                        "--tessera-env GOMP_SPINCOUNT=10000; vLLM alone runs without it.")
     args = parser.parse_args(argv)
     if args.quick:
         args.sequential, args.phase_s = min(args.sequential, 10), min(args.phase_s, 8.0)

@@ -210,14 +210,15 @@ def start_litellm(vllm: Running, work: Path) -> Running:
 
 
 def start_tessera(model_dir: Path, work: Path, ray_worker_niceness: int | None = None,
-                  extra_args: list[str] | None = None) -> Running:
+                  extra_args: list[str] | None = None, extra_env: dict[str, str] | None = None) -> Running:
     """``tessera up`` as a user starts it, then a tenant through ``tessera tenants create``.
 
     NOTE: Ray's raylet starts its workers, the engine replica and its vLLM processes among them, at niceness
     15 unless ``RAY_worker_niceness`` says otherwise; `tessera up` sets 0 (local/ray_settings.py).
     ``ray_worker_niceness`` overrides it (None: what `tessera up` sets, as a user runs it); the report states
     the niceness each engine process ran at. ``extra_args``: more `tessera up` options (an experiment's arm,
-    e.g. ``--no-cpu-split``), named in the report's command."""
+    e.g. ``--no-cpu-split``), named in the report's command; ``extra_env``: environment for `tessera up` alone
+    (e.g. an OpenMP setting the engine should get and vLLM alone should not), named in the report too."""
     port = free_port()
     # A state directory per start: `tessera up` keeps its Redis data there, and a second round on the first
     # round's directory would find its tenant already made.
@@ -225,7 +226,7 @@ def start_tessera(model_dir: Path, work: Path, ray_worker_niceness: int | None =
     log = work / f"{state.name}.log"  # `tessera up`'s output, beside its state directory
     cmd = [str(BIN / "tessera"), "up", "--model", str(model_dir), "--engines", "1", "--port", str(port),
            "--state-dir", str(state), *(extra_args or [])]
-    env = {**os.environ}
+    env = {**os.environ, **(extra_env or {})}
     if ray_worker_niceness is not None:
         env["RAY_worker_niceness"] = str(ray_worker_niceness)
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, process_group=0)
@@ -274,7 +275,9 @@ def start_tessera(model_dir: Path, work: Path, ray_worker_niceness: int | None =
                     "defaults": "2 gateway workers, KV-eviction controller on, prefix_affinity routing, "
                                 "KV events, tracing to the state dir",
                     "RAY_worker_niceness": "tessera up's (0)" if ray_worker_niceness is None
-                    else str(ray_worker_niceness)}, stop)
+                    else str(ray_worker_niceness),
+                    **({"environment": " ".join(f"{k}={v}" for k, v in extra_env.items())} if extra_env else {})},
+                   stop)
 
 
 def _version(dist: str) -> str:

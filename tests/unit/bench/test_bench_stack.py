@@ -103,3 +103,14 @@ def test_vllm_serve_args_follow_the_resolved_config() -> None:
     dynamic = stacks.vllm_serve_args({**config, "kv_scale_mode": "dynamic", "speculative": None})
     assert dynamic[dynamic.index("--kv-cache-dtype") + 1] == "fp8_per_token_head"
     assert "--speculative-config" not in dynamic
+
+
+def test_tessera_env_settings_are_parsed_and_a_malformed_one_says_what_to_write(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    import bench_stack
+
+    args = bench_stack.parse_args(["--tessera-env", "GOMP_SPINCOUNT=10000", "--tessera-env", "A=b=c"])
+    assert dict(args.tessera_env) == {"GOMP_SPINCOUNT": "10000", "A": "b=c"}
+    with pytest.raises(SystemExit):
+        bench_stack.parse_args(["--tessera-env", "GOMP_SPINCOUNT"])
+    assert "expected NAME=VALUE" in capsys.readouterr().err

@@ -56,12 +56,13 @@ def test_without_the_setting_vllms_own_busy_loop_stays(spin_condition: shm_broad
 @pytest.mark.parametrize(("idle_s", "timeout_ms", "expected"), [
     (0.0, 5000, 1),        # just read: recheck within a millisecond (a lost notification costs that much)
     (0.002, 5000, 1),
-    (1.0, 5000, 250),      # a quarter of the idle time
+    (0.3, 5000, 1),        # within the warm second: a request 0.3 s after the last finds a lost wake-up in 1 ms
+    (1.0, 5000, 250),      # then a quarter of the idle time
     (60.0, 5000, 5000),    # never longer than vLLM's own interval
     (60.0, None, 15000),
 ])
-def test_a_sleeping_reader_rechecks_after_a_quarter_of_its_idle_time(idle_s: float, timeout_ms: int | None,
-                                                                     expected: int) -> None:
+def test_a_sleeping_reader_rechecks_each_millisecond_for_a_second_then_after_a_quarter_of_its_idle_time(
+        idle_s: float, timeout_ms: int | None, expected: int) -> None:
     assert shm_wait.recheck_ms(idle_s, timeout_ms) == expected
 
 

@@ -11,9 +11,10 @@ the measurements behind the default.
 vLLM wakes a sleeping reader through a ZMQ PUB/SUB notification with a send high-water mark of 1, which
 drops a notification now and then (measured here: with a busy-wait of 0 a request stalled for seconds at a
 time, each reader sleeping out vLLM's 5 s recheck interval). So a reader past its busy-wait does not sleep
-for vLLM's full interval: it rechecks the queue after a quarter of the time it has been idle, at least every
-``MIN_RECHECK_MS`` — a lost notification then costs a millisecond while requests run, and an idle replica
-still wakes only a few times a second, then less and less.
+for vLLM's full interval: for ``WARM_S`` after its last message it rechecks the queue every ``MIN_RECHECK_MS``
+(the second vLLM itself spins through, where the next message is likely), then after a quarter of the time it
+has been idle. A lost notification costs a millisecond while requests come, and an idle replica still wakes
+only a few times a second, then less and less.
 
 The setting travels as the environment variable ``TESSERA_VLLM_SHM_BUSY_LOOP_S`` (the host sets it before
 vLLM starts, so every process vLLM forks or spawns inherits it) and is applied in each process by
@@ -29,15 +30,22 @@ import time
 from typing import Any
 
 ENV = "TESSERA_VLLM_SHM_BUSY_LOOP_S"
-# A sleeping reader rechecks its queue after RECHECK_IDLE_FRACTION of its idle time, within these bounds
-# (vLLM's own recheck interval, 5 s, stays the upper bound).
+# A sleeping reader rechecks its queue every MIN_RECHECK_MS for WARM_S after its last message, then after
+# RECHECK_IDLE_FRACTION of its idle time (vLLM's own recheck interval, 5 s, stays the upper bound). Why the warm
+# second: with the quarter rule alone, requests arriving 0.1-0.3 s apart (Poisson at 4 req/s) found their
+# readers asleep for 25-75 ms, and a notification lost then cost that much: instrumented on a 2-core VM, 34 of
+# ~470 reads after an idle sleep came when the sleep timed out, 5 of them after 38-57 ms
+# (docs/performance.md section 7). Rechecking each millisecond costs a few % of a core per reader during the
+# second where vLLM's own readers spin a whole core.
 MIN_RECHECK_MS = 1
+WARM_S = 1.0
 RECHECK_IDLE_FRACTION = 0.25
 
 
 def recheck_ms(idle_s: float, timeout_ms: int | None) -> int | None:
     """How long a reader idle for ``idle_s`` sleeps before it looks at its queue again."""
-    bound = max(MIN_RECHECK_MS, int(idle_s * 1000 * RECHECK_IDLE_FRACTION))
+    quarter_ms = int(idle_s * 1000 * RECHECK_IDLE_FRACTION)
+    bound = MIN_RECHECK_MS if idle_s < WARM_S else max(MIN_RECHECK_MS, quarter_ms)
     return bound if timeout_ms is None else min(timeout_ms, bound)
 
 
