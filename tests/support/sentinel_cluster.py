@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from tests.support.machine import free_port
 
@@ -57,9 +59,11 @@ class Node:
         self.process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, process_group=0)
         log.close()
 
-    def client(self) -> redis.Redis:
+    def client(self, retries: bool = True) -> redis.Redis:
+        """``retries=False``: answer each command's first reply, as a probe must. redis-py's default retries a
+        LOADING reply three times with backoff of up to seconds (3.5-6 s per PING measured)."""
         return redis.Redis(host="127.0.0.1", port=self.port, password=PASSWORD, socket_timeout=2,
-                           socket_connect_timeout=2)
+                           socket_connect_timeout=2, **({} if retries else {"retry": Retry(NoBackoff(), 0)}))
 
     def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> None:
         deadline = time.monotonic() + timeout_s

@@ -20,9 +20,7 @@ from pathlib import Path
 
 import pytest
 import redis
-from redis.backoff import NoBackoff
 from redis.exceptions import BusyLoadingError
-from redis.retry import Retry
 
 from tessera.gateway.errors import STORE_ERRORS
 from tessera.redis_conn import connect
@@ -63,13 +61,6 @@ async def wire(node: Node) -> AsyncIterator[RedisWire]:
     await lean.close()
 
 
-def _client_without_retries(node: Node) -> redis.Redis:
-    """redis-py retries a LOADING reply three times with backoff of up to seconds by default; probing with it
-    took 3.5-6 s per PING, which once outlasted a short load and made this test fail on timing alone."""
-    return redis.Redis(host="127.0.0.1", port=node.port, password=PASSWORD, socket_timeout=5,
-                       socket_connect_timeout=5, retry=Retry(NoBackoff(), 0))
-
-
 def restart_into_loading(node: Node) -> None:
     """Snapshots what is there (with enough filler to load for over a minute), restarts, and returns once the
     server answers LOADING. The load lasts until release_loading."""
@@ -84,7 +75,7 @@ def restart_into_loading(node: Node) -> None:
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
         try:
-            with _client_without_retries(node) as client:
+            with node.client(retries=False) as client:
                 client.ping()
         except BusyLoadingError:
             return
@@ -98,7 +89,7 @@ def restart_into_loading(node: Node) -> None:
 
 def release_loading(node: Node) -> None:
     """Ends the load at once: with no delay per key the rest of the snapshot loads in milliseconds."""
-    with _client_without_retries(node) as client:
+    with node.client(retries=False) as client:
         client.config_set("key-load-delay", 0)
 
 
