@@ -21,8 +21,10 @@ saw every earlier request), TTFT p50/p99 from the scheduled arrival, throughput,
 of the engines' simulated busy time), Tessera's decision latency (wall µs of ``Router.route``), index
 memory (the local index's bytes; vllm-router's RSS) and event lag (engine publication to visible in the
 local index, wall ms). Goals (issue #17): prefix_affinity >= 90 % of the ideal hit rate and p99 TTFT <=
-0.5x round_robin at every size, and ahead of vllm-router on both. Results: bench/results/fleet.json and
-fleet.png; a table per size.
+0.5x round_robin at every size, and ahead of vllm-router on both. Beside them, per size, the floors no
+router beats (fleet/floors.py): the workload's TTFT p99 alone on an idle replica, uncached and with the ideal
+cache; their ratio is the best p99 ratio to round_robin any policy reaches where no replica queues. Results:
+bench/results/fleet.json and fleet.png; a table per size.
 
     python bench/bench_fleet.py                               # all four sizes (~20 min on 2 cores)
     python bench/bench_fleet.py --sizes 16,64                 # a short run
@@ -44,6 +46,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _support import REPO, print_table, write_results
 from fleet import drive, procs
+from fleet.floors import ttft_floors
 from fleet.plot import plot
 from fleet.summary import TABLE_HEADERS, VLLM_ROUTER_PREFIX, goals, summarize, table_rows
 from fleet.workload import WorkloadConfig, block_chains, ideal_cached_tokens, make_workload
@@ -94,6 +97,19 @@ def _names(text: str) -> list[str]:
     return [n.strip() for n in text.split(",") if n.strip()]
 
 
+def workload_floors(prompt_tokens: list[int], ideal: list[int]) -> dict[str, float]:
+    """The workload's idle-replica TTFT floors (fleet/floors.py) on the replica the fleet simulates (the sim's
+    default configuration: its step-time model and token budget), in simulated ms."""
+    from tessera.engine.sim.config import SimEngineConfig
+    from tessera.engine.sim.step_time import step_time_fn
+
+    replica = SimEngineConfig()
+    floors = ttft_floors(prompt_tokens, ideal, step_time_fn(replica.step_time), replica.max_num_batched_tokens)
+    return {"uncached_p50_ms": floors.uncached_p50_s * 1000, "uncached_p99_ms": floors.uncached_p99_s * 1000,
+            "ideal_p50_ms": floors.ideal_p50_s * 1000, "ideal_p99_ms": floors.ideal_p99_s * 1000,
+            "best_p99_ratio": floors.best_p99_ratio}
+
+
 async def redis_used_memory(redis_url: str) -> int:
     from tessera.redis_conn import connect
 
@@ -116,8 +132,11 @@ async def run_size(num_engines: int, args: argparse.Namespace, redis_url: str, w
     chains = block_chains(requests, BLOCK_SIZE, block_hash_chain)
     ideal = ideal_cached_tokens(chains, [r.num_prompt_tokens for r in requests], BLOCK_SIZE)
     prompt_tokens = sum(r.num_prompt_tokens for r in requests)
+    floors = workload_floors([r.num_prompt_tokens for r in requests], ideal)
     print(f"\n== {num_engines} engines: {len(requests)} requests over {requests[-1].arrival_s:.1f} simulated s, "
-          f"time scale {time_scale:g}, ideal hit rate {sum(ideal) / prompt_tokens:.1%}", flush=True)
+          f"time scale {time_scale:g}, ideal hit rate {sum(ideal) / prompt_tokens:.1%}; alone on an idle replica "
+          f"TTFT p99 {floors['uncached_p99_ms']:.0f} ms uncached, {floors['ideal_p99_ms']:.0f} ms with the ideal "
+          f"cache (best p99 ratio where nothing queues: {floors['best_p99_ratio']:.2f})", flush=True)
     rows: dict[str, dict[str, Any]] = {}
     skipped: dict[str, str] = {}
     runs = [(p, False) for p in _names(args.policies)] + [(p, True) for p in _names(args.vllm_router_policies)]
@@ -167,7 +186,7 @@ async def run_size(num_engines: int, args: argparse.Namespace, redis_url: str, w
     return {"num_engines": num_engines, "time_scale": time_scale,
             "workload": {**{k: getattr(config, k) for k in config.__dataclass_fields__},
                          "num_requests_generated": len(requests), "prompt_tokens": prompt_tokens,
-                         "ideal_hit_rate": sum(ideal) / prompt_tokens,
+                         "ideal_hit_rate": sum(ideal) / prompt_tokens, "ttft_floors": floors,
                          "duration_s": requests[-1].arrival_s},
             "policies": rows, "skipped": skipped, "goals": goals(rows)}
 
@@ -206,8 +225,10 @@ def main(argv: list[str] | None = None) -> None:
     result["plot"] = str(plotted) if plotted else None
     path = write_results(RESULTS_NAME, result)
     for size, entry in result["sizes"].items():
+        floors = entry["workload"]["ttft_floors"]
         print(f"\n{size} engines (time scale {entry['time_scale']:g}; ideal hit rate "
-              f"{entry['workload']['ideal_hit_rate']:.1%}; latencies in simulated ms)")
+              f"{entry['workload']['ideal_hit_rate']:.1%}; latencies in simulated ms; alone on an idle replica, "
+              f"TTFT p99 {floors['uncached_p99_ms']:.0f} uncached / {floors['ideal_p99_ms']:.0f} ideal cache)")
         print_table(TABLE_HEADERS, table_rows(entry["policies"]))
         print("goals:", json.dumps(entry["goals"]))
         for name, why in entry["skipped"].items():
