@@ -158,3 +158,58 @@ async def test_an_engine_is_forgotten_only_after_the_grace_and_resyncs_when_it_p
     await store.apply(a, [("remove", hashes[3])])  # it publishes again: re-read whole from Redis
     await drain(feed)
     assert feed.index.blocks_of(a) == set(hashes[:3]) and feed.num_resyncs == 1
+
+
+async def wait_for_prefix(feed: LocalIndexFeed, engine_id: str, hashes: list[int], timeout_s: float) -> float:
+    """Seconds until the local index holds all of ``hashes`` for the engine (fails past ``timeout_s``)."""
+    started = asyncio.get_running_loop().time()
+    while feed.index.longest_prefixes(hashes, feed.index.live_mask([engine_id])).get(engine_id) != len(hashes):
+        elapsed = asyncio.get_running_loop().time() - started
+        assert elapsed < timeout_s, f"the feed had not applied the engine's blocks after {elapsed:.2f} s"
+        await asyncio.sleep(0.01)
+    return asyncio.get_running_loop().time() - started
+
+
+async def test_an_idle_feed_reads_seldom_and_the_next_route_wakes_it(
+        redis: aioredis.Redis, names: list[str]) -> None:
+    # Followed back to back, the stream costs an idle worker twenty blocking reads a second; idle, it is read
+    # every idle_read_s, and a route (Router.plan -> feed.used) brings the feed back at once.
+    store = PrefixIndex(redis)
+    model = f"m-{names[0]}"
+    registry = EngineRegistry(redis)
+    await registry.heartbeat(EngineRecord(names[0], f"http://{names[0]}", model, 16, 100, 2048))
+    router = Router(redis, "prefix_affinity", store, index_source="local")
+    feed = router.local_feed
+    assert feed is not None
+    feed.idle_after_s, feed.idle_read_s = 0.3, 30.0
+    await router.start_local_index()
+    await asyncio.sleep(0.8)  # past idle_after_s without a route: idle
+    reads = feed.num_reads
+    await asyncio.sleep(1.0)
+    assert feed.num_reads - reads <= 1  # back to back: ~20 in a second
+
+    hashes = chain(4)
+    await store.apply(names[0], [("store", h) for h in hashes])
+    await router.route(RouteRequest(tenant="t", model=model, num_prompt_tokens=16 * 4 + 3,
+                                    block_hashes=tuple(hashes)))
+    assert await wait_for_prefix(feed, names[0], hashes, timeout_s=5.0) < 5.0  # not the 30 s idle read
+    await router.close()
+
+
+async def test_an_idle_feed_still_follows_a_busy_stream_without_falling_behind(
+        redis: aioredis.Redis, names: list[str]) -> None:
+    # Another gateway's traffic fills the stream while this worker routes nothing: a read that comes back full
+    # is followed at once, so the backlog is applied without waiting out an idle read per slice.
+    store = PrefixIndex(redis)
+    feed = LocalIndexFeed(redis, LocalPrefixIndex(100_000), store, idle_after_s=0.0, idle_read_s=30.0)
+    task = asyncio.get_running_loop().create_task(feed.run())
+    while not feed.ready:
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.2)  # idle from the start: waiting out its 30 s read
+    hashes = chain(1100)  # > 2 x READ_COUNT entries, one store each
+    for h in hashes:
+        await store.apply(names[0], [("store", h)])
+    feed.used()  # one route wakes it, as the first request after idle does; the backlog's slices need no more
+    await wait_for_prefix(feed, names[0], hashes, timeout_s=10.0)
+    feed.stop()
+    await asyncio.wait_for(task, 5.0)  # stop ends an idle wait at once

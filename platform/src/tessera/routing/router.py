@@ -224,6 +224,7 @@ class Router:
             return RoutePlan(request, records, None, None)
         feed = self._feed
         if feed is not None:
+            feed.used()
             if self._feed_task is None:
                 self._ensure_feed()
             if feed.ready:  # until the warm start has loaded, the lookup goes to Redis
