@@ -28,6 +28,7 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from tessera.refresher import REFRESHER_IDLE_S
 from tessera.routing.local_index import LocalPrefixIndex
 from tessera.routing.prefix_index import EVENTS_STREAM, SWEEP_GRACE_S, PrefixIndex, unpack_hashes
 
@@ -49,8 +50,10 @@ LAG_SAMPLES = 4096
 # ms/s: docs/routing.md). The first route after it wakes the feed at once (``used``); that route and any in
 # the read's round trip see an index up to IDLE_READ_S old, which costs hit rate, never a wrong engine. A read
 # that comes back full (a busy stream: other gateways' traffic) is followed by the next at once, idle or not,
-# so the feed never falls behind the stream's trim.
-IDLE_AFTER_S = 10.0
+# so the feed never falls behind the stream's trim. Idle means what it means for the gateway's background
+# refreshers (refresher.py), which stop after the same time without a read; the feed cannot stop (the stream
+# is trimmed), so it slows down instead.
+IDLE_AFTER_S = REFRESHER_IDLE_S
 IDLE_READ_S = 2.0
 
 
