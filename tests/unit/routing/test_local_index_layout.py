@@ -1,5 +1,5 @@
 """The local index's memory layout (routing/local_index.py): a block held by one engine points at its slot's one
-bit object, a multi-holder mask is interned, and the run-wise lookup walk finds exactly what a per-block walk
+bit object, a multi-holder mask is interned, and the lookup's search finds what a per-block walk
 finds. The invariant tests of test_local_index.py hold for this layout as well; these check what it adds."""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import pytest
 
 from tessera.routing import local_index as local_index_module
 from tessera.routing.local_index import LocalPrefixIndex
+from tests.support.lookup_reference import assert_lookup_answer
 
 CHAIN = list(range(2001, 2013))
 
@@ -97,20 +98,10 @@ def test_cap_eviction_order_is_unchanged_by_sharing(monkeypatch: pytest.MonkeyPa
     assert index.blocks_of("b") == {5, 6} and index.blocks_of("c") == {7, 8, 9}
 
 
-def reference_prefixes(held: dict[str, set[int]], chain: list[int]) -> dict[str, int]:
-    out = {}
-    for engine, blocks in held.items():
-        depth = 0
-        while depth < len(chain) and chain[depth] in blocks:
-            depth += 1
-        if depth:
-            out[engine] = depth
-    return out
-
-
-def test_run_wise_lookup_matches_a_per_block_walk_on_random_fleets() -> None:
-    """Long chains, 100 engines (masks of several digits), holes and partial prefixes: the run-wise walk
-    finds each engine's exact prefix, for any subset of live engines."""
+def test_the_search_matches_a_per_block_walk_on_random_fleets() -> None:
+    """Long chains, 100 engines (masks of several digits), partial prefixes and, on 30 % of the engines, a
+    hole: the search finds each prefix-closed engine's exact prefix, and a bounded one past a hole, for any
+    subset of live engines."""
     rng = random.Random(1717)
     engines = [f"e{i:03d}" for i in range(100)]
     chains = [[rng.getrandbits(64) for _ in range(40)] for _ in range(8)]
@@ -129,7 +120,7 @@ def test_run_wise_lookup_matches_a_per_block_walk_on_random_fleets() -> None:
         live = rng.sample(engines, rng.randint(1, len(engines)))
         live_held = {e: held[e] for e in live}
         for chain in chains:
-            assert index.longest_prefixes(chain, index.live_mask(live)) == reference_prefixes(live_held, chain)
+            assert_lookup_answer(index.longest_prefixes(chain, index.live_mask(live)), live_held, chain)
 
 
 def test_random_events_over_many_engines_keep_the_invariant_and_the_shared_objects() -> None:
@@ -174,5 +165,4 @@ def test_random_events_over_many_engines_keep_the_invariant_and_the_shared_objec
     live = rng.sample(engines, 40)
     for start in range(0, 20, 4):
         chain = hashes[start:start + 6]
-        assert index.longest_prefixes(chain, index.live_mask(live)) == reference_prefixes(
-            {e: held[e] for e in live}, chain)
+        assert_lookup_answer(index.longest_prefixes(chain, index.live_mask(live)), {e: held[e] for e in live}, chain)

@@ -7,9 +7,10 @@ Layout, chosen for speed in CPython (``make bench-prefix-index`` measures it): e
 entry per block, and no per-block int: a block held by one engine points at its slot's one bit object
 (``_bits``), and a mask of several holders is interned (``_masks``), so a 62-block chain cached on one or
 two engines reads one or two mask objects, hot in the CPU cache, instead of 62 scattered 1,000-bit ints.
-A lookup maps the chain through the dict in C (``map`` + ``groupby``: consecutive blocks with the same
-holders form one run) and ANDs once per run, not per block, so its Python work is per change of holders;
-it costs one dict probe per block whatever the fleet size and stops at the first block no live engine holds.
+A lookup searches the chain (``longest_prefixes`` says why a search is exact): it probes O(log chain)
+blocks per distinct prefix length among the holders, not every block — a miss is one probe, a 62-block
+chain held to its end seven — so at a million blocks, where every probe is a cache miss, a hit costs a
+handful of them whatever the fleet size.
 
 Copies: vLLM may cache two copies of one block (prefix_index.py says why). The usual single copy is the
 mask bit; extra copies are counted in ``_extra`` (hash -> slot -> copies beyond the first), which stays
@@ -36,7 +37,7 @@ the eviction queue, and one pass over its head removes a whole batch.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
-from itertools import groupby, islice
+from itertools import islice
 
 # A full index evicts this fraction of its cap at once (see the module docstring).
 EVICT_FRACTION = 64
@@ -239,23 +240,55 @@ class LocalPrefixIndex:
     def longest_prefixes(self, chain: Sequence[int], live_mask: int) -> dict[str, int]:
         """engine_id -> how many leading blocks of ``chain`` it holds, for the engines in ``live_mask``;
         engines holding none are left out. What vLLM's ``find_longest_cache_hit`` finds there, as far as
-        the index knows."""
+        the index knows, probing O(log chain) blocks per distinct prefix length instead of every block.
+
+        Why a search is exact: an engine's cached blocks are *prefix-closed* — holding block k of a chain
+        means holding blocks 0..k-1 — because a block can only be reached through its parents (hashes chain
+        them, and a prefix hit walks from the first block) and vLLM frees a request's blocks tail first into
+        an LRU queue, so a block is evicted before its parents, never after. Along a chain the set of holders
+        therefore only shrinks, and each place where it shrinks can be found by galloping then bisecting.
+        Where the index's view is not prefix-closed (a block of the middle forgotten by the cap, an event
+        applied out of the engine's order) an engine's answer lies between the plain walk's, which stops at
+        the first hole, and its deepest held block past the hole, and the block before the answer is held:
+        a wrong answer costs a cache miss, never correctness (tests/unit/routing/test_local_index.py)."""
         alive = live_mask & ~self._retired if self._retired else live_mask
+        num = len(chain)
+        if not num or not alive:
+            return {}
+        get = self._holders.get
+        first = get(chain[0])
+        holders = first & alive if first is not None else 0
         out: dict[str, int] = {}
-        depth = 0
-        # NOTE: the dict probes and the grouping of equal consecutive masks run in C; this loop runs once
-        # per run of blocks with the same holders (typically one or two per prompt), not once per block.
-        for mask, run in groupby(map(self._holders.get, chain)):
-            held = alive & mask if mask is not None else 0
-            if held != alive:
-                if depth:
-                    self._record(out, alive & ~held, depth)
-                alive = held
-                if not held:
-                    return out
-            depth += len(list(run))
-        if depth and alive:
-            self._record(out, alive, depth)
+        # Invariant: every engine in ``holders`` holds blocks 0..held_to. A miss probes one block; a 62-block
+        # hit held to its end seven (0, 1, 3, 7, 15, 31, 61); one ending inside the chain about twice that.
+        held_to = 0
+        while holders:
+            # Gallop: double the stride while every holder still holds the probed block.
+            stride = 1
+            while True:
+                probe = held_to + stride
+                if probe >= num:
+                    probe = num - 1
+                    if probe == held_to:  # held to the chain's end
+                        self._record(out, holders, num)
+                        return out
+                mask = get(chain[probe])
+                if mask is not None and (mask & holders) == holders:
+                    held_to = probe
+                    stride <<= 1
+                else:
+                    break
+            # Bisect (held_to, probe): the first block not every holder holds.
+            while probe - held_to > 1:
+                middle = (held_to + probe) >> 1
+                middle_mask = get(chain[middle])
+                if middle_mask is not None and (middle_mask & holders) == holders:
+                    held_to = middle
+                else:
+                    probe, mask = middle, middle_mask
+            staying = mask & holders if mask is not None else 0
+            self._record(out, holders & ~staying, probe)
+            holders, held_to = staying, probe
         return out
 
     def _record(self, out: dict[str, int], mask: int, depth: int) -> None:
