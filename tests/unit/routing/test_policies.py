@@ -317,14 +317,18 @@ def test_prefix_affinity_ranks_a_large_fleets_first_engines_exactly_as_a_full_so
         fleet = tuple(engine(f"e{i:03d}", running=rng.randrange(4), waiting=rng.choice((0, 0, 0, 1)),
                              pressure=rng.random() < pressured, block_size=16) for i in range(size))
         ids = [e.engine_id for e in fleet]
-        cached = {e: rng.randrange(1, 64) for e in rng.sample(ids, rng.randrange(0, 4))}
-        in_flight = {e: rng.randrange(1, 8) for e in rng.sample(ids, rng.randrange(0, 4))}
-        request = RouteRequest("t", "m", 16 * 64 + 1, (rng.getrandbits(64), trial))
-        snap = RouteSnapshot(fleet, cached, in_flight)
-        got = policy(snap, request).ranked
-        want = _reference_prefix_affinity(snap, request)
-        assert len(got) == policies.MAX_RANKED_ENGINES
-        assert list(got) == [e for e, _ in want[:policies.MAX_RANKED_ENGINES]]
+        keys = [rng.getrandbits(64) for _ in range(2)]
+        # Several requests per fleet, on two prefixes: the second request of a prefix reuses the homes the
+        # policy made for the first (``_Fleet.homes``) under other cached prefixes and in-flight counts.
+        for _ in range(4):
+            cached = {e: rng.randrange(1, 64) for e in rng.sample(ids, rng.choice((0, 1, 1, 2, 3)))}
+            in_flight = {e: rng.randrange(1, 8) for e in rng.sample(ids, rng.choice((0, 0, 1, 3)))}
+            request = RouteRequest("t", "m", 16 * 64 + 1, (rng.choice(keys), trial))
+            snap = RouteSnapshot(fleet, cached, in_flight)
+            got = policy(snap, request).ranked
+            want = _reference_prefix_affinity(snap, request)
+            assert len(got) == policies.MAX_RANKED_ENGINES
+            assert list(got) == [e for e, _ in want[:policies.MAX_RANKED_ENGINES]]
 
 
 def _naive_walk(ring: policies._Ring, key: int, num_engines: int) -> tuple[int, ...]:
