@@ -397,6 +397,8 @@ def chart_properties() -> dict[str, JSON]:
             "healthPath": {"type": "string", "pattern": "^/"},
             "readyPath": {"type": "string", "pattern": "^/"},
             "routingPolicy": {"type": "string", "minLength": 1},
+            "prefixIndex": {"type": "string", "enum": ["local", "redis"]},
+            "localIndexMaxBlocks": integer(1),
             "redisFailOpen": BOOLEAN,
             "keyCacheTtlS": number(0),
             "maxBodyBytes": integer(1024),

@@ -162,10 +162,11 @@ class TesseraSettings(BaseSettings):
     )
     routing_policy: str = Field(default="prefix_affinity", description="Routing policy name (see tessera.routing).")
     prefix_index: Literal["local", "redis"] = Field(
-        default="redis",
-        description="Where the route's prefix lookup is answered: 'redis', the Lua lookup riding in admission's "
-        "round trip, or 'local', the gateway worker's in-process index fed from Redis's KV-event stream (no Redis "
-        "call on the route; not yet the default: its latency goals are not all met, see docs/routing.md).",
+        default="local",
+        description="Where the route's prefix lookup is answered: 'local', the gateway worker's in-process index "
+        "fed from Redis's KV-event stream (no Redis call on the route; up to local_index_max_blocks of memory per "
+        "worker), or 'redis', the Lua lookup riding in admission's round trip (no memory in the gateway; the "
+        "lookup's time is Redis's, shared by every gateway). See docs/routing.md.",
     )
     local_index_max_blocks: int = Field(
         default=2_000_000, ge=1,

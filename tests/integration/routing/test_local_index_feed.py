@@ -57,7 +57,7 @@ async def test_warm_start_then_the_stream_keeps_the_local_index_equal_to_redis(
     assert feed.index.longest_prefixes(hashes, live) == {a: 6, b: 2}
 
     await store.apply(b, [("store", h) for h in hashes[2:5]], ts=None)
-    await store.apply(a, [("remove", hashes[3])])
+    await store.apply(a, [("remove", h) for h in reversed(hashes[3:6])])  # tail first, as vLLM evicts
     await drain(feed)
     assert feed.index.longest_prefixes(hashes, feed.index.live_mask([a, b])) == {a: 3, b: 5}
     assert feed.index.blocks_of(a) == set((await store.blocks_of(a)).keys())
@@ -96,8 +96,8 @@ async def test_a_gap_in_an_engines_events_resyncs_it_from_redis(redis: aioredis.
     await feed.warm_start()
     await store.apply(a, [("store", h) for h in hashes])
     await drain(feed)
-    await store.apply(a, [("remove", hashes[2])])
-    await redis.xtrim(EVENTS_STREAM, maxlen=0)  # this reader fell behind a trim: the remove is lost to it
+    await store.apply(a, [("remove", h) for h in reversed(hashes[2:])])
+    await redis.xtrim(EVENTS_STREAM, maxlen=0)  # this reader fell behind a trim: the removes are lost to it
     await store.apply(a, [("store", hashes[2] + 10_000)])
     await drain(feed)
     assert feed.num_resyncs == 1
@@ -129,7 +129,7 @@ async def test_a_router_on_the_local_index_routes_without_a_redis_lookup(
     assert set(decision.ranked) == set(names)
 
     # A block the engine evicts reaches the router through the stream.
-    await store.apply(names[1], [("remove", hashes[1])])
+    await store.apply(names[1], [("remove", h) for h in reversed(hashes[1:5])])  # tail first, as vLLM evicts
     for _ in range(200):
         decision, _ = await router.route(request)
         if decision.expected_cached_tokens == 16:

@@ -15,7 +15,7 @@ from typing import Any
 
 import httpx
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from tests.support.gateways import GatewayProcess
@@ -72,6 +72,10 @@ def test_the_admin_api_answers_every_input_without_a_server_error(gateways: list
     @given(method=st.sampled_from(["GET", "POST", "PATCH", "DELETE", "PUT", "HEAD", "OPTIONS"]), shape=shapes,
            name=names, kid=key_ids, quoted=st.booleans(), query=st.sampled_from(["", "period=day", "period=x%00"]),
            token=st.sampled_from([ADMIN_TOKEN, ADMIN_TOKEN, "wrong", ""]), body=admin_bodies(names))
+    # Always one target over the URL limit: the draws reach one in most runs, not all (the tenant's name,
+    # random per run, is among the strategies' choices).
+    @example(method="GET", shape="tenants/{name}", name="n" * 9000, kid="x", quoted=False, query="",
+             token=ADMIN_TOKEN, body=None)
     def run(method: str, shape: str, name: str, kid: str, quoted: bool, query: str, token: str,
             body: bytes | None) -> None:
         def part(text: str) -> str:
