@@ -70,12 +70,12 @@ def test_prefix_affinity_counts_at_most_what_vllm_can_reuse() -> None:
 def test_bounded_load_spills_a_hot_prefix_and_takes_it_back_when_load_evens_out() -> None:
     policy = make_policy("prefix_affinity")
     hot = {"a": 31}
-    assert BOUND_FACTOR == 1.25
-    # loads 4, 0, 0: mean 1.33, bound 2.67: a is over it and gets no credit for its cache.
+    assert BOUND_FACTOR == 2.0
+    # loads 4, 0, 0: mean 1.33, bound 3.67: a is over it and gets no credit for its cache.
     spilled = policy(RouteSnapshot((engine("a", 4), engine("b"), engine("c")), hot), REQ)
     assert spilled.ranked[0] in ("b", "c") and "bounded_load" in spilled.reason
     assert spilled.expected_cached_tokens == 0
-    # loads 2, 2, 1: mean 1.67, bound 3.08: a is under it again and its 992 cached tokens win.
+    # loads 2, 2, 1: mean 1.67, bound 4.33: a is under it again and its 992 cached tokens win.
     back = policy(RouteSnapshot((engine("a", 2), engine("b", 2), engine("c", 1)), hot), REQ)
     assert back.ranked[0] == "a" and back.expected_cached_tokens == 992
 
