@@ -193,9 +193,9 @@ def _approx_prefix() -> PolicyFn:
 # Why 2 and not the classic 1.25 (docs/routing.md "The load bound"): a spill is a whole prefill elsewhere and
 # a copy there that evicts another prefix, so a tight bound feeds the overload it guards against. Overloaded
 # with tight caches (bench-routing's virtual-time sweep) 1.25 kept 81.8 % of the ideal hit rate at p99 6.1 s
-# and 2 kept 90.9 % at 4.2 s; 64 simulated H100s at 40 requests/s each: 96 % at p99 331-340 ms against 97.5 %
-# at 280-285 (3 kept 98.4 % but let hot prefixes queue: p99 317). A hot prefix still spills before its
-# engine carries twice the mean load.
+# and 2 kept 90.9 % at 4.2 s; 64 simulated H100s at 40 requests/s each: 95-96 % at p99 331-340 ms against
+# 97.4-97.6 % at 280-365 (3: 98.4 %, p99 317). A hot prefix still spills before its engine carries twice the
+# mean load.
 BOUND_FACTOR = 2.0
 # Load priced in cached tokens, used only between engines that would reuse the same number of cached
 # tokens (two holders of the whole prefix): the less busy one. A running request costs little (continuous
