@@ -44,6 +44,11 @@ def render(values: JSON | None = None, *, release: str = RELEASE) -> list[JSON]:
     return docs
 
 
+def env_values(container: JSON) -> dict[str, str]:
+    """A container's plain env values by name ("" for one taken from a Secret or a field)."""
+    return {e["name"]: e.get("value", "") for e in container.get("env") or []}
+
+
 def find(docs: list[JSON], kind: str, name_suffix: str = "") -> JSON:
     matches = [d for d in docs if d["kind"] == kind and d["metadata"]["name"].endswith(name_suffix)]
     assert len(matches) == 1, (

@@ -10,13 +10,9 @@ import helm_python
 import pytest
 
 from tessera_operators.operator.scrape_targets import ENGINE_ID_LABEL, SCRAPE_TARGETS_PATH
-from tests.support.chart import CHART_DIR, JSON, NAMESPACE, find, load_values, render
+from tests.support.chart import CHART_DIR, JSON, NAMESPACE, env_values, find, load_values, render
 
 PRODUCTION = CHART_DIR / "ci" / "production-external-redis-values.yaml"
-
-
-def _env(container: JSON) -> dict[str, str]:
-    return {e["name"]: e.get("value", "") for e in container.get("env") or []}
 
 
 def test_the_scrape_config_finds_the_replicas_through_the_operator() -> None:
@@ -37,14 +33,14 @@ def test_the_scrape_config_finds_the_replicas_through_the_operator() -> None:
     assert service["spec"]["selector"].items() <= operator["spec"]["template"]["metadata"]["labels"].items()
     (container,) = operator["spec"]["template"]["spec"]["containers"]
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
-    assert str(ports[port["targetPort"]]) == _env(container)["TESSERA_OPERATOR_DISCOVERY_PORT"]
+    assert str(ports[port["targetPort"]]) == env_values(container)["TESSERA_OPERATOR_DISCOVERY_PORT"]
 
 
 def test_the_scrapers_reach_the_engine_replica_ports_and_the_discovery_port() -> None:
     values = load_values(PRODUCTION)
     docs = render(values)
     workers = find(docs, "RayService")["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]
-    start, end = _env(workers["template"]["spec"]["containers"][0])["TESSERA_ENGINE_PORT_RANGE"].split("-")
+    start, end = env_values(workers["template"]["spec"]["containers"][0])["TESSERA_ENGINE_PORT_RANGE"].split("-")
     scrapers = values["networkPolicy"]["metricsFrom"]
     engine_policy = find(docs, "NetworkPolicy", "-engine")["spec"]["ingress"]
     scraper_ports = [r["ports"] for r in engine_policy if r.get("from") == scrapers]

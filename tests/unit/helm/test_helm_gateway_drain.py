@@ -10,7 +10,7 @@ import helm_python
 import pytest
 
 from tessera.gateway.drain import EXIT_AFTER_DEADLINE_S
-from tests.support.chart import find, render
+from tests.support.chart import env_values, find, render
 
 JSON = dict[str, Any]
 
@@ -21,7 +21,7 @@ def _pod(values: JSON | None = None) -> JSON:
 
 
 def _env(pod: JSON) -> dict[str, str]:
-    return {e["name"]: e.get("value", "") for e in pod["containers"][0]["env"]}
+    return env_values(pod["containers"][0])
 
 
 def test_defaults_sleep_before_sigterm_pass_the_deadline_and_cover_both_with_the_grace_period() -> None:

@@ -10,14 +10,13 @@ import helm_python
 import pytest
 
 from tessera.settings import TesseraSettings
-from tests.support.chart import find, render
+from tests.support.chart import env_values, find, render
 
 JSON = dict[str, Any]
 
 
 def _env(values: JSON | None = None) -> dict[str, str]:
-    pod = find(render(values), "Deployment", "-gateway")["spec"]["template"]["spec"]
-    return {e["name"]: e.get("value", "") for e in pod["containers"][0]["env"]}
+    return env_values(find(render(values), "Deployment", "-gateway")["spec"]["template"]["spec"]["containers"][0])
 
 
 def test_the_gateway_routes_from_its_local_index_by_default_with_the_settings_cap() -> None:
