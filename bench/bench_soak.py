@@ -2,7 +2,8 @@
 
 Starts the local platform as ``tessera up`` does (bench/longrun/platform.py: embedded Redis with its AOF, one
 CPU vLLM engine replica under Ray Serve, a 2-worker gateway, the KV-eviction controller), creates a few
-tenants, and runs the project's load generator at a steady Poisson rate for ``SOAK_DURATION_S`` (default
+tenants, stores twice the engine's KV cache with long distinct prompts (so the first window evicts as the
+later ones do), and runs the project's load generator at a steady Poisson rate for ``SOAK_DURATION_S`` (default
 1800 s) after a warm-up, in windows of ``SOAK_WINDOW_S`` (default 300 s). Every window meets the same
 arrivals (the loadgen's ``arrival.period_s`` = the window, shifted by the warm-up; the prompts differ): a
 window's p99 over ~450 requests is set mostly by where the Poisson draw put its tightest bursts — two runs
@@ -32,12 +33,15 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _support import bench_model, percentiles, print_table, write_results
 from longrun import platform as plat
-from longrun.load import start_load, tenant_workload
+from longrun.load import cache_fill_workload, start_load, tenant_workload
 from longrun.soak import WINDOW_HEADERS, Window, judge, verdict_word, window_row
 
+from tessera.engine.config import EngineConfig
 from tests.support.machine import free_port
 
 TENANTS = ("soak-a", "soak-b", "soak-c")
+KV_BLOCK_SIZE = EngineConfig.model_fields["block_size"].default  # what the local platform's engine runs
+FILL_PROMPT_TOKENS = 896  # long enough to fill fast, short of the platform's max_model_len (1,024)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -58,6 +62,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "Small on purpose: the cache fills in the first minutes and then evicts as fast as it "
                              "stores, so the prefix index's keys (one per cached block) reach their bound "
                              "within the run instead of growing towards a capacity the run never fills.")
+    parser.add_argument("--fill-cache", type=float, default=float(os.environ.get("SOAK_FILL_CACHE", 2.0)),
+                        help="Before the warm-up, store this many times the KV cache's capacity with long "
+                             "distinct prompts (env SOAK_FILL_CACHE; default 2; 0 skips it), so the first "
+                             "window already evicts as the later ones do.")
     args = parser.parse_args(argv)
     if args.duration_s <= 0 or args.window_s <= 0 or args.window_s > args.duration_s:
         parser.error("need 0 < window <= duration")
@@ -160,6 +168,27 @@ def slowest(records: list[Any], t_measure: float, window_s: float, num: int = 8)
     return {index: sorted(rows, key=lambda row: -row[2])[:num] for index, rows in sorted(by_window.items())}
 
 
+def fill_cache(platform: Any, keys: dict[str, str], args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """Run the cache fill (``--fill-cache`` x the KV cache) and say what it took; the Redis key count
+    before and after shows the prefix index reaching its bound before the first window."""
+    keys_before = plat.redis_stats(platform.redis_url).keys
+    if args.fill_cache <= 0:
+        return {"requests": 0, "keys_before": keys_before}
+    workload = cache_fill_workload(keys, kv_blocks=args.kv_blocks, block_size=KV_BLOCK_SIZE, times=args.fill_cache,
+                                   prompt_tokens=FILL_PROMPT_TOKENS, seed=args.seed + 1)
+    started = time.perf_counter()
+    output = start_load(workload, platform.base_url, work / "cache-fill",
+                        tokenizer_dir=bench_model("tessera-small")).result()
+    # One token out of the small random model often decodes to no text, which the loadgen counts as an
+    # empty answer; its prompt's blocks were stored all the same, so only other errors count as failed.
+    failed = sum(1 for r in output.records if not r.ok and r.error_kind != "empty_output")
+    done = {"requests": len(output.records), "failed": failed,
+            "seconds": round(time.perf_counter() - started, 1), "keys_before": keys_before,
+            "keys_after": plat.redis_stats(platform.redis_url).keys}
+    print(f"  cache fill: {done}", flush=True)
+    return done
+
+
 def main() -> None:
     args = parse_args()
     num_windows = math.ceil(args.duration_s / args.window_s)
@@ -175,6 +204,7 @@ def main() -> None:
                                    prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens,
                                    request_timeout_s=120.0, seed=args.seed, name="soak", period_s=args.window_s)
         workload = workload.model_copy(update={"warmup_s": args.warmup_s})
+        fill = fill_cache(platform, keys, args, work)
         before = sample(platform)
         started = time.perf_counter()
         load = start_load(workload, platform.base_url, work / "loadgen")
@@ -223,7 +253,7 @@ def main() -> None:
     print()
     print_table(["goal", "verdict", "detail"], [[v.goal, verdict_word(v.passed), v.detail] for v in verdicts])
     path = write_results("soak", {
-        "args": vars(args), "num_windows": num_windows, "before_load": before,
+        "args": vars(args), "num_windows": num_windows, "cache_fill": fill, "before_load": before,
         "windows": [asdict(w) for w in windows], "samples": samples,
         "goals": [asdict(v) for v in verdicts], "slowest_requests": slow, "redis_key_families_at_end": families,
         "loadgen_summary": output.result["summary"]["overall"] | {"latency": None},

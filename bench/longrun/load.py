@@ -7,11 +7,13 @@ goes in a background thread; the bench's main thread samples the platform meanwh
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
 from tessera_loadgen.client import Target
 from tessera_loadgen.execute import RunOutput, execute
+from tessera_loadgen.tokenizer_spec import load_model_dir
 from tessera_loadgen.workload import Workload
 
 from .platform import Background
@@ -34,12 +36,34 @@ def tenant_workload(keys: dict[str, str], *, rate_rps: float, duration_s: float,
         "retry": {"on_429": "count"}, "tenants": tenants})
 
 
-def start_load(workload: Workload, target_url: str, run_dir: Path) -> Background:
-    """The run, started in a thread; ``.result()`` is its ``RunOutput`` once every request has ended."""
+def start_load(workload: Workload, target_url: str, run_dir: Path, tokenizer_dir: Path | None = None) -> Background:
+    """The run, started in a thread; ``.result()`` is its ``RunOutput`` once every request has ended.
+    ``tokenizer_dir``: the model's directory, to make synthetic prompts exactly as long as asked in its
+    tokens (without it a prompt's length is counted in words, ~3 of the small model's tokens each)."""
+    tokenizers = {"tessera-small": load_model_dir(tokenizer_dir)} if tokenizer_dir is not None else None
+
     def run() -> RunOutput:
         return execute(workload, Target.parse(target_url), run_dir, progress=False, plots=False,
-                       models={t.name: "tessera-small" for t in workload.tenants})
+                       models={t.name: "tessera-small" for t in workload.tenants}, tokenizers=tokenizers)
 
     thread = Background(run, "loadgen")
     thread.start()
     return thread
+
+
+def cache_fill_workload(keys: dict[str, str], *, kv_blocks: int, block_size: int, times: float,
+                        prompt_tokens: int, seed: int) -> Workload:
+    """Enough distinct long prompts, one at a time per tenant, to store ``times`` x the engine's KV cache
+    (``kv_blocks`` blocks of ``block_size`` tokens), so that every block the measured load stores evicts
+    one: the state a long-running engine is in. A cache still filling does less work per request (nothing
+    to evict, no removal events to publish, index or account), so a run measured from a cold cache
+    compares its first windows, which fill it, with later ones, which evict."""
+    num_requests = max(len(keys), math.ceil(times * kv_blocks * block_size / prompt_tokens))
+    tenants: list[dict[str, Any]] = [
+        {"name": tenant, "api_key": key, "model": "tessera-small", "concurrency": 1,
+         "classes": [{"name": "fill", "endpoint": "completions", "prompt": {"tokens": prompt_tokens},
+                      "output_tokens": 1}]}
+        for tenant, key in keys.items()]
+    return Workload.model_validate({
+        "name": "cache-fill", "seed": seed, "num_requests": num_requests, "request_timeout_s": 120.0,
+        "ignore_eos": True, "retry": {"on_429": "count"}, "tenants": tenants})

@@ -4,6 +4,7 @@ no process started."""
 from __future__ import annotations
 
 import math
+import random
 import sys
 from pathlib import Path
 
@@ -87,3 +88,19 @@ def test_windows_take_the_requests_scheduled_in_them_and_skip_the_warm_up() -> N
     assert (first.num_requests, first.num_failed, second.num_requests, second.num_failed) == (2, 0, 2, 1)
     assert set(first.tenant_ttft_p99_s) == {"a", "b"} and second.ttft_p50_s == pytest.approx(0.2)
     assert (first.end_s, second.end_s, second.redis_keys) == (10.0, 20.0, 3)
+
+
+def test_the_cache_fill_stores_the_asked_multiple_of_the_cache_one_request_at_a_time_per_tenant() -> None:
+    from longrun.load import cache_fill_workload
+
+    keys = {"soak-a": "ka", "soak-b": "kb", "soak-c": "kc"}
+    fill = cache_fill_workload(keys, kv_blocks=1024, block_size=32, times=2.0, prompt_tokens=896, seed=1)
+    assert fill.num_requests is not None
+    # 2 x 1,024 blocks x 32 tokens in 896-token prompts: 74 prompts (73.1 rounded up), never fewer.
+    assert fill.num_requests == 74 and fill.num_requests * 896 >= 2 * 1024 * 32
+    assert [t.name for t in fill.tenants] == list(keys) and all(t.concurrency == 1 for t in fill.tenants)
+    request_class = fill.tenants[0].classes[0]
+    assert request_class.endpoint == "completions" and request_class.prompt.tokens.sample(random.Random(0)) == 896
+    # A tiny cache still sends each tenant one prompt.
+    assert cache_fill_workload(keys, kv_blocks=1, block_size=32, times=1.0, prompt_tokens=896,
+                               seed=1).num_requests == 3
