@@ -341,6 +341,31 @@ def _naive_walk(ring: policies._Ring, key: int, num_engines: int) -> tuple[int, 
     return tuple(seen)
 
 
+def _naive_walk_from(ring: policies._Ring, start: int, num_engines: int) -> tuple[int, ...]:
+    seen: dict[int, None] = {}
+    for step in range(len(ring.owners)):
+        seen.setdefault(ring.owners[(start + step) % len(ring.owners)])
+        if len(seen) == num_engines:
+            break
+    return tuple(seen)
+
+
+@pytest.mark.parametrize("num_engines", [1, 2, 5, 31, 32, 33, 64, 1000])
+def test_the_walks_made_with_the_ring_are_the_plain_walk_from_every_position(num_engines: int) -> None:
+    """The short walks are made backwards from each position's successor's (``_Ring._short_walks``); each
+    equals the point-by-point walk from its position, wrap-around included, and a decision's walk (up to
+    ``short_depth`` engines) is read from them without making a walk."""
+    ring = policies._Ring(tuple(f"short-e{i}" for i in range(num_engines)))
+    assert ring.short_depth == min(num_engines, 2 * policies.MAX_RANKED_ENGINES)
+    for position in range(len(ring.owners)):
+        assert ring.short_walks[position] == _naive_walk_from(ring, position, ring.short_depth), position
+    rng = random.Random(num_engines)
+    for _ in range(100):
+        key = rng.getrandbits(64)
+        assert ring.walk(key, ring.short_depth) == ring.short_walks[ring.start(key)]
+    assert not ring._walks  # nothing made on the way
+
+
 @pytest.mark.parametrize("num_engines", [1, 3, 17, 64, 300])
 def test_ring_walks_and_offsets_are_the_plain_walk(num_engines: int) -> None:
     """The ring's stretch-doubling walk (and its memo, which may answer with a longer walk than asked) starts

@@ -225,10 +225,10 @@ def _ring_points(engine_id: str, num_points: int) -> tuple[int, ...]:
 
 class _Ring:
     """A fleet's consistent-hash ring: points in ascending order, the engine (index into the fleet) owning
-    each, and, per point, the distinct engines met walking clockwise from it (computed on first use, so a
-    new ring costs nothing until requests land on its points)."""
+    each, and, per point, the distinct engines met walking clockwise from it: the first ``short_depth``
+    (what a decision reads) made with the ring, longer walks on first use."""
 
-    __slots__ = ("_walks", "owners", "points", "positions")
+    __slots__ = ("_walks", "owners", "points", "positions", "short_depth", "short_walks")
 
     def __init__(self, engine_ids: tuple[str, ...]) -> None:
         per_engine = max(1, min(RING_POINTS_PER_ENGINE, RING_MAX_POINTS // max(len(engine_ids), 1)))
@@ -243,6 +243,30 @@ class _Ring:
         for position, owner in enumerate(self.owners):
             self.positions[owner].append(position)
         self._walks: dict[int, tuple[int, ...]] = {}
+        self.short_depth = min(len(engine_ids), 2 * MAX_RANKED_ENGINES)
+        self.short_walks = self._short_walks()
+
+    def _short_walks(self) -> list[tuple[int, ...]]:
+        """Every position's walk to ``short_depth`` engines. Made on first use, a walk cost a decision 2-5 us
+        (a cold stretch of the ring, scanned), and a gateway meets each of the ring's ~4,000 positions for the
+        first time over its first tens of thousands of requests, and again after each fleet change. Made
+        here, in one pass backwards round the ring (a position's walk is its own engine, then its
+        successor's walk without that engine), it costs ~4 ms once per fleet change, and a decision reads
+        a list."""
+        owners, depth = self.owners, self.short_depth
+        walks: list[tuple[int, ...]] = [()] * len(owners)
+        after = self._long_walk(0, depth)  # position 0's walk: the last position's successor's
+        for position in range(len(owners) - 1, -1, -1):
+            owner = owners[position]
+            if after[0] != owner:
+                if owner in after:
+                    k = after.index(owner)
+                    after = (owner, *after[:k], *after[k + 1:])
+                else:
+                    after = (owner, *after[:depth - 1])
+            walks[position] = after
+        self._walks.clear()
+        return walks
 
     def start(self, key: int) -> int:
         """The ring position a walk from ``key`` starts at."""
@@ -260,6 +284,12 @@ class _Ring:
     def walk(self, key: int, num_engines: int) -> tuple[int, ...]:
         """The first ``num_engines`` distinct engines clockwise from ``key``'s position."""
         start = self.start(key)
+        if num_engines <= self.short_depth:
+            return self.short_walks[start][:num_engines]
+        return self._long_walk(start, num_engines)
+
+    def _long_walk(self, start: int, num_engines: int) -> tuple[int, ...]:
+        """A walk longer than the short ones (many engines over the load bound), kept once made."""
         walk = self._walks.get(start)
         if walk is None or len(walk) < num_engines:
             # The distinct owners of a stretch of the ring from ``start``, the stretch doubled until it holds
@@ -398,8 +428,10 @@ def _prefix_affinity() -> PolicyFn:
         walk_len = min(num_engines, 2 * MAX_RANKED_ENGINES)
         while True:
             walk = ring.walk(key, walk_len)
-            # The open homes met, in ring order (filterfalse and islice: the walk is scanned in C).
-            walk_open = list(itertools.islice(itertools.filterfalse(closed.__contains__, walk), MAX_RANKED_ENGINES))
+            # The open homes met, in ring order (filterfalse and islice: the walk is scanned in C; with
+            # nothing closed, the usual case below the bound, not scanned at all).
+            walk_open = (list(itertools.islice(itertools.filterfalse(closed.__contains__, walk), MAX_RANKED_ENGINES))
+                         if closed else list(walk[:MAX_RANKED_ENGINES]))
             if len(walk_open) == MAX_RANKED_ENGINES or walk_len == num_engines:
                 break
             walk_len = min(num_engines, 4 * walk_len)  # many engines over the bound: look further
