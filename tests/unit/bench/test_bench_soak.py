@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "bench"))
+from longrun.load import cache_fill_workload
 from longrun.soak import KEY_SETTLE_S, P99_RATIO_LIMIT, Window, judge
 
 MIB = 2**20
@@ -91,8 +92,6 @@ def test_windows_take_the_requests_scheduled_in_them_and_skip_the_warm_up() -> N
 
 
 def test_the_cache_fill_stores_the_asked_multiple_of_the_cache_one_request_at_a_time_per_tenant() -> None:
-    from longrun.load import cache_fill_workload
-
     keys = {"soak-a": "ka", "soak-b": "kb", "soak-c": "kc"}
     fill = cache_fill_workload(keys, kv_blocks=1024, block_size=32, times=2.0, prompt_tokens=896, seed=1)
     assert fill.num_requests is not None
