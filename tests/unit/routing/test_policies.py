@@ -333,12 +333,7 @@ def test_prefix_affinity_ranks_a_large_fleets_first_engines_exactly_as_a_full_so
 
 def _naive_walk(ring: policies._Ring, key: int, num_engines: int) -> tuple[int, ...]:
     """The first ``num_engines`` distinct owners clockwise from ``key``'s point, one point at a time."""
-    start, seen = ring.start(key), {}
-    for step in range(len(ring.owners)):
-        seen.setdefault(ring.owners[(start + step) % len(ring.owners)])
-        if len(seen) == num_engines:
-            break
-    return tuple(seen)
+    return _naive_walk_from(ring, ring.start(key), num_engines)
 
 
 def _naive_walk_from(ring: policies._Ring, start: int, num_engines: int) -> tuple[int, ...]:
