@@ -38,8 +38,10 @@ TARGET_ONGOING = 2
 BURST_CLIENTS = 4  # twice the target on one replica: Serve wants 2 replicas (its maxReplicas)
 BURST_TOKENS = 16
 # Long enough to outlast the scale-down after the burst (look-back window + downscale delay + Serve's drain
-# loop, ~3.5 s) at the fastest this machine decodes (~250 tokens/s), within maxModelLen.
-LONG_TOKENS = 1800
+# loop, ~3.5 s when quiet) at the fastest these machines decode (~250 tokens/s), within maxModelLen. The
+# scale-down slows with the machine as the decode does: on an avx512 VM under a whole make test the replica
+# left the registry 35 s after the streams opened, when 1,800 tokens (52 tokens/s) had just finished.
+LONG_TOKENS = 3600
 # The removed replica's drain ends as soon as its stream does; the deadline only bounds a stuck one. On a
 # loaded machine two engines share the cores and 1,800 tokens took over a minute (a 60 s deadline cut the
 # stream there, and the gateway continued it elsewhere), so the bound is far above any decode speed here.
@@ -51,7 +53,7 @@ def autoscaled_engine(model_dir: Path) -> dict[str, object]:
     """The CPU engine, small and quick, autoscaled on open requests with short delays and windows."""
     return {
         "model": str(model_dir), "servedModelName": MODEL, "accelerator": "cpu", "kvEvents": {"enabled": False},
-        "speculative": None, "maxModelLen": 2048, "maxNumSeqs": 8, "numGpuBlocksOverride": 256,
+        "speculative": None, "maxModelLen": 4096, "maxNumSeqs": 8, "numGpuBlocksOverride": 256,
         "heartbeatIntervalS": 0.5, "drainTimeoutS": DRAIN_TIMEOUT_S,
         "autoscaling": {"minReplicas": 1, "maxReplicas": 2, "targetOngoingRequests": TARGET_ONGOING,
                         "upscaleDelayS": 0, "downscaleDelayS": 2, "lookBackPeriodS": 1, "metricsIntervalS": 0.25},
