@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import random
 import statistics
@@ -74,6 +75,18 @@ ROUNDS = 1
 # The sim backend: requests per sequence and seeded sequences per regime (seconds of CPU in all).
 SIM_REQUESTS = 200
 SIM_SEQUENCES = 4
+# The sim backend at fleet scale (--sim-engines): the system prompts grow with the fleet (SYSTEM_PROMPTS_PER_ENGINE
+# an engine, as 12 over 3 engines), so each regime's cache against the working set, and each engine's share
+# of the arrivals, stay what they are at 3 engines; the requests grow with it too.
+SYSTEM_PROMPTS_PER_ENGINE = 4
+
+
+def scaled_workload(num_engines: int) -> WorkloadSpec:
+    """The workload for a fleet of ``num_engines``: SYSTEM_PROMPTS_PER_ENGINE prompts an engine over about
+    the square root as many tenants (3 engines: 4 tenants x 3, the default; 64: 16 x 16)."""
+    prompts = SYSTEM_PROMPTS_PER_ENGINE * num_engines
+    tenants = max(WORKLOAD.tenants, math.isqrt(prompts))
+    return replace(WORKLOAD, tenants=tenants, prompts_per_tenant=-(-prompts // tenants))
 
 
 @dataclass(frozen=True)
@@ -374,7 +387,7 @@ def print_regime(name: str, regime: dict[str, Any]) -> None:
     setup = regime["setup"]
     runs = "seeded sequences" if setup["backend"] == "sim" else "rounds"
     print(f"\n== {name} ({setup['backend']}): Poisson {setup['rate_per_s']:.2f}/s "
-          f"({setup['load_factor']}x cold capacity {setup['cold_capacity_rps']:.2f}/s), {NUM_ENGINES} engines x "
+          f"({setup['load_factor']}x cold capacity {setup['cold_capacity_rps']:.2f}/s), {setup['engines']} engines x "
           f"{setup['kv_blocks']} KV blocks of {BLOCK} ({setup['kv_share_of_working_set']:.0%} of the system "
           f"prompts each), {setup['rounds']} {runs} x {setup['requests']} requests")
     head = f"{'policy':<17}{'hit rate':>9}{'ideal':>7}{'of ideal':>9}{'TTFT p50':>10}{'TTFT p99':>10}{'req/s':>7}" \
@@ -394,11 +407,15 @@ def print_cost(cost: dict[str, Any]) -> None:
         print(f"  {key:<24} p50 {cost[key]['p50_us']:8.1f} us   p99 {cost[key]['p99_us']:8.1f} us")
 
 
-def regime_setup(regime: Regime, backend: str, cold_rps: float, rounds: int, requests: int) -> dict[str, Any]:
+def regime_setup(regime: Regime, backend: str, cold_rps: float, rounds: int, requests: int,
+                 num_engines: int = NUM_ENGINES, workload: WorkloadSpec = WORKLOAD) -> dict[str, Any]:
+    # An engine's cache against its share of the system prompts at 3 engines (a scaled fleet keeps it).
+    per_engine_set = workload.working_set_tokens * NUM_ENGINES / num_engines
     return {"backend": backend, "load": regime.load, "kv": regime.kv, "rate_per_s": regime.rate_per_s,
             "load_factor": LOAD_FACTORS[regime.load], "cold_capacity_rps": cold_rps, "kv_blocks": regime.kv_blocks,
-            "kv_share_of_working_set": min(1.0, (regime.kv_blocks - 1) * BLOCK / WORKLOAD.working_set_tokens),
-            "rounds": rounds, "requests": requests}
+            "kv_share_of_working_set": min(1.0, (regime.kv_blocks - 1) * BLOCK / per_engine_set),
+            "rounds": rounds, "requests": requests, "engines": num_engines, "system_prompts":
+                workload.tenants * workload.prompts_per_tenant}
 
 
 def cold_capacity_rps(prefill_1000_s: float, num_parallel: int) -> float:
@@ -423,11 +440,12 @@ async def run_regime_engines(hosts: list[Any], redis_url: str, regime: Regime, r
     return {name: summarize(results[name]) for name in POLICIES}
 
 
-def run_regime_sim(regime: Regime, num_requests: int, num_sequences: int, setup: SimSetup) -> dict[str, dict[str, Any]]:
+def run_regime_sim(regime: Regime, num_requests: int, num_sequences: int, setup: SimSetup,
+                   workload: WorkloadSpec = WORKLOAD) -> dict[str, dict[str, Any]]:
     """Virtual time is cheap: each policy runs ``num_sequences`` seeded sequences (not replays of one), and
     the figures pool them, so a p99 is not one unlucky request."""
     sim = SimSetup(**{**asdict(setup), "step_costs": setup.step_costs, "num_gpu_blocks": regime.kv_blocks})
-    sequences = [make_workload(replace(WORKLOAD, seed=WORKLOAD.seed + k), num_requests, regime.rate_per_s)
+    sequences = [make_workload(replace(workload, seed=workload.seed + k), num_requests, regime.rate_per_s)
                  for k in range(num_sequences)]
     results = {}
     for name in POLICIES:
@@ -458,6 +476,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help=f"requests per regime and round (default {NUM_REQUESTS}; sim {SIM_REQUESTS})")
     parser.add_argument("--sim-sequences", type=int, default=SIM_SEQUENCES,
                         help="sim only: seeded sequences per regime, pooled")
+    parser.add_argument("--sim-engines", type=int, default=NUM_ENGINES,
+                        help="sim only: engines in the fleet; the system prompts and requests scale with it "
+                             f"(SYSTEM_PROMPTS_PER_ENGINE = {SYSTEM_PROMPTS_PER_ENGINE})")
     parser.add_argument("--step-costs", default="", help="sim only: MeasuredStepTime JSON (default: a slow CPU)")
     parser.add_argument("--no-cost", action="store_true", help="skip the routing decision's cost measurement")
     args = parser.parse_args(argv)
@@ -473,6 +494,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.requests = NUM_REQUESTS
     if args.rounds < 1 or args.requests < 10 or args.sim_sequences < 1:
         parser.error("--rounds and --sim-sequences must be >= 1 and --requests >= 10")
+    if args.sim_engines != NUM_ENGINES and args.backend != "sim":
+        parser.error(f"--sim-engines is for --backend sim (the real-engine run has {NUM_ENGINES} engines)")
+    if not 1 <= args.sim_engines <= 1024:
+        parser.error("--sim-engines must be 1-1024")
     return args
 
 
@@ -498,15 +523,18 @@ def main(argv: list[str] | None = None) -> None:
             from tessera.engine.sim.step_time import MeasuredStepTime
 
             costs = MeasuredStepTime.model_validate_json(args.step_costs) if args.step_costs else SLOW_CPU_STEP_COSTS
-            setup = SimSetup(num_engines=NUM_ENGINES, block_size=BLOCK, step_costs=costs, workers=GATEWAY_WORKERS)
+            num_engines = args.sim_engines
+            workload = scaled_workload(num_engines)
+            setup = SimSetup(num_engines=num_engines, block_size=BLOCK, step_costs=costs, workers=GATEWAY_WORKERS)
             prefill_1000_s = costs.step_s + 1000 * costs.per_prefill_token_s
-            cold_rps = cold_capacity_rps(prefill_1000_s, NUM_ENGINES)  # simulated engines do not share cores
-            extra = {"step_costs": costs.model_dump(), "prefill_1000_tokens_ms": prefill_1000_s * 1e3}
-            num_requests = args.requests if args.requests_set else SIM_REQUESTS
+            cold_rps = cold_capacity_rps(prefill_1000_s, num_engines)  # simulated engines do not share cores
+            extra = {"step_costs": costs.model_dump(), "prefill_1000_tokens_ms": prefill_1000_s * 1e3,
+                     "engines": num_engines, "workload": asdict(workload)}
+            num_requests = args.requests if args.requests_set else SIM_REQUESTS * num_engines // NUM_ENGINES
             for regime in make_regimes(args.regime_pairs, cold_rps):
-                policies = run_regime_sim(regime, num_requests, args.sim_sequences, setup)
+                policies = run_regime_sim(regime, num_requests, args.sim_sequences, setup, workload)
                 regimes[regime.name] = {"setup": regime_setup(regime, "sim", cold_rps, args.sim_sequences,
-                                                              num_requests),
+                                                              num_requests, num_engines, workload),
                                         "policies": policies, "goals": goals(policies)}
         else:
             extra = run_engines(args, redis.url, regimes)
@@ -528,6 +556,8 @@ def main(argv: list[str] | None = None) -> None:
                     "load_average_1m_after": os.getloadavg()[0]},
     }
     path = RESULTS_SIM if args.backend == "sim" else RESULTS
+    if args.backend == "sim" and args.sim_engines != NUM_ENGINES:
+        path = path.with_name(f"routing-sim-{args.sim_engines}.json")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2))
     for name, regime_result in regimes.items():

@@ -1,6 +1,7 @@
 """prefix_affinity when the fleet is busy and caches are small (issue #17): load does not outweigh a cache
-under the bound, a prefix nobody holds goes to its home on the ring, a holder over the bound spills to the
-prefix's next home, and the homes are consistent hashing's (even spread, minimal movement).
+under the bound, a known prefix nobody holds goes to its home on the ring (a new one to the least loaded of
+its first homes), a holder over the bound spills to the prefix's next home, and the homes are consistent
+hashing's (even spread, minimal movement).
 
 The last two tests run the policies over the simulated engine in virtual time (bench/routing_sim.py) in the
 regime the issue reported, overloaded with small caches, where prefix_affinity used to lose to approx_prefix:
@@ -34,17 +35,57 @@ def request(first_block: int, num_blocks: int = 31) -> RouteRequest:
 IDS = ("a", "b", "c", "d")
 
 
-def test_a_prefix_nobody_holds_goes_to_its_home_whatever_the_loads_under_the_bound() -> None:
+def test_a_known_prefix_nobody_holds_goes_to_its_home_whatever_the_loads_under_the_bound() -> None:
     """Placed by load, a prefix evicted everywhere came back on whichever engine was least loaded at that
     moment, so with small caches every engine ended up cycling every prefix. Under the bound the home
-    decides, in every gateway process alike."""
+    decides for a prefix the policy has routed before, in every gateway process alike."""
     rng = random.Random(3)
+    policy = make_policy("prefix_affinity")
     for key in range(200):
+        idle = RouteSnapshot(tuple(engine(e) for e in IDS))
+        policy(idle, request(key * 7919))  # routed once: known from now on
         loads = rng.sample([3, 4, 4, 5], 4)  # mean 4, bound 9: every engine is under it
         snap = RouteSnapshot(tuple(engine(e, running=n) for e, n in zip(IDS, loads, strict=True)))
-        decision = make_policy("prefix_affinity")(snap, request(key * 7919))
+        decision = policy(snap, request(key * 7919))
         assert decision.ranked[0] == prefix_homes(IDS, key * 7919)[0]
         assert "miss: home" in decision.reason
+
+
+def test_a_new_prefix_goes_to_the_least_loaded_of_its_first_homes_and_stays_there() -> None:
+    """A prefix nobody holds and the policy has never routed takes the least loaded of its first
+    NEW_PREFIX_CHOICES open homes (waiting requests counted twice), not an idle engine further round the
+    ring; its next request follows its blocks there, and once evicted it goes back to its first home."""
+    ids = tuple(f"n{i}" for i in range(6))
+    key = 31337
+    homes = prefix_homes(ids, key)
+    assert policies.NEW_PREFIX_CHOICES == 4
+    # homes[4] and homes[5] are idle but beyond the first four; homes[2] is the least loaded of those four,
+    # homes[1] has as many requests but one of them waits. Loads 4, 2, 2, 3, 0, 0: bound 4.7, all under it.
+    running = {homes[0]: 4, homes[1]: 1, homes[2]: 2, homes[3]: 3, homes[4]: 0, homes[5]: 0}
+    waiting = {homes[1]: 1}
+    snap = RouteSnapshot(tuple(engine(e, running=running[e], waiting=waiting.get(e, 0)) for e in ids))
+    policy = make_policy("prefix_affinity")
+    first = policy(snap, request(key))
+    assert first.ranked[0] == homes[2] and "miss: new prefix" in first.reason
+    # The blocks are there now: a hit, whatever the loads under the bound.
+    assert policy(RouteSnapshot(snap.engines, {homes[2]: 31}), request(key)).ranked[0] == homes[2]
+    # Evicted everywhere: a known prefix, back to its first home.
+    again = policy(snap, request(key))
+    assert again.ranked[0] == homes[0] and "miss: home" in again.reason
+    # Another policy instance (another gateway worker) has not seen it: it places it by load too.
+    assert make_policy("prefix_affinity")(snap, request(key)).ranked[0] == homes[2]
+
+
+def test_the_policy_remembers_a_bounded_number_of_prefixes() -> None:
+    seen = policies._SeenKeys(capacity=100)
+    assert not seen.add(1) and seen.add(1)
+    for key in range(2, 51):  # the newer generation fills (50) and becomes the older one
+        seen.add(key)
+    assert seen.add(1)  # still remembered, from the older generation
+    for key in range(1000, 1100):  # two generations of other keys
+        seen.add(key)
+    assert not seen.add(2)  # forgotten: memory stays bounded
+    assert len(seen._newer) + len(seen._older) <= 100
 
 
 def test_a_holder_with_the_longest_queue_keeps_its_prefix_while_under_the_bound() -> None:
@@ -79,12 +120,14 @@ def test_this_gateways_in_flight_requests_push_a_home_over_the_bound() -> None:
 def test_an_idle_second_home_takes_a_miss_from_a_busy_first_home_but_a_busy_one_does_not() -> None:
     key = 4242
     homes = prefix_homes(IDS, key)
+    policy = make_policy("prefix_affinity")
+    policy(RouteSnapshot(tuple(engine(e) for e in IDS)), request(key))  # a known prefix, evicted since
     idle_second = {homes[0]: 1, homes[1]: 0, homes[2]: 0, homes[3]: 0}
     snap = RouteSnapshot(tuple(engine(e, running=idle_second[e]) for e in IDS))
-    assert make_policy("prefix_affinity")(snap, request(key)).ranked[:2] == (homes[1], homes[0])
+    assert policy(snap, request(key)).ranked[:2] == (homes[1], homes[0])
     busy_second = {homes[0]: 2, homes[1]: 1, homes[2]: 1, homes[3]: 1}  # bound 3.5: both homes under it
     snap = RouteSnapshot(tuple(engine(e, running=busy_second[e]) for e in IDS))
-    assert make_policy("prefix_affinity")(snap, request(key)).ranked[0] == homes[0]
+    assert policy(snap, request(key)).ranked[0] == homes[0]
 
 
 def test_homes_spread_prefixes_evenly_and_a_departing_engine_moves_only_its_own() -> None:

@@ -323,6 +323,42 @@ def prefix_homes(engine_ids: tuple[str, ...], key: int) -> list[str]:
     return [engine_ids[i] for i in _ring(engine_ids).walk(key, len(engine_ids))]
 
 
+# A prefix nobody holds and this policy instance has never routed goes to the least loaded of its first
+# NEW_PREFIX_CHOICES open homes (waiting requests counted twice: they delay a first token, running ones share
+# steps), ties in ring order; a prefix it has routed before keeps its first home when evicted. Why (issue
+# #17, docs/routing.md "Where prefix_affinity's p99 goes"): at 64 overloaded engines the slowest 1 % were
+# long unique prompts sent to a first home that also served a hot prefix at twice the mean load, and the hits
+# queued behind their prefill; placing every miss by load (never-seen or evicted alike) lost the cache when
+# caches were scarce, because an evicted prefix placed by load moves among its homes' caches. Four: near
+# its home (the next request follows it there), enough choice to miss the one busy engine.
+NEW_PREFIX_CHOICES = 4
+# How many prefixes' keys a policy instance remembers as routed (two generations of half each: ~10 MB).
+SEEN_PREFIXES = 200_000
+
+
+class _SeenKeys:
+    """The keys a policy instance has routed, bounded: two generations of sets, the older dropped when the
+    newer fills, so a key is remembered for between half and all of ``capacity`` later keys (an approximate
+    LRU at the cost of a set lookup a request)."""
+
+    __slots__ = ("_capacity", "_newer", "_older")
+
+    def __init__(self, capacity: int) -> None:
+        self._capacity = max(2, capacity)
+        self._newer: set[int] = set()
+        self._older: set[int] = set()
+
+    def add(self, key: int) -> bool:
+        """Remember ``key``; return whether it was remembered already."""
+        if key in self._newer:
+            return True
+        known = key in self._older
+        self._newer.add(key)
+        if len(self._newer) >= self._capacity // 2:
+            self._older, self._newer = self._newer, set()
+        return known
+
+
 # prefix_affinity ranks this many engines at most (all of a smaller fleet): the gateway falls back down the
 # list when a replica refuses, and past a handful of refusals the fleet is down, not one replica. Ranking
 # 1,000 engines in Python per request would cost more than the whole routing budget.
@@ -382,9 +418,14 @@ def _prefix_affinity() -> PolicyFn:
     so with small caches every engine ends up cycling every prefix. Under overload both feed themselves.
     The bound alone keeps any engine under twice the mean load (+1).
 
+    A prefix nobody holds that this policy has never routed is the exception: it goes to the least loaded
+    of its first ``NEW_PREFIX_CHOICES`` open homes (one busy home does not queue a long cold prefill in front
+    of its hot prefix's hits), and is its own home's from then on.
+
     Cost: O(engines holding the prefix + engines with this gateway's requests in flight + the ring walk to
     ``MAX_RANKED_ENGINES`` engines under the bound), not O(fleet)."""
     fleet_cache: list[_Fleet] = []
+    seen = _SeenKeys(SEEN_PREFIXES)
 
     def fleet_of(engines: tuple[EngineView, ...]) -> _Fleet:
         if not fleet_cache or fleet_cache[0].engines is not engines:
@@ -480,9 +521,21 @@ def _prefix_affinity() -> PolicyFn:
                 return under, over, credit, price, walked[i]
 
             ranked = sorted({*walked, *loads, *cached}, key=full_key)[:MAX_RANKED_ENGINES]
+        placed_by_load = False
+        if not seen.add(key) and not cached:
+            choices = [i for i in ranked[:NEW_PREFIX_CHOICES]
+                       if i not in closed and loads.get(i, fleet_loads[i]) < bound]
+            if len(choices) > 1:
+                # min keeps the first of equals: ring order (after the second-home swap) breaks ties.
+                best = min(choices, key=lambda i: loads.get(i, fleet_loads[i]) + engines[i].num_waiting)
+                ranked.remove(best)
+                ranked.insert(0, best)
+                placed_by_load = True
         top = ranked[0]
         top_cached, top_load = cached.get(top, 0), loads.get(top, fleet_loads[top])
-        if top_cached > 0:
+        if placed_by_load:
+            reason = f"prefix_affinity miss: new prefix, least loaded of its first homes load={top_load}"
+        elif top_cached > 0:
             reason = f"prefix_affinity cached_tokens={top_cached} load={top_load}"
         elif not cached:
             reason = f"prefix_affinity miss: home load={top_load}"
