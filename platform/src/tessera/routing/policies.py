@@ -332,7 +332,7 @@ def prefix_homes(engine_ids: tuple[str, ...], key: int) -> list[str]:
 # caches were scarce, because an evicted prefix placed by load moves among its homes' caches. Four: near
 # its home (the next request follows it there), enough choice to miss the one busy engine.
 NEW_PREFIX_CHOICES = 4
-# How many prefixes' keys a policy instance remembers as routed (two generations of half each: ~10 MB).
+# How many prefixes' keys a policy instance remembers as routed (two generations of half each: ~10-15 MB).
 SEEN_PREFIXES = 200_000
 
 
@@ -420,7 +420,7 @@ def _prefix_affinity() -> PolicyFn:
 
     A prefix nobody holds that this policy has never routed is the exception: it goes to the least loaded
     of its first ``NEW_PREFIX_CHOICES`` open homes (one busy home does not queue a long cold prefill in front
-    of its hot prefix's hits), and is its own home's from then on.
+    of its hot prefix's hits); its later requests follow its blocks, and once evicted it goes to its first home.
 
     Cost: O(engines holding the prefix + engines with this gateway's requests in flight + the ring walk to
     ``MAX_RANKED_ENGINES`` engines under the bound), not O(fleet)."""
