@@ -11,6 +11,7 @@ from tessera.engine.vllm_engine import shm_busy_loop_s
 from tessera.local.platform import (
     ENGINE_OMP_WAIT_POLICY,
     PINNED_SHM_BUSY_LOOP_S,
+    cpu_flags,
     engine_placement_defaults,
     engine_thread_env,
     split_cpus,
@@ -54,6 +55,29 @@ def test_engine_threads_one_per_engine_core_waiting_passively_only_on_a_shared_c
     assert engine_thread_env(None, None, {0, 1, 2, 3}, 1, {}) == {"OMP_NUM_THREADS": "4"}  # no split
     # What the environment already says wins.
     assert engine_thread_env({0, 1}, {1}, {0, 1}, 1, {"OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "ACTIVE"}) == {}
+
+
+def test_on_a_shared_core_a_cpu_with_512_bit_vectors_runs_the_engine_on_one_thread() -> None:
+    # Its prefill on one thread is short, and a second thread's wake-ups slow every decode step
+    # (docs/performance.md section 7); an AVX2-only CPU keeps a thread per core.
+    avx512 = frozenset({"avx2", "avx512f", "avx512bw"})
+    amx = frozenset({"avx2", "amx_tile"})
+    avx2 = frozenset({"avx2", "fma"})
+    assert engine_thread_env({0, 1}, {1}, {0, 1}, 1, {}, avx512) == {
+        "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": ENGINE_OMP_WAIT_POLICY}
+    assert engine_thread_env({0, 1}, {1}, {0, 1}, 1, {}, amx)["OMP_NUM_THREADS"] == "1"
+    assert engine_thread_env({0, 1}, {1}, {0, 1}, 1, {}, avx2)["OMP_NUM_THREADS"] == "2"
+    # Cores of its own (3 CPUs and more), or no split: a thread per core whatever the vectors.
+    assert engine_thread_env({0, 1, 2}, {3}, {0, 1, 2, 3}, 1, {}, avx512) == {"OMP_NUM_THREADS": "3"}
+    assert engine_thread_env(None, None, {0, 1}, 1, {}, avx512) == {"OMP_NUM_THREADS": "2"}
+    assert engine_thread_env({0, 1}, {1}, {0, 1}, 1, {"OMP_NUM_THREADS": "2"}, avx512) == {
+        "OMP_WAIT_POLICY": ENGINE_OMP_WAIT_POLICY}
+
+
+def test_cpu_flags_come_from_the_first_processors_flags_line() -> None:
+    text = "processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: fpu avx2 avx512f\n\nprocessor\t: 1\nflags\t: fpu\n"
+    assert cpu_flags(text) == frozenset({"fpu", "avx2", "avx512f"})
+    assert cpu_flags("processor : 0\nFeatures : fp asimd\n") == frozenset()  # arm64 names them "Features"
 
 
 def test_an_engine_on_cores_of_its_own_busy_waits_briefly_and_a_setting_given_wins() -> None:

@@ -46,6 +46,12 @@ PINNED_SHM_BUSY_LOOP_S = 0.01
 # and Redis's only core.
 MIN_CPUS_FOR_OWN_ENGINE_CORES = 3
 ENGINE_OMP_WAIT_POLICY = "PASSIVE"
+# ... except where the CPU computes on 512-bit vectors: there the prefill on one thread is short (an avx512 VM
+# without AMX: TTFT p50 21.3-21.6 ms on one thread against vLLM alone's 19.7-22.2 on two), and a second
+# thread's barrier wake-ups on the shared core cost every decode step more than its compute saves (sequential
+# E2E p50 88.6-89.6 ms on one thread against 97.7-104.1 on two, CPU per request 173-175 against 186-194 ms;
+# docs/performance.md section 7). So on a shared core such a CPU's engine runs one OpenMP thread.
+WIDE_VECTOR_CPU_FLAGS = frozenset({"avx512f", "amx_tile"})
 # How long the banner key waits for its fsync: Valkey's everysec fsync plus its 2 s postponed write, with room.
 _KEY_FSYNC_WAIT_MS = 5000
 
@@ -144,7 +150,7 @@ class LocalPlatform:
         self.start_redis()
         env = self._env()
         for name, value in engine_thread_env(engine_cpus, platform_cpus, own_cpus, opts.num_engines,
-                                             os.environ).items():
+                                             os.environ, _read_cpu_flags()).items():
             env.setdefault(name, value)
         os.environ.update(env)
 
@@ -372,20 +378,38 @@ def split_cpus() -> tuple[set[int] | None, set[int] | None]:
     return set(engine_cpus), {cpus[-1]}
 
 
+def cpu_flags(cpuinfo: str) -> frozenset[str]:
+    """The flags of /proc/cpuinfo's first processor (empty where the text has none: not x86, or no file)."""
+    line = next((line for line in cpuinfo.splitlines() if line.startswith("flags")), "")
+    return frozenset(line.split(":", 1)[1].split()) if ":" in line else frozenset()
+
+
+def _read_cpu_flags() -> frozenset[str]:
+    try:
+        return cpu_flags(Path("/proc/cpuinfo").read_text())
+    except OSError:
+        return frozenset()
+
+
 def engine_thread_env(engine_cpus: set[int] | None, platform_cpus: set[int] | None, own_cpus: set[int],
-                      num_engines: int, environ: Mapping[str, str]) -> dict[str, str]:
+                      num_engines: int, environ: Mapping[str, str],
+                      flags: frozenset[str] = frozenset()) -> dict[str, str]:
     """The engines' OpenMP settings (a value already in ``environ`` wins).
 
     Ray sets OMP_NUM_THREADS to an actor's whole CPUs (1 for the engine replica) unless it is set; vLLM's CPU
     build then computes on one thread where `vllm serve` uses every core it may run on. So: one thread per
     engine core, several replicas sharing the cores between them. Where the engine's cores include the
     platform's (``split_cpus`` on 2 CPUs), its threads wait passively: an OpenMP barrier that spins would take
-    the core the gateway and Redis answer on."""
+    the core the gateway and Redis answer on; and on a CPU with ``WIDE_VECTOR_CPU_FLAGS`` (``flags``: the
+    CPU's, see ``cpu_flags``) there is one thread, the shared core left to the platform's processes."""
     env: dict[str, str] = {}
+    shares = engine_cpus is not None and platform_cpus is not None and bool(engine_cpus & platform_cpus)
     if "OMP_NUM_THREADS" not in environ:
         engine_cores = len(engine_cpus) if engine_cpus else len(own_cpus)
-        env["OMP_NUM_THREADS"] = str(max(1, engine_cores // max(1, num_engines)))
-    shares = engine_cpus is not None and platform_cpus is not None and bool(engine_cpus & platform_cpus)
+        threads = max(1, engine_cores // max(1, num_engines))
+        if shares and flags & WIDE_VECTOR_CPU_FLAGS:
+            threads = 1
+        env["OMP_NUM_THREADS"] = str(threads)
     if shares and "OMP_WAIT_POLICY" not in environ:
         env["OMP_WAIT_POLICY"] = ENGINE_OMP_WAIT_POLICY
     return env
