@@ -177,8 +177,9 @@ def test_layer_rules(importer: str, forbidden: tuple[str, ...]) -> None:
 
 # What each package may import from the others (docs/architecture.md draws the same table). The base
 # modules import nothing of Tessera's; a new arrow is a design decision: add it here and to the doc.
-BASE = ("tessera.asgi", "tessera.redis_conn", "tessera.redis_wire", "tessera.redis_tls", "tessera.redis_sentinel",
-        "tessera.refresher", "tessera.registry", "tessera.settings", "tessera.engine.protocol")
+BASE = ("tessera.asgi", "tessera.cpu_info", "tessera.redis_conn", "tessera.redis_wire", "tessera.redis_tls",
+        "tessera.redis_sentinel", "tessera.refresher", "tessera.registry", "tessera.settings",
+        "tessera.engine.protocol")
 MAY_IMPORT: dict[str, tuple[str, ...]] = {
     **{base: () for base in BASE},
     # a rediss:// URL's TLS options, as redis-py reads them; a redis+sentinel:// URL and its primary
@@ -198,8 +199,8 @@ MAY_IMPORT: dict[str, tuple[str, ...]] = {
                         "tessera.redis_wire",
                         "tessera.refresher", "tessera.registry", "tessera.routing", "tessera.settings",
                         "tessera.telemetry", "tessera.tenancy"),
-    "tessera.local": ("tessera.data_plane_auth", "tessera.engine", "tessera.gateway", "tessera.redis_conn",
-                      "tessera.registry",
+    "tessera.local": ("tessera.cpu_info", "tessera.data_plane_auth", "tessera.engine", "tessera.gateway",
+                      "tessera.redis_conn", "tessera.registry",
                       "tessera.tenancy", "tessera.settings", "tessera.telemetry"),
     "tessera_operators.kvcontrol": ("tessera.data_plane_auth", "tessera.redis_conn", "tessera.registry",
                                     "tessera.routing",

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
+from tessera.cpu_info import cpu_flags
+
 # The x86 features vLLM's CPU kernels pick their code paths by (attention ISA, FP8 KV, bf16 GEMMs).
 VLLM_CPU_FLAGS = ("avx2", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx512_vnni",
                   "amx_tile", "amx_bf16", "amx_int8")
@@ -36,8 +38,7 @@ def cpu_findings(cpuinfo: str, num_cpus: int) -> list[Finding]:
     """CPU model and the flags vLLM's CPU backend cares about, from /proc/cpuinfo's text."""
     model = next((line.split(":", 1)[1].strip() for line in cpuinfo.splitlines()
                   if line.startswith("model name")), "unknown model")
-    flags_line = next((line.split(":", 1)[1] for line in cpuinfo.splitlines() if line.startswith("flags")), "")
-    present = set(flags_line.split())
+    present = cpu_flags(cpuinfo)
     listed = " ".join(flag for flag in VLLM_CPU_FLAGS if flag in present) or "none of them"
     missing = [flag for flag in ("avx512f", "amx_tile") if flag not in present]
     note = " (no AVX-512 and no AMX: FP8 KV does not run on this CPU)" if len(missing) == 2 else ""

@@ -6,12 +6,12 @@ import os
 
 import pytest
 
+from tessera.cpu_info import cpu_flags
 from tessera.engine.config import EngineConfig
 from tessera.engine.vllm_engine import shm_busy_loop_s
 from tessera.local.platform import (
     ENGINE_OMP_WAIT_POLICY,
     PINNED_SHM_BUSY_LOOP_S,
-    cpu_flags,
     engine_placement_defaults,
     engine_thread_env,
     split_cpus,

@@ -22,6 +22,7 @@ from typing import IO, Any
 
 import httpx
 
+from tessera.cpu_info import read_cpu_flags
 from tessera.data_plane_auth import ensure_key_file
 from tessera.engine.config import EngineConfig, default_small_model_dir
 from tessera.engine.small_model import is_small_model_dir, make_small_model
@@ -150,7 +151,7 @@ class LocalPlatform:
         self.start_redis()
         env = self._env()
         for name, value in engine_thread_env(engine_cpus, platform_cpus, own_cpus, opts.num_engines,
-                                             os.environ, _read_cpu_flags()).items():
+                                             os.environ, read_cpu_flags()).items():
             env.setdefault(name, value)
         os.environ.update(env)
 
@@ -378,19 +379,6 @@ def split_cpus() -> tuple[set[int] | None, set[int] | None]:
     return set(engine_cpus), {cpus[-1]}
 
 
-def cpu_flags(cpuinfo: str) -> frozenset[str]:
-    """The flags of /proc/cpuinfo's first processor (empty where the text has none: not x86, or no file)."""
-    line = next((line for line in cpuinfo.splitlines() if line.startswith("flags")), "")
-    return frozenset(line.split(":", 1)[1].split()) if ":" in line else frozenset()
-
-
-def _read_cpu_flags() -> frozenset[str]:
-    try:
-        return cpu_flags(Path("/proc/cpuinfo").read_text())
-    except OSError:
-        return frozenset()
-
-
 def engine_thread_env(engine_cpus: set[int] | None, platform_cpus: set[int] | None, own_cpus: set[int],
                       num_engines: int, environ: Mapping[str, str],
                       flags: frozenset[str] = frozenset()) -> dict[str, str]:
@@ -401,7 +389,7 @@ def engine_thread_env(engine_cpus: set[int] | None, platform_cpus: set[int] | No
     engine core, several replicas sharing the cores between them. Where the engine's cores include the
     platform's (``split_cpus`` on 2 CPUs), its threads wait passively: an OpenMP barrier that spins would take
     the core the gateway and Redis answer on; and on a CPU with ``WIDE_VECTOR_CPU_FLAGS`` (``flags``: the
-    CPU's, see ``cpu_flags``) there is one thread, the shared core left to the platform's processes."""
+    CPU's, ``tessera.cpu_info``) there is one thread, the shared core left to the platform's processes."""
     env: dict[str, str] = {}
     shares = engine_cpus is not None and platform_cpus is not None and bool(engine_cpus & platform_cpus)
     if "OMP_NUM_THREADS" not in environ:
