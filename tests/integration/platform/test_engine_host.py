@@ -105,6 +105,16 @@ def test_vllms_processes_sleep_between_requests(fp8_engine: EngineHost) -> None:
     assert spent < 0.15, f"vLLM's processes used {spent:.2f} CPU-s in 0.5 s idle: they busy-wait"
 
 
+def test_the_model_runs_in_vllms_engine_core_process_on_the_cpu_build(fp8_engine: EngineHost) -> None:
+    # cpuModelInEngineCore (the default): vLLM's CPU platform would start a worker process and hand every
+    # step across two shared-memory queues; here the engine core computes itself, as vLLM does with one GPU.
+    generate(fp8_engine, max_tokens=4)
+    names = [p.name() for p in psutil.Process().children(recursive=True) if p.name().startswith("VLLM::")]
+    assert "VLLM::EngineCore" in names, names
+    assert not [name for name in names if "Worker" in name], names
+    assert fp8_engine.engine.vllm_config.parallel_config.distributed_executor_backend == "uni"
+
+
 def test_health_and_unknown_route(fp8_engine: EngineHost) -> None:
     assert httpx.get(f"{fp8_engine.url}/health").json()["healthy"] is True
     assert httpx.get(f"{fp8_engine.url}/nope", auth=ENGINE_AUTH).status_code == 404

@@ -57,21 +57,31 @@ def test_engine_threads_one_per_engine_core_waiting_passively_only_on_a_shared_c
     assert engine_thread_env({0, 1}, {1}, {0, 1}, 1, {"OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "ACTIVE"}) == {}
 
 
-def test_on_a_shared_core_a_cpu_with_512_bit_vectors_runs_the_engine_on_one_thread() -> None:
+AVX512 = frozenset({"avx2", "avx512f", "avx512bw"})
+
+
+def test_on_a_shared_core_a_cpu_with_512_bit_vectors_runs_a_worker_process_model_on_one_thread() -> None:
     # Its prefill on one thread is short, and a second thread's wake-ups slow every decode step
     # (docs/performance.md section 7); an AVX2-only CPU keeps a thread per core.
-    avx512 = frozenset({"avx2", "avx512f", "avx512bw"})
     amx = frozenset({"avx2", "amx_tile"})
     avx2 = frozenset({"avx2", "fma"})
-    assert engine_thread_env({0, 1}, {1}, {0, 1}, 1, {}, avx512) == {
+    assert engine_thread_env({0, 1}, {1}, {0, 1}, 1, {}, AVX512, model_in_worker_process=True) == {
         "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": ENGINE_OMP_WAIT_POLICY}
-    assert engine_thread_env({0, 1}, {1}, {0, 1}, 1, {}, amx)["OMP_NUM_THREADS"] == "1"
-    assert engine_thread_env({0, 1}, {1}, {0, 1}, 1, {}, avx2)["OMP_NUM_THREADS"] == "2"
+    assert engine_thread_env({0, 1}, {1}, {0, 1}, 1, {}, amx, model_in_worker_process=True)["OMP_NUM_THREADS"] == "1"
+    assert engine_thread_env({0, 1}, {1}, {0, 1}, 1, {}, avx2, model_in_worker_process=True)["OMP_NUM_THREADS"] == "2"
     # Cores of its own (3 CPUs and more), or no split: a thread per core whatever the vectors.
-    assert engine_thread_env({0, 1, 2}, {3}, {0, 1, 2, 3}, 1, {}, avx512) == {"OMP_NUM_THREADS": "3"}
-    assert engine_thread_env(None, None, {0, 1}, 1, {}, avx512) == {"OMP_NUM_THREADS": "2"}
-    assert engine_thread_env({0, 1}, {1}, {0, 1}, 1, {"OMP_NUM_THREADS": "2"}, avx512) == {
-        "OMP_WAIT_POLICY": ENGINE_OMP_WAIT_POLICY}
+    assert engine_thread_env({0, 1, 2}, {3}, {0, 1, 2, 3}, 1, {}, AVX512, model_in_worker_process=True) == {
+        "OMP_NUM_THREADS": "3"}
+    assert engine_thread_env(None, None, {0, 1}, 1, {}, AVX512, model_in_worker_process=True) == {
+        "OMP_NUM_THREADS": "2"}
+    assert engine_thread_env({0, 1}, {1}, {0, 1}, 1, {"OMP_NUM_THREADS": "2"}, AVX512,
+                             model_in_worker_process=True) == {"OMP_WAIT_POLICY": ENGINE_OMP_WAIT_POLICY}
+
+
+def test_a_model_in_the_engine_core_keeps_a_thread_per_core_with_512_bit_vectors_too() -> None:
+    # cpuModelInEngineCore (the default): no queue hand-over per step, and the second thread pays again.
+    assert engine_thread_env({0, 1}, {1}, {0, 1}, 1, {}, AVX512) == {
+        "OMP_NUM_THREADS": "2", "OMP_WAIT_POLICY": ENGINE_OMP_WAIT_POLICY}
 
 
 def test_cpu_flags_come_from_the_first_processors_flags_line() -> None:

@@ -104,3 +104,31 @@ def test_serve_accepts_the_options(tp: int) -> None:
 
     deployment = Probe.options(**options(accelerator="gpu", tensor_parallel_size=tp))  # type: ignore[attr-defined]
     assert deployment.ray_actor_options["num_cpus"] == REPLICA_CPUS
+
+
+@pytest.mark.parametrize(("placed", "tp", "wanted", "in_core"),
+                         [("cpu", 1, True, True), ("cpu", 1, False, False), ("cpu", 2, True, False),
+                          ("gpu", 1, True, False), ("gpu", 4, True, False)])
+def test_the_model_runs_in_vllms_engine_core_only_on_the_cpu_build_with_one_worker(placed: str, tp: int,
+                                                                                   wanted: bool,
+                                                                                   in_core: bool) -> None:
+    assert placement.model_in_engine_core(placed, tp, wanted) is in_core  # type: ignore[arg-type]
+
+
+def test_a_cpu_replica_asks_vllm_for_its_in_process_executor_unless_told_not_to() -> None:
+    config = {"model": "/m", "accelerator": "cpu", "kv_events": {"enabled": False}}
+    assert EngineConfig.model_validate(config).to_vllm_kwargs()["distributed_executor_backend"] == "uni"
+    own_worker = EngineConfig.model_validate({**config, "cpuModelInEngineCore": False})
+    assert "distributed_executor_backend" not in own_worker.to_vllm_kwargs()
+    assert not own_worker.runs_model_in_engine_core
+
+
+def test_auto_runs_the_model_in_the_engine_core_where_the_cpu_build_is_installed(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from tessera.engine import config as config_module
+
+    auto = EngineConfig.model_validate({"model": "/m", "kv_events": {"enabled": False}})
+    monkeypatch.setattr(config_module, "installed_vllm_build", lambda: "cpu")
+    assert auto.runs_model_in_engine_core and auto.to_vllm_kwargs()["distributed_executor_backend"] == "uni"
+    monkeypatch.setattr(config_module, "installed_vllm_build", lambda: "gpu")
+    assert not auto.runs_model_in_engine_core and "distributed_executor_backend" not in auto.to_vllm_kwargs()

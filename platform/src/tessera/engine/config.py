@@ -10,7 +10,13 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 
 from tessera.engine.autoscaling import AutoscalingConfig
-from tessera.engine.placement import Accelerator, vllm_executor_backend
+from tessera.engine.placement import (
+    Accelerator,
+    installed_vllm_build,
+    model_in_engine_core,
+    resolve_accelerator,
+    vllm_executor_backend,
+)
 
 KVCacheDtype = Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"]
 SpeculativeMethod = Literal["ngram", "eagle", "eagle3", "draft_model", "mtp"]
@@ -253,7 +259,15 @@ class EngineConfig(BaseModel):
         "each process on a core while a request runs and for a second after; 0 frees those cores for about a "
         "third of the CPU per request and costs some latency (docs/performance.md). Default (null): 0 on the "
         "CPU build, where the model's own threads need those cores; 1.0 with GPUs; under `tessera up`, a CPU "
-        "engine pinned to cores of its own gets 0.01 (a short spin that the pinned cores can afford).",
+        "engine pinned to cores of its own gets 0.01 (a short spin that the pinned cores can afford). A CPU "
+        "engine that runs its model in the engine core (cpuModelInEngineCore) has no such queues.",
+    )
+    cpu_model_in_engine_core: bool = Field(
+        default=True,
+        description="On vLLM's CPU build with tensorParallelSize 1: run the model inside vLLM's engine-core "
+        "process, as vLLM does with one GPU, instead of in a worker process of its own (the CPU build's "
+        "default). Each step then skips two inter-process hand-overs: on a 2-vCPU machine a 16-token request "
+        "took 57 instead of 97 ms at the replica (docs/performance.md section 7). false: vLLM's own layout.",
     )
 
     @model_validator(mode="after")
@@ -293,6 +307,12 @@ class EngineConfig(BaseModel):
     def tokenizer_path(self) -> str:
         return self.tokenizer or self.model
 
+    @property
+    def runs_model_in_engine_core(self) -> bool:
+        """``cpu_model_in_engine_core`` where it applies: the CPU build (as resolved here), one worker."""
+        return model_in_engine_core(resolve_accelerator(self.accelerator, installed_vllm_build()),
+                                    self.tensor_parallel_size, self.cpu_model_in_engine_core)
+
     def validate_for_cpu(self) -> None:
         """The CPU build's own limits, checked before vLLM fails on them obscurely."""
         if self.block_size % 32:
@@ -320,6 +340,9 @@ class EngineConfig(BaseModel):
         backend = vllm_executor_backend(self.accelerator, self.tensor_parallel_size)
         if backend is not None:
             kwargs["distributed_executor_backend"] = backend
+        if self.runs_model_in_engine_core:
+            # With VLLM_ENABLE_V1_MULTIPROCESSING=0 in the environment (vllm_engine.prepare_environment).
+            kwargs["distributed_executor_backend"] = "uni"
         if self.max_num_batched_tokens is not None:
             kwargs["max_num_batched_tokens"] = self.max_num_batched_tokens
         if self.num_gpu_blocks_override is not None:

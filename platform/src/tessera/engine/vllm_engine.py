@@ -41,6 +41,11 @@ def prepare_environment(config: EngineConfig) -> None:
     """What vLLM reads from the environment, set before it starts (its processes inherit it)."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(config.cpu_kv_cache_space_gib))
     os.environ[shm_wait.ENV] = str(shm_busy_loop_s(config))
+    if config.runs_model_in_engine_core:
+        # NOTE: vLLM's CPU platform turns the "uni" executor into "mp" unless this is "0" (platforms/cpu.py,
+        # check_and_update_config); elsewhere vLLM 0.32 reads it only in the synchronous LLMEngine, which no
+        # replica uses. The engine-core process is still its own: AsyncLLM always starts one.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     shm_wait.install()  # this process's own queues (vLLM's spawned processes: its plugin, see shm_wait.py)
 
 

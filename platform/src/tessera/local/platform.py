@@ -51,7 +51,10 @@ ENGINE_OMP_WAIT_POLICY = "PASSIVE"
 # without AMX: TTFT p50 21.3-21.6 ms on one thread against vLLM alone's 19.7-22.2 on two), and a second
 # thread's barrier wake-ups on the shared core cost every decode step more than its compute saves (sequential
 # E2E p50 88.6-89.6 ms on one thread against 97.7-104.1 on two, CPU per request 173-175 against 186-194 ms;
-# docs/performance.md section 7). So on a shared core such a CPU's engine runs one OpenMP thread.
+# docs/performance.md section 7). So on a shared core such a CPU's engine runs one OpenMP thread where vLLM runs
+# the model in a worker process of its own (``cpuModelInEngineCore: false``). With the model in the engine core
+# (the default) the second thread pays again: sequential E2E p50 61.6 / 78.6 ms on two threads against 84.4 /
+# 81.9 on one, CPU per request 71 / 91 against 95 / 95 ms (same VM, docs/performance.md section 7).
 WIDE_VECTOR_CPU_FLAGS = frozenset({"avx512f", "amx_tile"})
 # How long the banner key waits for its fsync: Valkey's everysec fsync plus its 2 s postponed write, with room.
 _KEY_FSYNC_WAIT_MS = 5000
@@ -151,7 +154,8 @@ class LocalPlatform:
         self.start_redis()
         env = self._env()
         for name, value in engine_thread_env(engine_cpus, platform_cpus, own_cpus, opts.num_engines,
-                                             os.environ, read_cpu_flags()).items():
+                                             os.environ, read_cpu_flags(),
+                                             not self.engine_config.runs_model_in_engine_core).items():
             env.setdefault(name, value)
         os.environ.update(env)
 
@@ -381,7 +385,7 @@ def split_cpus() -> tuple[set[int] | None, set[int] | None]:
 
 def engine_thread_env(engine_cpus: set[int] | None, platform_cpus: set[int] | None, own_cpus: set[int],
                       num_engines: int, environ: Mapping[str, str],
-                      flags: frozenset[str] = frozenset()) -> dict[str, str]:
+                      flags: frozenset[str] = frozenset(), model_in_worker_process: bool = False) -> dict[str, str]:
     """The engines' OpenMP settings (a value already in ``environ`` wins).
 
     Ray sets OMP_NUM_THREADS to an actor's whole CPUs (1 for the engine replica) unless it is set; vLLM's CPU
@@ -389,13 +393,14 @@ def engine_thread_env(engine_cpus: set[int] | None, platform_cpus: set[int] | No
     engine core, several replicas sharing the cores between them. Where the engine's cores include the
     platform's (``split_cpus`` on 2 CPUs), its threads wait passively: an OpenMP barrier that spins would take
     the core the gateway and Redis answer on; and on a CPU with ``WIDE_VECTOR_CPU_FLAGS`` (``flags``: the
-    CPU's, ``tessera.cpu_info``) there is one thread, the shared core left to the platform's processes."""
+    CPU's, ``tessera.cpu_info``) whose model runs in a vLLM worker process (``model_in_worker_process``) there
+    is one thread, the shared core left to the platform's processes."""
     env: dict[str, str] = {}
     shares = engine_cpus is not None and platform_cpus is not None and bool(engine_cpus & platform_cpus)
     if "OMP_NUM_THREADS" not in environ:
         engine_cores = len(engine_cpus) if engine_cpus else len(own_cpus)
         threads = max(1, engine_cores // max(1, num_engines))
-        if shares and flags & WIDE_VECTOR_CPU_FLAGS:
+        if shares and model_in_worker_process and flags & WIDE_VECTOR_CPU_FLAGS:
             threads = 1
         env["OMP_NUM_THREADS"] = str(threads)
     if shares and "OMP_WAIT_POLICY" not in environ:
