@@ -267,7 +267,7 @@ class EngineConfig(BaseModel):
         description="On vLLM's CPU build with tensorParallelSize 1: run the model inside vLLM's engine-core "
         "process, as vLLM does with one GPU, instead of in a worker process of its own (the CPU build's "
         "default). Each step then skips two inter-process hand-overs: on a 2-vCPU machine a 16-token request "
-        "took 57 instead of 97 ms at the replica (docs/performance.md section 7). false: vLLM's own layout.",
+        "took 57 instead of 97 ms at the replica (docs/performance.md section 1a). false: vLLM's own layout.",
     )
 
     @model_validator(mode="after")

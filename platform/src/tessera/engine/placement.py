@@ -110,8 +110,8 @@ def model_in_engine_core(placed: Placed, tensor_parallel_size: int, wanted: bool
     memory queues, engine core -> worker -> engine core, each reader spinning or sleeping on a socket between
     steps. With GPUs and one worker vLLM already runs the model in the engine core; on the CPU build the
     worker process only buys OpenMP thread binding per worker, which one worker does not need. Measured on a
-    2-vCPU VM (docs/performance.md section 7): the replica alone 97 -> 57 ms per 16-token request with no
-    busy-wait, and `tessera up`'s decode 4.5 -> 2.7-3.1 ms a token."""
+    2-vCPU VM (docs/performance.md section 1a): the replica alone 97 -> 57 ms per 16-token request with no
+    busy-wait, and `tessera up`'s decode 4.4 -> 2.7-3.1 ms a token."""
     return wanted and placed == "cpu" and tensor_parallel_size == 1
 
 
