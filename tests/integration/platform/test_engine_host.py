@@ -93,8 +93,9 @@ def test_disconnect_leaves_no_running_request(fp8_engine: EngineHost) -> None:
 
 
 def test_vllms_processes_sleep_between_requests(fp8_engine: EngineHost) -> None:
-    # shmBusyLoopS=0 (the default): right after a request, vLLM's engine core and worker wait on a socket
-    # instead of spinning on their shared-memory queues for a second each (engine/shm_wait.py).
+    # Right after a request vLLM's processes wait on a socket instead of spinning for a second: the engine core
+    # that runs the model (cpuModelInEngineCore) has no shared-memory queue to spin on, and where a worker
+    # process runs the model, shmBusyLoopS=0 (the CPU default) stops both from spinning (engine/shm_wait.py).
     generate(fp8_engine, max_tokens=4)
     children = psutil.Process().children(recursive=True)
     vllm = [p for p in children if p.name().startswith("VLLM::")]
