@@ -12,6 +12,7 @@ from pydantic.alias_generators import to_camel
 from tessera.engine.autoscaling import AutoscalingConfig
 from tessera.engine.placement import (
     Accelerator,
+    Placed,
     installed_vllm_build,
     model_in_engine_core,
     resolve_accelerator,
@@ -308,10 +309,15 @@ class EngineConfig(BaseModel):
         return self.tokenizer or self.model
 
     @property
+    def placed_on(self) -> Placed:
+        """What this config runs on where it is read: ``accelerator``, 'auto' resolved against the installed
+        vLLM build (package metadata: no vLLM import)."""
+        return resolve_accelerator(self.accelerator, installed_vllm_build())
+
+    @property
     def runs_model_in_engine_core(self) -> bool:
         """``cpu_model_in_engine_core`` where it applies: the CPU build (as resolved here), one worker."""
-        return model_in_engine_core(resolve_accelerator(self.accelerator, installed_vllm_build()),
-                                    self.tensor_parallel_size, self.cpu_model_in_engine_core)
+        return model_in_engine_core(self.placed_on, self.tensor_parallel_size, self.cpu_model_in_engine_core)
 
     def validate_for_cpu(self) -> None:
         """The CPU build's own limits, checked before vLLM fails on them obscurely."""

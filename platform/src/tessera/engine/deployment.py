@@ -29,7 +29,7 @@ from ray import serve
 from tessera.engine.autoscaling import ReplicaLoad, replica_count_options, replica_signals, serve_shutdown_options
 from tessera.engine.config import EngineBackend, EngineConfig
 from tessera.engine.devices import ReplicaDevices, current_devices
-from tessera.engine.placement import deployment_options, installed_vllm_build, resolve_accelerator
+from tessera.engine.placement import deployment_options
 from tessera.settings import load_settings
 from tessera.telemetry.gc_heap import process_gc_pauses
 
@@ -168,7 +168,7 @@ def resolved_engine(args: dict[str, Any]) -> EngineConfig:
         sim_engine_config(engine)
     # NOTE: 'auto' is resolved here, where the application is built (the same image as the replicas), and
     # the replicas get the resolved config: what they ask Ray for and what vLLM is told agree.
-    return engine.model_copy(update={"accelerator": resolve_accelerator(engine.accelerator, installed_vllm_build())})
+    return engine.model_copy(update={"accelerator": engine.placed_on})
 
 
 def engine_deployment_options(engine: EngineConfig, replicas: int | None) -> dict[str, Any]:

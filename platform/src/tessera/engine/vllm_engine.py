@@ -15,7 +15,6 @@ from vllm.v1.engine.async_llm import AsyncLLM
 from tessera.engine import shm_wait
 from tessera.engine.capabilities import Resolution, kv_fallback_note
 from tessera.engine.config import EngineConfig
-from tessera.engine.placement import installed_vllm_build, resolve_accelerator
 from tessera.engine.stats import LoadTracker, make_stat_logger_factory
 from tessera.engine.vllm_metrics import VllmMetrics
 
@@ -34,7 +33,7 @@ def shm_busy_loop_s(config: EngineConfig) -> float:
     """``config.shm_busy_loop_s``, or its platform default (see its description)."""
     if config.shm_busy_loop_s is not None:
         return config.shm_busy_loop_s
-    return 0.0 if resolve_accelerator(config.accelerator, installed_vllm_build()) == "cpu" else 1.0
+    return 0.0 if config.placed_on == "cpu" else 1.0
 
 
 def prepare_environment(config: EngineConfig) -> None:
