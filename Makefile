@@ -14,7 +14,7 @@ PYTEST_WORKERS ?= 2
 PYTEST_XDIST := $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadscope --no-loadscope-reorder)
 
 .PHONY: install run test lint unit integration e2e bench bench-gateway bench-gateway-hops bench-admission bench-routing \
-        bench-kvcontrol bench-loadgen bench-cli bench-stack bench-wires bench-gateway-cpu bench-gateway-ab bench-prefix-index \
+        bench-kvcontrol bench-loadgen bench-cli bench-stack bench-idle-gaps bench-wires bench-gateway-cpu bench-gateway-ab bench-prefix-index \
         bench-flood bench-soak bench-chaos bench-fleet bench-sim-calibration bench-kvcontrol-fleet bench-ray-fleet \
         helm-check clean
 
@@ -122,6 +122,10 @@ bench-stack: install
 	test -x .venv-bench-stack/bin/litellm || .venv-bench-stack/bin/pip install --quiet "litellm[proxy]" || \
 		echo "bench-stack: litellm[proxy] did not install here; the bench skips its row"
 	$(BIN)/python bench/bench_stack.py $(BENCH_STACK_ARGS)
+
+# Decode speed of a request that finds the engine idle, per stack and setting (issue #19; docs/performance.md §7).
+bench-idle-gaps: install
+	$(BIN)/python bench/bench_idle_gaps.py $(BENCH_IDLE_GAPS_ARGS)
 
 # Routing at fleet scale (issue #17): Tessera's policies and vllm-router over 16 / 64 / 256 / 1,000 simulated
 # H100 engines (bench/results/fleet.json and fleet.png). A short run: BENCH_FLEET_ARGS="--sizes 16,64".

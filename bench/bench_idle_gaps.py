@@ -1,0 +1,148 @@
+"""make bench-idle-gaps: how fast a stack decodes a request that finds it idle (issue #19).
+
+At 4 req/s a request mostly arrives after the engine sat idle for a few hundred milliseconds, where a sequential
+run never lets it rest; `make bench-stack` sees the difference only as a ratio that moves with the minute. This
+bench looks at it directly: each arm (vLLM's own server, or `tessera up`, each with environment settings of its
+own) serves requests one at a time with a fixed idle gap before each (0, 20, 100, 250 ms, then 0 again), and the
+client records every streamed token's arrival. Per arm and gap: TTFT, decode (first token to last) and E2E
+p50, and CPU per request of the arm's processes. Arms run one after another; give an arm twice (e.g. A B B A)
+to see the minute's drift. Same workload as bench-stack (bench/stack/workload.py): ~350-token prompts that
+differ per request, 16 tokens out. Writes bench/results/idle_gaps.json and idle_gaps.md.
+
+    python bench/bench_idle_gaps.py --arms tessera tessera:GOMP_SPINCOUNT=0 vllm
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _support import RESULTS, bench_model, print_table, write_results
+from stack import cpu, stacks, workload
+
+DEFAULT_GAPS_S = (0.0, 0.02, 0.1, 0.25, 0.0)
+
+
+@dataclass(frozen=True, slots=True)
+class Arm:
+    """``stack[:NAME=VALUE[,NAME=VALUE...]]``: a stack (``vllm`` or ``tessera``) and environment for it alone."""
+
+    stack: str
+    env: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def parse(cls, text: str) -> Arm:
+        stack, _, settings = text.partition(":")
+        if stack not in ("vllm", "tessera"):
+            raise argparse.ArgumentTypeError(f"{text!r}: the stack must be vllm or tessera")
+        env = {}
+        for item in filter(None, settings.split(",")):
+            name, sep, value = item.partition("=")
+            if not sep or not name:
+                raise argparse.ArgumentTypeError(f"{item!r} in {text!r}: write NAME=VALUE (empty VALUE allowed)")
+            env[name] = value
+        return cls(stack, env)
+
+    def label(self) -> str:
+        return self.stack + "".join(f" {k}={v}" for k, v in self.env.items())
+
+
+async def streamed(session: aiohttp.ClientSession, target: workload.Target, prompt: str) -> list[float]:
+    """Seconds from sending to each streamed chunk that carried generated text."""
+    body = {"model": target.model, "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": workload.MAX_TOKENS, "temperature": 0.0, "stream": True, "ignore_eos": True}
+    headers = {"Content-Type": "application/json"}
+    if target.api_key:
+        headers["Authorization"] = f"Bearer {target.api_key}"
+    t0, arrivals = time.perf_counter(), []
+    async with session.post(f"{target.base_url}/v1/chat/completions", data=orjson.dumps(body),
+                            headers=headers) as resp:
+        if resp.status != 200:
+            raise RuntimeError(f"{resp.status}: {(await resp.text())[:200]}")
+        async for line in resp.content:
+            if line.startswith(b"data: {") and any(
+                    (c.get("delta") or {}).get("content") for c in orjson.loads(line[6:]).get("choices") or ()):
+                arrivals.append(time.perf_counter() - t0)
+    if not arrivals:
+        raise RuntimeError("the stream carried no generated text")
+    return arrivals
+
+
+def summarise(timelines: list[list[float]], cpu_s: float) -> dict[str, float]:
+    """p50s in ms of one gap's requests, and the arm's CPU per request (pure)."""
+    return {"ttft_p50_ms": 1e3 * statistics.median(t[0] for t in timelines),
+            "decode_p50_ms": 1e3 * statistics.median(t[-1] - t[0] for t in timelines),
+            "e2e_p50_ms": 1e3 * statistics.median(t[-1] for t in timelines),
+            "cpu_ms_per_request": 1e3 * cpu_s / len(timelines)}
+
+
+async def measure(running: stacks.Running, maker: workload.PromptMaker, tag: str, gaps: list[float],
+                  per_gap: int) -> list[dict[str, Any]]:
+    rows = []
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        for i in range(5):  # connections, caches, the engine's first forwards
+            await streamed(session, running.target, maker.prompt(f"{tag}-warm-{i}"))
+        for index, gap in enumerate(gaps):
+            meter = cpu.CpuMeter(running.roots).start()
+            timelines = []
+            for i in range(per_gap):
+                await asyncio.sleep(gap)
+                timelines.append(await streamed(session, running.target, maker.prompt(f"{tag}-{index}-{i}")))
+            by_part, _ = meter.stop()
+            rows.append({"gap_s": gap, **summarise(timelines, sum(by_part.values()))})
+    return rows
+
+
+def start(arm: Arm, model_dir: Path, work: Path) -> stacks.Running:
+    if arm.stack == "vllm":
+        return stacks.start_vllm(stacks.resolved_engine(model_dir), work, arm.env)
+    return stacks.start_tessera(model_dir, work, extra_env=arm.env)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arms", type=Arm.parse, nargs="+", default=[Arm.parse("vllm"), Arm.parse("tessera")],
+                        help="stack[:NAME=VALUE,...], run in this order (default: vllm tessera)")
+    parser.add_argument("--gaps", type=float, nargs="+", default=list(DEFAULT_GAPS_S), help="Idle gaps, seconds.")
+    parser.add_argument("--requests", type=int, default=20, help="Requests per gap.")
+    args = parser.parse_args()
+    model_dir = bench_model("tessera-small")
+    work = Path(tempfile.mkdtemp(prefix="bench-idle-gaps-"))
+    maker = workload.PromptMaker(model_dir)
+    results = []
+    for n, arm in enumerate(args.arms):
+        print(f"[{n + 1}/{len(args.arms)}] {arm.label()}", flush=True)
+        running = start(arm, model_dir, work)
+        try:
+            rows = asyncio.run(measure(running, maker, f"{n}-{arm.stack}", args.gaps, args.requests))
+        finally:
+            running.stop()
+        results.append({"arm": arm.label(), "run": n + 1, "rows": rows})
+    headers = ["run", "arm", "gap ms", "TTFT p50", "decode p50", "E2E p50", "CPU ms/req"]
+    table = [[r["run"], r["arm"], f"{row['gap_s'] * 1e3:g}", f"{row['ttft_p50_ms']:.1f}",
+              f"{row['decode_p50_ms']:.1f}", f"{row['e2e_p50_ms']:.1f}", f"{row['cpu_ms_per_request']:.1f}"]
+             for r in results for row in r["rows"]]
+    print_table(headers, table)
+    payload = {"cpu_flags": cpu.cpu_flags(),
+               "requests_per_gap": args.requests, "results": results}
+    write_results("idle_gaps", payload)
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in table]
+    flags = " ".join(payload["cpu_flags"]) or "none of avx512*/amx*"
+    (RESULTS / "idle_gaps.md").write_text(f"# make bench-idle-gaps\n\nCPU flags: {flags}\n\n" + "\n".join(lines) + "\n")
+    print(f"results: {RESULTS / 'idle_gaps.json'}, {RESULTS / 'idle_gaps.md'}")
+
+
+if __name__ == "__main__":
+    main()
