@@ -10,8 +10,8 @@ from tessera.cpu_info import cpu_flags
 from tessera.engine.config import EngineConfig
 from tessera.engine.vllm_engine import shm_busy_loop_s
 from tessera.local.platform import (
-    ENGINE_OMP_WAIT_POLICY,
     PINNED_SHM_BUSY_LOOP_S,
+    SHARED_CORE_OMP_WAIT,
     engine_placement_defaults,
     engine_thread_env,
     split_cpus,
@@ -47,14 +47,24 @@ def test_on_two_cores_the_engine_also_computes_on_the_platforms_core(monkeypatch
     assert split_cpus() == ({4, 7}, {7})
 
 
-def test_engine_threads_one_per_engine_core_waiting_passively_only_on_a_shared_core() -> None:
+def test_engine_threads_one_per_engine_core_with_a_short_wait_only_on_a_shared_core() -> None:
     shared = engine_thread_env({0, 1}, {1}, {0, 1}, 1, {})
-    assert shared == {"OMP_NUM_THREADS": "2", "OMP_WAIT_POLICY": ENGINE_OMP_WAIT_POLICY}
+    assert shared == {"OMP_NUM_THREADS": "2", **SHARED_CORE_OMP_WAIT}
     assert engine_thread_env({0, 1, 2}, {3}, {0, 1, 2, 3}, 1, {}) == {"OMP_NUM_THREADS": "3"}
     assert engine_thread_env({0, 1, 2}, {3}, {0, 1, 2, 3}, 2, {}) == {"OMP_NUM_THREADS": "1"}
     assert engine_thread_env(None, None, {0, 1, 2, 3}, 1, {}) == {"OMP_NUM_THREADS": "4"}  # no split
     # What the environment already says wins.
     assert engine_thread_env({0, 1}, {1}, {0, 1}, 1, {"OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "ACTIVE"}) == {}
+    # Either wait setting replaces both: an ACTIVE wait is not cut to a millisecond, nor a spin made passive.
+    assert engine_thread_env({0, 1}, {1}, {0, 1}, 1, {"OMP_WAIT_POLICY": "ACTIVE"}) == {"OMP_NUM_THREADS": "2"}
+    assert engine_thread_env({0, 1}, {1}, {0, 1}, 1, {"GOMP_SPINCOUNT": "0"}) == {"OMP_NUM_THREADS": "2"}
+
+
+def test_the_shared_core_wait_spins_about_a_millisecond_then_sleeps() -> None:
+    # Passive alone sleeps after every parallel region (a hypervisor wake per region on a VM); libgomp's default
+    # 300,000 spins and ACTIVE's forever would hold the platform's core (docs/performance.md section 7).
+    assert SHARED_CORE_OMP_WAIT["OMP_WAIT_POLICY"] == "PASSIVE"
+    assert 10_000 < int(SHARED_CORE_OMP_WAIT["GOMP_SPINCOUNT"]) < 300_000
 
 
 AVX512 = frozenset({"avx2", "avx512f", "avx512bw"})
@@ -66,7 +76,7 @@ def test_on_a_shared_core_a_cpu_with_512_bit_vectors_runs_a_worker_process_model
     amx = frozenset({"avx2", "amx_tile"})
     avx2 = frozenset({"avx2", "fma"})
     assert engine_thread_env({0, 1}, {1}, {0, 1}, 1, {}, AVX512, model_in_worker_process=True) == {
-        "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": ENGINE_OMP_WAIT_POLICY}
+        "OMP_NUM_THREADS": "1", **SHARED_CORE_OMP_WAIT}
     assert engine_thread_env({0, 1}, {1}, {0, 1}, 1, {}, amx, model_in_worker_process=True)["OMP_NUM_THREADS"] == "1"
     assert engine_thread_env({0, 1}, {1}, {0, 1}, 1, {}, avx2, model_in_worker_process=True)["OMP_NUM_THREADS"] == "2"
     # Cores of its own (3 CPUs and more), or no split: a thread per core whatever the vectors.
@@ -75,13 +85,13 @@ def test_on_a_shared_core_a_cpu_with_512_bit_vectors_runs_a_worker_process_model
     assert engine_thread_env(None, None, {0, 1}, 1, {}, AVX512, model_in_worker_process=True) == {
         "OMP_NUM_THREADS": "2"}
     assert engine_thread_env({0, 1}, {1}, {0, 1}, 1, {"OMP_NUM_THREADS": "2"}, AVX512,
-                             model_in_worker_process=True) == {"OMP_WAIT_POLICY": ENGINE_OMP_WAIT_POLICY}
+                             model_in_worker_process=True) == SHARED_CORE_OMP_WAIT
 
 
 def test_a_model_in_the_engine_core_keeps_a_thread_per_core_with_512_bit_vectors_too() -> None:
     # cpuModelInEngineCore (the default): no queue hand-over per step, and the second thread pays again.
     assert engine_thread_env({0, 1}, {1}, {0, 1}, 1, {}, AVX512) == {
-        "OMP_NUM_THREADS": "2", "OMP_WAIT_POLICY": ENGINE_OMP_WAIT_POLICY}
+        "OMP_NUM_THREADS": "2", **SHARED_CORE_OMP_WAIT}
 
 
 def test_cpu_flags_come_from_the_first_processors_flags_line() -> None:

@@ -43,10 +43,8 @@ PINNED_SHM_BUSY_LOOP_S = 0.01
 # The split leaves the engine cores of its own only from this many CPUs up. With fewer (2), one engine core
 # would halve the prefill's compute (an AVX2-only 2-core VM: TTFT p50 50 -> 36 ms with both cores, E2E p50 94
 # -> 77 ms; docs/performance.md section 7), so the engine computes on the platform's core too, and its OpenMP
-# threads wait passively there (``ENGINE_OMP_WAIT_POLICY``) so that a barrier does not spin on the gateway's
-# and Redis's only core.
+# threads wait there as ``SHARED_CORE_OMP_WAIT`` says.
 MIN_CPUS_FOR_OWN_ENGINE_CORES = 3
-ENGINE_OMP_WAIT_POLICY = "PASSIVE"
 # ... except where the CPU computes on 512-bit vectors: there the prefill on one thread is short (an avx512 VM
 # without AMX: TTFT p50 21.3-21.6 ms on one thread against vLLM alone's 19.7-22.2 on two), and a second
 # thread's barrier wake-ups on the shared core cost every decode step more than its compute saves (sequential
@@ -56,6 +54,15 @@ ENGINE_OMP_WAIT_POLICY = "PASSIVE"
 # (the default) the second thread pays again: sequential E2E p50 61.6 / 78.6 ms on two threads against 84.4 /
 # 81.9 on one, CPU per request 71 / 91 against 95 / 95 ms (same VM, docs/performance.md section 7).
 WIDE_VECTOR_CPU_FLAGS = frozenset({"avx512f", "amx_tile"})
+# On the shared core an OpenMP thread that finds no work spins for GOMP_SPINCOUNT iterations (libgomp's estimate:
+# 100,000 a millisecond; 300,000 by default), then sleeps until woken. It must not spin long: a barrier that spins
+# takes the core the gateway and Redis answer on (PASSIVE alone means no spin at all). Nor not at all: a thread
+# that sleeps after every parallel region must be woken for the next (a futex wake, on a VM an idle vCPU brought
+# back), hundreds of times a decode step, and measurably slower once the engine has sat idle. About a
+# millisecond spans the gaps between a step's regions and between its steps, and no more: 16 tokens after a
+# 0.1-0.25 s idle gap decoded in 59-69 ms passive, 29-42 ms with this spin (an avx512 VM,
+# `make bench-idle-gaps`, docs/performance.md section 7).
+SHARED_CORE_OMP_WAIT = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "100000"}
 # How long the banner key waits for its fsync: Valkey's everysec fsync plus its 2 s postponed write, with room.
 _KEY_FSYNC_WAIT_MS = 5000
 
@@ -391,10 +398,11 @@ def engine_thread_env(engine_cpus: set[int] | None, platform_cpus: set[int] | No
     Ray sets OMP_NUM_THREADS to an actor's whole CPUs (1 for the engine replica) unless it is set; vLLM's CPU
     build then computes on one thread where `vllm serve` uses every core it may run on. So: one thread per
     engine core, several replicas sharing the cores between them. Where the engine's cores include the
-    platform's (``split_cpus`` on 2 CPUs), its threads wait passively: an OpenMP barrier that spins would take
-    the core the gateway and Redis answer on; and on a CPU with ``WIDE_VECTOR_CPU_FLAGS`` (``flags``: the
-    CPU's, ``tessera.cpu_info``) whose model runs in a vLLM worker process (``model_in_worker_process``) there
-    is one thread, the shared core left to the platform's processes."""
+    platform's (``split_cpus`` on 2 CPUs), its threads spin about a millisecond, then sleep
+    (``SHARED_CORE_OMP_WAIT``; a wait setting in ``environ`` replaces both); and on a CPU with
+    ``WIDE_VECTOR_CPU_FLAGS`` (``flags``: the CPU's, ``tessera.cpu_info``) whose model runs in a vLLM worker
+    process (``model_in_worker_process``) there is one thread, the shared core left to the platform's
+    processes."""
     env: dict[str, str] = {}
     shares = engine_cpus is not None and platform_cpus is not None and bool(engine_cpus & platform_cpus)
     if "OMP_NUM_THREADS" not in environ:
@@ -403,8 +411,8 @@ def engine_thread_env(engine_cpus: set[int] | None, platform_cpus: set[int] | No
         if shares and model_in_worker_process and flags & WIDE_VECTOR_CPU_FLAGS:
             threads = 1
         env["OMP_NUM_THREADS"] = str(threads)
-    if shares and "OMP_WAIT_POLICY" not in environ:
-        env["OMP_WAIT_POLICY"] = ENGINE_OMP_WAIT_POLICY
+    if shares and not SHARED_CORE_OMP_WAIT.keys() & environ.keys():
+        env |= SHARED_CORE_OMP_WAIT
     return env
 
 
