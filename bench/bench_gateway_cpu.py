@@ -21,6 +21,9 @@ fake engine, each measured in turn (every run starts with the next one) and idle
 a change's effect on the figures above without the machine's drift between two runs of the bench in it.
 For example ``python bench/bench_gateway_cpu.py --revs 06f6e29,work``.
 
+``--prompt-tokens N`` sends a different N-token prompt per request (bench-stack's are ~350) instead of one
+short question, so the tokenizer's share is in the figure.
+
 Beside them, the floor (``relay_floor.py``): a bare uvloop relay's CPU per line on this machine, times the
 events of a request.
 
@@ -32,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import os
 import shutil
 import statistics
@@ -68,6 +72,7 @@ IDLE_LATE_START_S = 13.0
 IDLE_LATE_S = 5.0
 GOAL_PER_REQUEST_MS = 3.0
 GOAL_IDLE_MS_PER_S = 2.0
+SHORT_PROMPT = "Tell me about the KV cache and speculative decoding."
 
 
 async def fake_engine(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -101,7 +106,20 @@ class Gateway:
     url: str = ""
 
 
-async def one_run(num_requests: int, work: Path, revs: list[tuple[str, Path | None]], first: int) -> dict[str, Any]:
+def chat_prompts(prompt_tokens: int, count: int) -> list[str]:
+    """The user messages of a run: with ``prompt_tokens`` 0 one short question (every request alike), otherwise
+    ``count`` different texts of that many of the model's tokens, as `make bench-stack` sends (no tokenizer
+    cache can answer a repeat)."""
+    if not prompt_tokens:
+        return [SHORT_PROMPT]
+    from stack.workload import PromptMaker
+
+    maker = PromptMaker(bench_model("tessera-small"), prompt_tokens)
+    return [maker.prompt(f"gateway-cpu-{i}") for i in range(count)]
+
+
+async def one_run(num_requests: int, work: Path, revs: list[tuple[str, Path | None]], first: int,
+                  prompts: list[str]) -> dict[str, Any]:
     """Every revision's gateway at once behind one Redis and one fake engine; measured one after the other,
     from ``revs[first]`` on (each run starts with the next, so drift falls on all alike), then idle together."""
     from tessera.redis_conn import EmbeddedRedis, connect
@@ -138,12 +156,13 @@ async def one_run(num_requests: int, work: Path, revs: list[tuple[str, Path | No
             procs.append(proc)
             gw.pid = proc.pid
         async with httpx.AsyncClient(timeout=10) as client:
-            body = {"model": "tessera-small", "stream": True, "max_tokens": TOKENS, "ignore_eos": True,
-                    "messages": [{"role": "user", "content": "Tell me about the KV cache and speculative decoding."}]}
             headers = {"authorization": f"Bearer {key}"}
+            sent = itertools.count()
 
             async def one(url: str) -> int:
                 chunks = 0
+                body = {"model": "tessera-small", "stream": True, "max_tokens": TOKENS, "ignore_eos": True,
+                        "messages": [{"role": "user", "content": prompts[next(sent) % len(prompts)]}]}
                 async with client.stream("POST", f"{url}/v1/chat/completions", json=body, headers=headers) as r:
                     assert r.status_code == 200, await r.aread()
                     async for line in r.aiter_lines():
@@ -198,6 +217,9 @@ def main() -> None:
     parser.add_argument("--revs", default=WORKING_TREE,
                         help="Comma-separated git revisions (or directories holding platform/src) whose gateways "
                              f"run side by side; {WORKING_TREE!r} is the working tree (default: it alone).")
+    parser.add_argument("--prompt-tokens", type=int, default=0,
+                        help="Each request's prompt: 0 (default) one short question; N: a different N-token text "
+                             "per request, as bench-stack sends (350 there).")
     args = parser.parse_args()
     import tempfile
 
@@ -207,10 +229,11 @@ def main() -> None:
     # A revision named twice runs two gateways of it: the spread between them is the noise floor (A/A).
     revs = [(Path(name).name + "'" * names[:i].count(name), sources[name]) for i, name in enumerate(names)]
     runs: list[dict[str, dict[str, Any]]] = []
+    prompts = chat_prompts(args.prompt_tokens, len(revs) * (NUM_WARMUP + NUM_REWARM + args.requests))
     try:
         for i in range(args.runs):
             work = Path(tempfile.mkdtemp(prefix="bench-gateway-cpu-"))
-            runs.append(asyncio.run(one_run(args.requests, work, revs, i % len(revs))))
+            runs.append(asyncio.run(one_run(args.requests, work, revs, i % len(revs), prompts)))
             print(f"run {i + 1}/{args.runs}: {runs[-1]}", flush=True)
     finally:
         for name, source in sources.items():
@@ -228,6 +251,7 @@ def main() -> None:
     chunks = runs[-1][revs[-1][0]]["chunks_per_request"]
     single = len(revs) == 1
     path = write_results("gateway_cpu", {"tokens": TOKENS, "line_gap_s": LINE_GAP_S, "requests": args.requests,
+                                         "prompt_tokens": args.prompt_tokens or "short question",
                                          "revisions": [rev for rev, _ in revs],
                                          "runs": [r[revs[0][0]] for r in runs] if single else runs,
                                          "median": medians[revs[0][0]] if single else medians, "goals": goals,

@@ -94,3 +94,16 @@ def test_lease_ids_are_unique_and_windows_match_period_window() -> None:
     call = first.prepare("t", policy, 10)
     period_id, ttl = period_window("day", datetime.now(UTC))
     assert call.keys[4].endswith(period_id) and abs(int(call.args[7]) - ttl) <= 1  # the budget key, its TTL
+
+
+def test_token_ids_skip_the_offsets_and_give_the_ids_encode_gives() -> None:
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+
+    tokenizer = Tokenizer(WordLevel({"kv": 0, "cache": 1, "é": 2, "[UNK]": 3}, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = Whitespace()
+    for text in ("kv cache", "cache é kv unknown", ""):
+        assert models.token_ids(tokenizer, text) == tokenizer.encode(text, add_special_tokens=False).ids
+    # A tokenizer without the batch method (an older tokenizers, a test double) goes through encode.
+    assert models.token_ids(CountingTokenizer(), "ab") == [97, 98]
