@@ -19,13 +19,9 @@ import asyncio
 import statistics
 import sys
 import tempfile
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-import aiohttp
-import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _support import RESULTS, bench_model, print_table, write_results
@@ -46,61 +42,38 @@ class Arm:
         stack, _, settings = text.partition(":")
         if stack not in ("vllm", "tessera"):
             raise argparse.ArgumentTypeError(f"{text!r}: the stack must be vllm or tessera")
-        env = {}
-        for item in filter(None, settings.split(",")):
-            name, sep, value = item.partition("=")
-            if not sep or not name:
-                raise argparse.ArgumentTypeError(f"{item!r} in {text!r}: write NAME=VALUE (empty VALUE allowed)")
-            env[name] = value
-        return cls(stack, env)
+        return cls(stack, dict(stacks.env_setting(item) for item in filter(None, settings.split(","))))
 
     def label(self) -> str:
         return self.stack + "".join(f" {k}={v}" for k, v in self.env.items())
 
 
-async def streamed(session: aiohttp.ClientSession, target: workload.Target, prompt: str) -> list[float]:
-    """Seconds from sending to each streamed chunk that carried generated text."""
-    body = {"model": target.model, "messages": [{"role": "user", "content": prompt}],
-            "max_tokens": workload.MAX_TOKENS, "temperature": 0.0, "stream": True, "ignore_eos": True}
-    headers = {"Content-Type": "application/json"}
-    if target.api_key:
-        headers["Authorization"] = f"Bearer {target.api_key}"
-    t0, arrivals = time.perf_counter(), []
-    async with session.post(f"{target.base_url}/v1/chat/completions", data=orjson.dumps(body),
-                            headers=headers) as resp:
-        if resp.status != 200:
-            raise RuntimeError(f"{resp.status}: {(await resp.text())[:200]}")
-        async for line in resp.content:
-            if line.startswith(b"data: {") and any(
-                    (c.get("delta") or {}).get("content") for c in orjson.loads(line[6:]).get("choices") or ()):
-                arrivals.append(time.perf_counter() - t0)
-    if not arrivals:
-        raise RuntimeError("the stream carried no generated text")
-    return arrivals
-
-
-def summarise(timelines: list[list[float]], cpu_s: float) -> dict[str, float]:
+def summarise(samples: list[workload.Sample], cpu_s: float) -> dict[str, float]:
     """p50s in ms of one gap's requests, and the arm's CPU per request (pure)."""
-    return {"ttft_p50_ms": 1e3 * statistics.median(t[0] for t in timelines),
-            "decode_p50_ms": 1e3 * statistics.median(t[-1] - t[0] for t in timelines),
-            "e2e_p50_ms": 1e3 * statistics.median(t[-1] for t in timelines),
-            "cpu_ms_per_request": 1e3 * cpu_s / len(timelines)}
+    return {"ttft_p50_ms": 1e3 * statistics.median(s.ttft_s for s in samples),
+            "decode_p50_ms": 1e3 * statistics.median(s.text_arrivals_s[-1] - s.ttft_s for s in samples),
+            "e2e_p50_ms": 1e3 * statistics.median(s.e2e_s for s in samples),
+            "cpu_ms_per_request": 1e3 * cpu_s / len(samples)}
 
 
 async def measure(running: stacks.Running, maker: workload.PromptMaker, tag: str, gaps: list[float],
                   per_gap: int) -> list[dict[str, Any]]:
+    # Connections, caches, the engine's first forwards.
+    if not all(s.ok for s in await workload.warm_up(running.target, maker, num_requests=5)):
+        raise stacks.StackUnavailable(f"{running.name}: warm-up requests failed")
     rows = []
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
-        for i in range(5):  # connections, caches, the engine's first forwards
-            await streamed(session, running.target, maker.prompt(f"{tag}-warm-{i}"))
+    async with workload.client_session() as session:
         for index, gap in enumerate(gaps):
             meter = cpu.CpuMeter(running.roots).start()
-            timelines = []
+            samples = []
             for i in range(per_gap):
                 await asyncio.sleep(gap)
-                timelines.append(await streamed(session, running.target, maker.prompt(f"{tag}-{index}-{i}")))
+                sample = await workload.one_request(session, running.target, maker.prompt(f"{tag}-{index}-{i}"))
+                if not sample.ok:
+                    raise stacks.StackUnavailable(f"{running.name}: a request failed: {sample.error}")
+                samples.append(sample)
             by_part, _ = meter.stop()
-            rows.append({"gap_s": gap, **summarise(timelines, sum(by_part.values()))})
+            rows.append({"gap_s": gap, **summarise(samples, sum(by_part.values()))})
     return rows
 
 

@@ -168,13 +168,6 @@ class Bench:
                 text)
 
 
-def _env_setting(text: str) -> tuple[str, str]:
-    name, sep, value = text.partition("=")
-    if not sep or not name:
-        raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {text!r}")
-    return name, value
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="A smoke run: 10 sequential requests, 8 s phases.")
@@ -188,10 +181,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tessera-up-args", default="",
                         help="More `tessera up` options for the Tessera stack, one string (an experiment's arm), "
                         "e.g. --tessera-up-args=--no-cpu-split.")
-    parser.add_argument("--tessera-env", type=_env_setting, action="append", default=[], metavar="NAME=VALUE",
+    parser.add_argument("--tessera-env", type=stacks.env_setting, action="append", default=[], metavar="NAME=VALUE",
                         help="An environment variable for `tessera up` only (repeatable), e.g. an arm's "
                         "--tessera-env GOMP_SPINCOUNT=10000; vLLM alone runs without it.")
-    parser.add_argument("--vllm-env", type=_env_setting, action="append", default=[], metavar="NAME=VALUE",
+    parser.add_argument("--vllm-env", type=stacks.env_setting, action="append", default=[], metavar="NAME=VALUE",
                         help="An environment variable for vLLM's own server only (repeatable), e.g. "
                         "--vllm-env OMP_WAIT_POLICY=PASSIVE: the baseline under a setting Tessera gives its engines.")
     args = parser.parse_args(argv)

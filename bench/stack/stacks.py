@@ -15,6 +15,7 @@ it runs with.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
@@ -56,6 +57,14 @@ class Running:
     roots: dict[int, str]  # root pid -> part of its process tree (cpu.py)
     ran_with: dict[str, Any]
     stop: Callable[[], None] = field(repr=False)
+
+
+def env_setting(text: str) -> tuple[str, str]:
+    """``NAME=VALUE`` (an empty value allowed) as a pair: an environment setting for one stack alone."""
+    name, sep, value = text.partition("=")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {text!r}")
+    return name, value
 
 
 def free_port() -> int:

@@ -52,6 +52,8 @@ class Sample:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     error: str = ""
+    # Seconds from sending to each streamed event that carried generated text (bench_idle_gaps.py's decode time).
+    text_arrivals_s: tuple[float, ...] = ()
 
 
 class PromptMaker:
@@ -91,7 +93,7 @@ async def one_request(session: aiohttp.ClientSession, target: Target, prompt: st
     if target.api_key:
         headers["Authorization"] = f"Bearer {target.api_key}"
     t0 = time.perf_counter()
-    ttft = 0.0
+    arrivals: list[float] = []
     usage: dict[str, int] = {}
     try:
         async with session.post(f"{target.base_url}/v1/chat/completions", data=orjson.dumps(body),
@@ -102,26 +104,27 @@ async def one_request(session: aiohttp.ClientSession, target: Target, prompt: st
                 if not line.startswith(b"data: {"):
                     continue
                 event = orjson.loads(line[6:])
-                if not ttft and any((c.get("delta") or {}).get("content") for c in event.get("choices") or ()):
-                    ttft = time.perf_counter() - t0
+                if any((c.get("delta") or {}).get("content") for c in event.get("choices") or ()):
+                    arrivals.append(time.perf_counter() - t0)
                 if event.get("usage"):
                     usage = event["usage"]
     except (TimeoutError, aiohttp.ClientError) as exc:
         return Sample(False, 0.0, time.perf_counter() - t0, error=f"{type(exc).__name__}: {exc}"[:200])
     e2e = time.perf_counter() - t0
-    if not ttft:
+    if not arrivals:
         return Sample(False, 0.0, e2e, error="stream carried no generated text")
-    return Sample(True, ttft, e2e, int(usage.get("prompt_tokens", 0)), int(usage.get("completion_tokens", 0)))
+    return Sample(True, arrivals[0], e2e, int(usage.get("prompt_tokens", 0)), int(usage.get("completion_tokens", 0)),
+                  text_arrivals_s=tuple(arrivals))
 
 
-def _session() -> aiohttp.ClientSession:
+def client_session() -> aiohttp.ClientSession:
     return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
                                  timeout=aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S))
 
 
 async def run_phase(target: Target, phase: Phase, prompts: list[str], offsets: list[float]) -> list[Sample]:
     """The phase's requests: one after another (``offsets`` empty) or each at its offset from the start."""
-    async with _session() as session:
+    async with client_session() as session:
         if phase.rate_rps is None:
             return [await one_request(session, target, prompt) for prompt in prompts]
         start = time.perf_counter()
@@ -146,5 +149,5 @@ def phase_requests(phase: Phase, maker: PromptMaker, round_index: int, stack: st
 
 async def warm_up(target: Target, maker: PromptMaker, num_requests: int = 3) -> list[Sample]:
     """A few requests before measuring (connections, tokenizer and template caches); they must all succeed."""
-    async with _session() as session:
+    async with client_session() as session:
         return [await one_request(session, target, maker.prompt(f"warm-{i}")) for i in range(num_requests)]

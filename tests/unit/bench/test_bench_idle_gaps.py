@@ -11,6 +11,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "bench"))
 from bench_idle_gaps import Arm, summarise
+from stack.workload import Sample
 
 
 def test_an_arm_names_its_stack_and_its_own_environment() -> None:
@@ -22,16 +23,17 @@ def test_an_arm_names_its_stack_and_its_own_environment() -> None:
 
 
 @pytest.mark.parametrize(("text", "says"), [("sglang", "vllm or tessera"), ("tessera:GOMP_SPINCOUNT", "NAME=VALUE"),
-                                            ("vllm:=1", "NAME=VALUE")])
+                                            ("vllm:=1", "NAME=VALUE"), ("tessera:A=1,B", "NAME=VALUE")])
 def test_a_bad_arm_says_what_to_write(text: str, says: str) -> None:
     with pytest.raises(argparse.ArgumentTypeError, match=says):
         Arm.parse(text)
 
 
 def test_a_gap_is_summarised_by_its_medians_and_cpu_per_request() -> None:
-    timelines = [[0.010, 0.020, 0.050], [0.030, 0.040, 0.090], [0.020, 0.025, 0.060]]
-    row = summarise(timelines, cpu_s=0.3)
+    timelines = [(0.010, 0.020, 0.050), (0.030, 0.040, 0.090), (0.020, 0.025, 0.060)]
+    samples = [Sample(True, t[0], t[-1] + 0.001, text_arrivals_s=t) for t in timelines]
+    row = summarise(samples, cpu_s=0.3)
     assert row["ttft_p50_ms"] == pytest.approx(20.0)
     assert row["decode_p50_ms"] == pytest.approx(40.0)  # last token minus first: 40, 60, 40 ms
-    assert row["e2e_p50_ms"] == pytest.approx(60.0)
+    assert row["e2e_p50_ms"] == pytest.approx(61.0)  # the stream's end, after its last text
     assert row["cpu_ms_per_request"] == pytest.approx(100.0)
