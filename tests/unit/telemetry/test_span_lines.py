@@ -180,10 +180,12 @@ def test_lines_are_written_in_batches_after_the_delay_and_on_flush(tmp_path: Pat
     lines = SpanLines(exporter.write, SERVICE, delay_s=0.05)
     lines.add(b'{"a":1}\n')
     lines.add(b'{"a":2}\n')
-    deadline = time.monotonic() + 5
-    while not (tmp_path / "spans.jsonl").exists() and time.monotonic() < deadline:
+    # Wait for the batch's bytes, not the file: the writer thread creates the file before it writes, and a
+    # read in between saw it empty (a flake on a loaded 2-core machine).
+    path, deadline = tmp_path / "spans.jsonl", time.monotonic() + 5
+    while not (path.exists() and path.stat().st_size) and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert (tmp_path / "spans.jsonl").read_bytes() == b'{"a":1}\n{"a":2}\n'
+    assert path.read_bytes() == b'{"a":1}\n{"a":2}\n'
     lines.add(b'{"a":3}\n')
     lines.shutdown()  # flushes what waits
     assert (tmp_path / "spans.jsonl").read_bytes().endswith(b'{"a":3}\n')
