@@ -39,7 +39,7 @@ def chain(n: int) -> list[int]:
 
 
 async def drain(feed: LocalIndexFeed) -> None:
-    while await feed.poll(block_ms=None):
+    while await feed.poll(block_ms=0):
         pass
 
 
@@ -181,7 +181,8 @@ async def test_an_idle_feed_reads_seldom_and_the_next_route_wakes_it(
     router = Router(redis, "prefix_affinity", store, index_source="local")
     feed = router.local_feed
     assert feed is not None
-    feed.idle_after_s, feed.idle_read_s = 0.3, 30.0
+    # Blocking reads of 50 ms, as before READ_BLOCK_MS grew: back to back they would be ~20 in a second.
+    feed.idle_after_s, feed.idle_read_s, feed.read_block_ms = 0.3, 30.0, 50
     await router.start_local_index()
     await asyncio.sleep(0.8)  # past idle_after_s without a route: idle
     reads = feed.num_reads
@@ -213,3 +214,47 @@ async def test_an_idle_feed_still_follows_a_busy_stream_without_falling_behind(
     await wait_for_prefix(feed, names[0], hashes, timeout_s=10.0)
     feed.stop()
     await asyncio.wait_for(task, 5.0)  # stop ends an idle wait at once
+
+
+async def test_a_quiet_stream_is_read_once_a_block_and_an_entry_ends_the_block_at_once(
+        redis_server: EmbeddedRedis, names: list[str], caplog: pytest.LogCaptureFixture) -> None:
+    # The gateway's client times a reply out after 0.25 s; the feed's 1 s blocking read must outlast that
+    # (stream_read.py), and a quiet stream is asked once a block, not twenty times a second.
+    client = connect(redis_server.url, timeout_s=0.25)
+    store = PrefixIndex(client)
+    feed = LocalIndexFeed(client, LocalPrefixIndex(1000), store, idle_after_s=60.0)
+    assert feed.read_block_ms >= 1000
+    task = asyncio.get_running_loop().create_task(feed.run())
+    try:
+        while not feed.ready:
+            await asyncio.sleep(0.01)
+        reads = feed.num_reads
+        await asyncio.sleep(2.0)
+        assert feed.num_reads - reads <= 3  # ~40 with 50 ms blocks
+        hashes = chain(3)
+        await store.apply(names[0], [("store", h) for h in hashes])
+        assert await wait_for_prefix(feed, names[0], hashes, timeout_s=0.5) < 0.5  # not the block's end
+        assert "stream read failed" not in caplog.text  # no read timed out at the client's 0.25 s
+    finally:
+        feed.stop()
+        await asyncio.wait_for(task, 1.0)
+        await client.aclose()
+
+
+async def test_stop_ends_a_blocking_read_at_once_and_leaves_no_reply_behind(
+        redis_server: EmbeddedRedis, names: list[str]) -> None:
+    # One pooled connection: the one the cancelled read used is the next command's. Had it gone back to the
+    # pool still registered for the XREAD, the entry added below would be its reply and GET would read it.
+    client = connect(redis_server.url, timeout_s=5.0, pool_size=1)
+    store = PrefixIndex(client)
+    feed = LocalIndexFeed(client, LocalPrefixIndex(1000), store, idle_after_s=60.0, read_block_ms=30_000)
+    task = asyncio.get_running_loop().create_task(feed.run())
+    while not feed.ready:
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.2)  # inside the 30 s read
+    feed.stop()
+    await asyncio.wait_for(task, 1.0)
+    await client.set(f"k-{names[0]}", b"value")
+    await store.apply(names[0], [("store", h) for h in chain(2)])
+    assert await client.get(f"k-{names[0]}") == b"value"
+    await client.aclose()

@@ -31,12 +31,15 @@ from redis.exceptions import RedisError
 from tessera.refresher import REFRESHER_IDLE_S
 from tessera.routing.local_index import LocalPrefixIndex
 from tessera.routing.prefix_index import EVENTS_STREAM, SWEEP_GRACE_S, PrefixIndex, unpack_hashes
+from tessera.routing.stream_read import read_stream
 
 logger = logging.getLogger(__name__)
 
-# One XREAD waits at most this long for new entries, ms. Below the gateway's Redis socket timeout
-# (TESSERA_REDIS_TIMEOUT_S, 0.25 s by default), so a quiet stream never looks like a hung Redis.
-READ_BLOCK_MS = 50
+# One XREAD waits at most this long for new entries, ms. Redis answers as soon as an entry arrives, so the block
+# sets only how often a quiet stream is asked again: at 50 ms (twenty reads a second) the ten seconds after
+# each route cost a worker 7-10 ms/s of CPU (stream_read.py). The read's timeout covers the block
+# (``read_stream``), so the gateway's short Redis timeout does not bound it.
+READ_BLOCK_MS = 1000
 # Entries per XREAD: a backlog is applied in slices, so the worker's requests wait at most one slice.
 READ_COUNT = 512
 # After a Redis error the feed retries after this long, seconds.
@@ -46,7 +49,7 @@ FORGET_GRACE_S = SWEEP_GRACE_S
 # Lags kept for the p99 (the most recent ones).
 LAG_SAMPLES = 4096
 # Idle mode: a worker that has routed nothing for IDLE_AFTER_S reads the stream every IDLE_READ_S instead of
-# back to back (a 50 ms blocking read twenty times a second cost an idle worker 10.5 ms/s of CPU and Redis 3
+# back to back (when a read blocked 50 ms, twenty reads a second cost an idle worker 10.5 ms/s of CPU and Redis 3
 # ms/s: docs/routing.md). The first route after it wakes the feed at once (``used``); that route and any in
 # the read's round trip see an index up to IDLE_READ_S old, which costs hit rate, never a wrong engine. A read
 # that comes back full (a busy stream: other gateways' traffic) is followed by the next at once, idle or not,
@@ -61,8 +64,10 @@ class LocalIndexFeed:
     """Feeds ``index`` from Redis until cancelled (``run``); ``ready`` once the warm start has loaded."""
 
     def __init__(self, redis: aioredis.Redis, index: LocalPrefixIndex, store: PrefixIndex, *,
-                 idle_after_s: float = IDLE_AFTER_S, idle_read_s: float = IDLE_READ_S) -> None:
+                 idle_after_s: float = IDLE_AFTER_S, idle_read_s: float = IDLE_READ_S,
+                 read_block_ms: int = READ_BLOCK_MS) -> None:
         self._redis = redis
+        self.read_block_ms = read_block_ms
         self.idle_after_s = idle_after_s
         self.idle_read_s = idle_read_s
         self._used = False  # a route read the index since the feed last looked (``used``)
@@ -74,6 +79,7 @@ class LocalIndexFeed:
         self._last_id: bytes | str = "0-0"
         self.ready = False
         self._stopping = False
+        self._task: asyncio.Task[None] | None = None  # the task in ``run`` (``stop`` cancels its read)
         self.lags_s: deque[float] = deque(maxlen=LAG_SAMPLES)
         self.num_entries = 0
         self.num_ops = 0
@@ -102,13 +108,17 @@ class LocalIndexFeed:
         self._seq[engine_id] = seq
         self.num_resyncs += 1
 
-    async def poll(self, block_ms: int | None = READ_BLOCK_MS) -> int:
-        """One stream read (waiting up to ``block_ms``; None: no wait), applied; returns the entries read."""
-        reply: Any = await self._redis.xread({EVENTS_STREAM: self._last_id}, count=READ_COUNT, block=block_ms)
+    async def poll(self, block_ms: int | None = None) -> int:
+        """One stream read (waiting up to ``block_ms``, ``read_block_ms`` by default; 0: no wait), applied;
+        returns the entries read."""
+        if block_ms is None:
+            block_ms = self.read_block_ms
+        if block_ms:
+            entries = await read_stream(self._redis, EVENTS_STREAM, self._last_id, READ_COUNT, block_ms)
+        else:
+            reply: Any = await self._redis.xread({EVENTS_STREAM: self._last_id}, count=READ_COUNT)
+            entries = reply[0][1] if reply else []
         self.num_reads += 1
-        if not reply:
-            return 0
-        entries = reply[0][1]
         for entry_id, fields in entries:
             await self._apply_entry(fields)
             self._last_id = entry_id
@@ -152,11 +162,10 @@ class LocalIndexFeed:
         return gone
 
     def stop(self) -> None:
-        """Ends ``run`` after its current read (within ``READ_BLOCK_MS``). NOTE: preferred to cancelling the
-        task: redis-py can leave a cancelled blocking XREAD waiting on its connection for good."""
+        """Ends ``run`` now: a blocking read in progress is cancelled (``read_stream`` drops its connection)."""
         self._stopping = True
-        if self._wake is not None:
-            self._wake.set()
+        if self._task is not None:
+            self._task.cancel()
 
     def lag_p99_s(self) -> float | None:
         """Event-to-visible lag p99 over the recent entries: engine publication to applied here, seconds."""
@@ -168,6 +177,16 @@ class LocalIndexFeed:
     async def run(self) -> None:
         """Warm start, then follow the stream until ``stop``; Redis errors are retried, never fatal (the
         router falls back to the Redis lookup until the warm start has loaded)."""
+        self._task = asyncio.current_task()
+        try:
+            await self._follow()
+        except asyncio.CancelledError:
+            if not self._stopping:
+                raise  # cancelled by someone else: not a stop
+        finally:
+            self._task = None
+
+    async def _follow(self) -> None:
         while not self.ready and not self._stopping:
             try:
                 await self.warm_start()
