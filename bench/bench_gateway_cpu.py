@@ -41,6 +41,7 @@ import shutil
 import statistics
 import subprocess
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -62,6 +63,8 @@ from bench_gateway_ab import WORKING_TREE, checkout
 from relay_floor import relay_floor_us
 
 from tessera.engine.protocol import RequestStats, delta_line, done_line
+from tessera.routing.hashing import block_hash_chain
+from tessera.routing.prefix_index import PrefixIndex
 
 TOKENS = 16
 LINE_GAP_S = 0.002
@@ -75,11 +78,26 @@ GOAL_IDLE_MS_PER_S = 2.0
 SHORT_PROMPT = "Tell me about the KV cache and speculative decoding."
 
 
-async def fake_engine(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    """``POST /generate``: ``max_tokens`` delta lines and the closing line, chunked, ``LINE_GAP_S`` apart."""
+def fake_engine(index: PrefixIndex | None, engine_id: str, block_size: int) -> Callable[..., Awaitable[None]]:
+    """``POST /generate``: ``max_tokens`` delta lines and the closing line, chunked, ``LINE_GAP_S`` apart.
+    With ``index``, the prompt's full blocks are stored in the shared prefix index before the first delta, one
+    batch, as the replica's KV-event feeder writes them after a prefill (engine/host.py): each gateway worker's
+    local index then follows the stream as it does in a deployment."""
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _serve(reader, writer, index, engine_id, block_size)
+
+    return serve
+
+
+async def _serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, index: PrefixIndex | None,
+                 engine_id: str, block_size: int) -> None:
     try:
         while True:
             body = orjson.loads(await read_request_body(reader))
+            if index is not None:
+                hashes = block_hash_chain(body["prompt_token_ids"], block_size, body.get("cache_salt"))
+                await index.apply(engine_id, [("store", h) for h in hashes])
             lines = [delta_line(0, f" w{i}", [100 + i]) + b"\n" for i in range(body["max_tokens"])]
             # As the replica writes them (engine/generation.py): the last delta with the closing line.
             lines[-1] += done_line({"0": "length"}, RequestStats()) + b"\n"
@@ -119,7 +137,7 @@ def chat_prompts(prompt_tokens: int, count: int) -> list[str]:
 
 
 async def one_run(num_requests: int, work: Path, revs: list[tuple[str, Path | None]], first: int,
-                  prompts: list[str]) -> dict[str, Any]:
+                  prompts: list[str], kv_events: bool) -> dict[str, Any]:
     """Every revision's gateway at once behind one Redis and one fake engine; measured one after the other,
     from ``revs[first]`` on (each run starts with the next, so drift falls on all alike), then idle together."""
     from tessera.redis_conn import EmbeddedRedis, connect
@@ -128,9 +146,10 @@ async def one_run(num_requests: int, work: Path, revs: list[tuple[str, Path | No
 
     model_dir = bench_model("tessera-small")
     redis_server = EmbeddedRedis().start()
-    engine = await asyncio.start_server(fake_engine, "127.0.0.1", 0)
-    engine_port = engine.sockets[0].getsockname()[1]
     redis = connect(redis_server.url)
+    index = PrefixIndex(redis) if kv_events else None
+    engine = await asyncio.start_server(fake_engine(index, "fake-0", 32), "127.0.0.1", 0)
+    engine_port = engine.sockets[0].getsockname()[1]
     await register_model(redis, ModelInfo("tessera-small", str(model_dir), 2048, 32))
     registry = EngineRegistry(redis)
     record = EngineRecord("fake-0", f"http://127.0.0.1:{engine_port}", "tessera-small", 32, 1000, 2048)
@@ -220,6 +239,9 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=0,
                         help="Each request's prompt: 0 (default) one short question; N: a different N-token text "
                              "per request, as bench-stack sends (350 there).")
+    parser.add_argument("--kv-events", action=argparse.BooleanOptionalAction, default=True,
+                        help="The fake engine stores each prompt's blocks in the prefix index, as a replica's "
+                             "KV-event feeder does, so the gateways' local indexes follow the stream (default: on).")
     args = parser.parse_args()
     import tempfile
 
@@ -233,7 +255,7 @@ def main() -> None:
     try:
         for i in range(args.runs):
             work = Path(tempfile.mkdtemp(prefix="bench-gateway-cpu-"))
-            runs.append(asyncio.run(one_run(args.requests, work, revs, i % len(revs), prompts)))
+            runs.append(asyncio.run(one_run(args.requests, work, revs, i % len(revs), prompts, args.kv_events)))
             print(f"run {i + 1}/{args.runs}: {runs[-1]}", flush=True)
     finally:
         for name, source in sources.items():
@@ -252,6 +274,7 @@ def main() -> None:
     single = len(revs) == 1
     path = write_results("gateway_cpu", {"tokens": TOKENS, "line_gap_s": LINE_GAP_S, "requests": args.requests,
                                          "prompt_tokens": args.prompt_tokens or "short question",
+                                         "kv_events": args.kv_events,
                                          "revisions": [rev for rev, _ in revs],
                                          "runs": [r[revs[0][0]] for r in runs] if single else runs,
                                          "median": medians[revs[0][0]] if single else medians, "goals": goals,

@@ -153,7 +153,13 @@ class RedisWire:
         self._protocol: _Protocol | None = None
         self._connecting: asyncio.Lock | None = None
 
-    async def execute(self, commands: list[Command]) -> list[Any]:
+    @property
+    def timeout_s(self) -> float:
+        return self._timeout_s
+
+    async def execute(self, commands: list[Command], timeout_s: float | None = None) -> list[Any]:
+        """``timeout_s``: this call's reply timeout (default: the wire's), e.g. a blocking read's block plus
+        the wire's own. Every call after it on the connection waits for it: block only on a wire of your own."""
         if not commands:
             return []
         protocol = await self._connected()
@@ -163,15 +169,16 @@ class RedisWire:
         assert protocol.transport is not None
         protocol.transport.write(pack_commands(commands))
         # A plain timer rather than ``asyncio.timeout``: one call_later and one cancel, on every request.
-        timer = loop.call_later(self._timeout_s, self._time_out, protocol, future)
+        limit_s = self._timeout_s if timeout_s is None else timeout_s
+        timer = loop.call_later(limit_s, self._time_out, protocol, future, limit_s)
         try:
             return await future
         finally:
             timer.cancel()
 
-    def _time_out(self, protocol: _Protocol, future: asyncio.Future[list[Any]]) -> None:
+    def _time_out(self, protocol: _Protocol, future: asyncio.Future[list[Any]], limit_s: float) -> None:
         if not future.done():
-            self._drop(protocol, RedisTimeoutError(f"Redis did not answer within {self._timeout_s} s"))
+            self._drop(protocol, RedisTimeoutError(f"Redis did not answer within {limit_s} s"))
 
     async def close(self) -> None:
         if self._protocol is not None:

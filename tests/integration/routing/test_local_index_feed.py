@@ -12,6 +12,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from tessera.redis_conn import EmbeddedRedis, connect
+from tessera.redis_wire import RedisWire
 from tessera.registry import EngineRecord, EngineRegistry
 from tessera.routing.local_feed import FORGET_GRACE_S, LocalIndexFeed
 from tessera.routing.local_index import LocalPrefixIndex
@@ -216,13 +217,26 @@ async def test_an_idle_feed_still_follows_a_busy_stream_without_falling_behind(
     await asyncio.wait_for(task, 5.0)  # stop ends an idle wait at once
 
 
+@pytest.fixture(params=["wire", "pool"])
+async def feed_wire(request: pytest.FixtureRequest, redis_server: EmbeddedRedis) -> AsyncIterator[RedisWire | None]:
+    """The feed's blocking reads on a lean connection of its own (the gateway's way), or on a redis-py
+    client's pool (None)."""
+    if request.param == "pool":
+        yield None
+        return
+    wire = RedisWire(redis_server.url, 0.25)
+    yield wire
+    await wire.close()
+
+
 async def test_a_quiet_stream_is_read_once_a_block_and_an_entry_ends_the_block_at_once(
-        redis_server: EmbeddedRedis, names: list[str], caplog: pytest.LogCaptureFixture) -> None:
-    # The gateway's client times a reply out after 0.25 s; the feed's 1 s blocking read must outlast that
+        redis_server: EmbeddedRedis, names: list[str], caplog: pytest.LogCaptureFixture,
+        feed_wire: RedisWire | None) -> None:
+    # The gateway's clients time a reply out after 0.25 s; the feed's 1 s blocking read must outlast that
     # (stream_read.py), and a quiet stream is asked once a block, not twenty times a second.
     client = connect(redis_server.url, timeout_s=0.25)
     store = PrefixIndex(client)
-    feed = LocalIndexFeed(client, LocalPrefixIndex(1000), store, idle_after_s=60.0)
+    feed = LocalIndexFeed(client, LocalPrefixIndex(1000), store, idle_after_s=60.0, wire=feed_wire)
     assert feed.read_block_ms >= 1000
     task = asyncio.get_running_loop().create_task(feed.run())
     try:
@@ -242,19 +256,27 @@ async def test_a_quiet_stream_is_read_once_a_block_and_an_entry_ends_the_block_a
 
 
 async def test_stop_ends_a_blocking_read_at_once_and_leaves_no_reply_behind(
-        redis_server: EmbeddedRedis, names: list[str]) -> None:
-    # One pooled connection: the one the cancelled read used is the next command's. Had it gone back to the
-    # pool still registered for the XREAD, the entry added below would be its reply and GET would read it.
+        redis_server: EmbeddedRedis, names: list[str], feed_wire: RedisWire | None) -> None:
+    # The connection the cancelled read used is the next command's (the wire's one, or a pool of one). Had
+    # the read stayed on it, the next command would wait behind the 30 s XREAD (past its timeout), or read
+    # the XREAD's reply once the entry below ends it.
     client = connect(redis_server.url, timeout_s=5.0, pool_size=1)
     store = PrefixIndex(client)
-    feed = LocalIndexFeed(client, LocalPrefixIndex(1000), store, idle_after_s=60.0, read_block_ms=30_000)
+    feed = LocalIndexFeed(client, LocalPrefixIndex(1000), store, idle_after_s=60.0, read_block_ms=30_000,
+                          wire=feed_wire)
     task = asyncio.get_running_loop().create_task(feed.run())
     while not feed.ready:
         await asyncio.sleep(0.01)
     await asyncio.sleep(0.2)  # inside the 30 s read
     feed.stop()
     await asyncio.wait_for(task, 1.0)
-    await client.set(f"k-{names[0]}", b"value")
-    await store.apply(names[0], [("store", h) for h in chain(2)])
-    assert await client.get(f"k-{names[0]}") == b"value"
+    key = f"k-{names[0]}"
+    if feed_wire is None:
+        await client.set(key, b"value")
+        await store.apply(names[0], [("store", h) for h in chain(2)])
+        assert await client.get(key) == b"value"
+    else:
+        await feed_wire.execute([("SET", key, "value")])
+        await store.apply(names[0], [("store", h) for h in chain(2)])
+        assert await feed_wire.execute([("GET", key)]) == [b"value"]
     await client.aclose()

@@ -62,6 +62,8 @@ class Gateway:
         # background refreshes (keys, registry, catalog) go over this lean connection; everything else uses
         # the redis-py client above (see redis_wire.py for why).
         self.wire = RedisWire(settings.redis_url, settings.redis_timeout_s)
+        # The local prefix index's feed blocks on its stream reads: a lean connection of its own.
+        self.feed_wire = RedisWire(settings.redis_url, settings.redis_timeout_s)
         self.store = TenantStore(self.redis, self.wire)
         self.auth = Authenticator(self.store, settings.key_cache_ttl_s, settings.redis_fail_open, _is_store_error)
         self.catalog = ModelCatalog(self.redis, refresh_s=settings.catalog_refresh_s,
@@ -70,7 +72,7 @@ class Gateway:
         self.router = Router(self.redis, settings.routing_policy, PrefixIndex(self.redis),
                              refresh_s=settings.registry_refresh_s, max_age_s=settings.registry_max_age_s,
                              wire=self.wire, index_source=settings.prefix_index,
-                             local_index_max_blocks=settings.local_index_max_blocks)
+                             local_index_max_blocks=settings.local_index_max_blocks, feed_wire=self.feed_wire)
         self.engines = EngineClient(settings.engine_head_timeout_s, settings.engine_idle_timeout_s,
                                     settings.engine_total_timeout_s, signer_from_settings(settings, "a gateway"))
         self.metrics = GatewayMetrics()
@@ -226,6 +228,7 @@ class Gateway:
                 await self.catalog.close()
                 await self.engines.close()
                 await self.wire.close()
+                await self.feed_wire.close()
                 await self.redis.aclose()
                 await send({"type": "lifespan.shutdown.complete"})
                 return

@@ -28,6 +28,7 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from tessera.redis_wire import RedisWire
 from tessera.refresher import REFRESHER_IDLE_S
 from tessera.routing.local_index import LocalPrefixIndex
 from tessera.routing.prefix_index import EVENTS_STREAM, SWEEP_GRACE_S, PrefixIndex, unpack_hashes
@@ -65,8 +66,11 @@ class LocalIndexFeed:
 
     def __init__(self, redis: aioredis.Redis, index: LocalPrefixIndex, store: PrefixIndex, *,
                  idle_after_s: float = IDLE_AFTER_S, idle_read_s: float = IDLE_READ_S,
-                 read_block_ms: int = READ_BLOCK_MS) -> None:
+                 read_block_ms: int = READ_BLOCK_MS, wire: RedisWire | None = None) -> None:
+        """``wire``: a lean connection of the feed's own for its blocking reads (stream_read.py; the gateway
+        gives one); None: they take a connection from ``redis``'s pool."""
         self._redis = redis
+        self._reader: RedisWire | aioredis.Redis = redis if wire is None else wire
         self.read_block_ms = read_block_ms
         self.idle_after_s = idle_after_s
         self.idle_read_s = idle_read_s
@@ -114,7 +118,7 @@ class LocalIndexFeed:
         if block_ms is None:
             block_ms = self.read_block_ms
         if block_ms:
-            entries = await read_stream(self._redis, EVENTS_STREAM, self._last_id, READ_COUNT, block_ms)
+            entries = await read_stream(self._reader, EVENTS_STREAM, self._last_id, READ_COUNT, block_ms)
         else:
             reply: Any = await self._redis.xread({EVENTS_STREAM: self._last_id}, count=READ_COUNT)
             entries = reply[0][1] if reply else []

@@ -122,12 +122,13 @@ class Router:
     def __init__(self, redis: aioredis.Redis, policy_name: str, prefix_index: PrefixIndex | None = None, *,
                  refresh_s: float | None = None, max_age_s: float | None = None,
                  wire: RedisWire | None = None, index_source: str = "redis",
-                 local_index_max_blocks: int = LOCAL_INDEX_MAX_BLOCKS) -> None:
+                 local_index_max_blocks: int = LOCAL_INDEX_MAX_BLOCKS, feed_wire: RedisWire | None = None) -> None:
         """``refresh_s``/``max_age_s``: the registry copy's refresh period and the age past which a request
         reads it itself (default ``REGISTRY_CACHE_S``/``REGISTRY_MAX_AGE_S``); ``wire``: the lean Redis
         connection the registry is read over (default: redis-py); ``index_source``: one of
         ``INDEX_SOURCES`` (the gateway passes ``TESSERA_PREFIX_INDEX``); ``local_index_max_blocks``: the
-        local index's cap."""
+        local index's cap; ``feed_wire``: a lean connection for the local index feed's blocking reads alone
+        (``LocalIndexFeed``'s ``wire``; never ``wire``, whose calls a blocking read would hold up)."""
         if index_source not in INDEX_SOURCES:
             raise ValueError(f"unknown prefix index source {index_source!r}; valid: {', '.join(INDEX_SOURCES)}")
         self._registry = EngineRegistry(redis, wire=wire)
@@ -146,7 +147,8 @@ class Router:
         self._feed: LocalIndexFeed | None = None
         self._feed_task: asyncio.Task[None] | None = None
         if self._prefix_index is not None and index_source == "local":
-            self._feed = LocalIndexFeed(redis, LocalPrefixIndex(local_index_max_blocks), self._prefix_index)
+            self._feed = LocalIndexFeed(redis, LocalPrefixIndex(local_index_max_blocks), self._prefix_index,
+                                        wire=feed_wire)
         # model -> (index generation, live mask), and model -> its engines, valid until the next registry read
         self._masks: dict[str, tuple[int, int]] = {}
         self._models: dict[str, _ModelView] = {}

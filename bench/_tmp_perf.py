@@ -1,0 +1,264 @@
+"""The gateway's own CPU: per streamed request and idle, the figures of issue #19's gateway goals
+(≤ 3 ms per 16-token streamed chat, tokenization and the Redis round trips included; idle < 2 ms/s).
+Run: ``make bench-gateway-cpu`` (about 40 s a run); writes bench/results/gateway_cpu.json.
+
+A gateway worker started as the chart starts it (``tessera gateway``, via ``_support.start_gateway``), an
+embedded Redis, and a fake engine in this process that answers ``/generate`` with ``TOKENS`` delta lines, 2 ms
+apart, one write each, the last one with the closing line, as a decoding engine replica sends them (no vLLM:
+only the gateway's CPU is under test). The client, the fake engine and Redis run outside the gateway process;
+the gateway's CPU is read from its threads' scheduler counters (``_support.cpu_seconds``, nanoseconds).
+
+Per run:
+- ``per_request_ms``: gateway CPU over ``--requests`` sequential streamed chats, divided by their number
+  (the background refreshers' share during those requests included);
+- ``idle_after_ms_per_s``: CPU per second in the 8 s right after the traffic, while the caches' refreshers
+  still run (they stop ``REFRESHER_IDLE_S`` after the last request);
+- ``idle_late_ms_per_s``: CPU per second 13 s after the traffic, the refreshers stopped.
+
+``--revs A,B,...`` runs the gateways of several git revisions side by side (``work``: the working tree; a
+directory: the ``platform/src`` under it; a revision named twice: the noise floor), behind the same Redis and
+fake engine, each measured in turn (every run starts with the next one) and idle over the same seconds:
+a change's effect on the figures above without the machine's drift between two runs of the bench in it.
+For example ``python bench/bench_gateway_cpu.py --revs 06f6e29,work``.
+
+``--prompt-tokens N`` sends a different N-token prompt per request (bench-stack's are ~350) instead of one
+short question, so the tokenizer's share is in the figure.
+
+Beside them, the floor (``relay_floor.py``): a bare uvloop relay's CPU per line on this machine, times the
+events of a request.
+
+``SPY=path`` records a py-spy profile (raw format) of the gateway (the last revision named) during its
+requests; ``SPY_NATIVE=1`` with it adds the native frames (uvloop, the interpreter, the kernel calls' wrappers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import os
+import shutil
+import statistics
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+from _support import (
+    REPO,
+    bench_model,
+    cpu_seconds,
+    print_table,
+    read_request_body,
+    start_gateway,
+    stop,
+    write_results,
+)
+from bench_gateway_ab import WORKING_TREE, checkout
+from relay_floor import relay_floor_us
+
+from tessera.engine.protocol import RequestStats, delta_line, done_line
+
+TOKENS = 16
+LINE_GAP_S = 0.002
+NUM_WARMUP = 30
+NUM_REWARM = 5
+IDLE_AFTER_S = 8.0
+IDLE_LATE_START_S = 13.0
+IDLE_LATE_S = 5.0
+GOAL_PER_REQUEST_MS = 3.0
+GOAL_IDLE_MS_PER_S = 2.0
+SHORT_PROMPT = "Tell me about the KV cache and speculative decoding."
+
+
+async def fake_engine(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """``POST /generate``: ``max_tokens`` delta lines and the closing line, chunked, ``LINE_GAP_S`` apart."""
+    try:
+        while True:
+            body = orjson.loads(await read_request_body(reader))
+            lines = [delta_line(0, f" w{i}", [100 + i]) + b"\n" for i in range(body["max_tokens"])]
+            # As the replica writes them (engine/generation.py): the last delta with the closing line.
+            lines[-1] += done_line({"0": "length"}, RequestStats()) + b"\n"
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/x-ndjson\r\n"
+                         b"transfer-encoding: chunked\r\n\r\n")
+            for chunk in lines:
+                writer.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+                await asyncio.sleep(LINE_GAP_S)
+            writer.write(b"0\r\n\r\n")
+            await writer.drain()
+    except (asyncio.IncompleteReadError, ConnectionError):
+        writer.close()
+    except asyncio.CancelledError:
+        writer.close()  # the run is over: asyncio.run cancels the handler of the idle keep-alive connection
+
+
+@dataclass
+class Gateway:
+    """One revision's gateway in a run (``--revs``)."""
+
+    name: str
+    source: Path | None  # the platform/src it imports (None: the installed one, the working tree)
+    pid: int = 0
+    url: str = ""
+
+
+def chat_prompts(prompt_tokens: int, count: int) -> list[str]:
+    """The user messages of a run: with ``prompt_tokens`` 0 one short question (every request alike), otherwise
+    ``count`` different texts of that many of the model's tokens, as `make bench-stack` sends (no tokenizer
+    cache can answer a repeat)."""
+    if not prompt_tokens:
+        return [SHORT_PROMPT]
+    from stack.workload import PromptMaker
+
+    maker = PromptMaker(bench_model("tessera-small"), prompt_tokens)
+    return [maker.prompt(f"gateway-cpu-{i}") for i in range(count)]
+
+
+async def one_run(num_requests: int, work: Path, revs: list[tuple[str, Path | None]], first: int,
+                  prompts: list[str]) -> dict[str, Any]:
+    """Every revision's gateway at once behind one Redis and one fake engine; measured one after the other,
+    from ``revs[first]`` on (each run starts with the next, so drift falls on all alike), then idle together."""
+    from tessera.redis_conn import EmbeddedRedis, connect
+    from tessera.registry import EngineRecord, EngineRegistry, ModelInfo, register_model
+    from tessera.tenancy.store import TenantStore
+
+    model_dir = bench_model("tessera-small")
+    redis_server = EmbeddedRedis().start()
+    engine = await asyncio.start_server(fake_engine, "127.0.0.1", 0)
+    engine_port = engine.sockets[0].getsockname()[1]
+    redis = connect(redis_server.url)
+    await register_model(redis, ModelInfo("tessera-small", str(model_dir), 2048, 32))
+    registry = EngineRegistry(redis)
+    record = EngineRecord("fake-0", f"http://127.0.0.1:{engine_port}", "tessera-small", 32, 1000, 2048)
+
+    async def heartbeat() -> None:
+        while True:
+            await registry.heartbeat(record)
+            await asyncio.sleep(1.0)
+
+    beating = asyncio.create_task(heartbeat())
+    store = TenantStore(redis)
+    await store.create_tenant("bench")
+    key = (await store.issue_key("bench")).plaintext
+    env = {"TESSERA_REDIS_URL": redis_server.url, "TESSERA_TRACE_DIR": str(work / "traces"),
+           "TESSERA_ROUTING_POLICY": "prefix_affinity", "TESSERA_REDIS_TIMEOUT_S": "2"}
+    gateways = [Gateway(name, source) for name, source in revs]
+    procs: list[subprocess.Popen[bytes]] = []
+    figures: dict[str, dict[str, Any]] = {}
+    try:
+        for gw in gateways:
+            gw_env = {**env, "PYTHONPATH": str(gw.source)} if gw.source is not None else env
+            proc, gw.url = await asyncio.to_thread(start_gateway, gw_env, work / f"gateway-{len(procs)}.log")
+            procs.append(proc)
+            gw.pid = proc.pid
+        async with httpx.AsyncClient(timeout=10) as client:
+            headers = {"authorization": f"Bearer {key}"}
+            sent = itertools.count()
+
+            async def one(url: str) -> int:
+                chunks = 0
+                body = {"model": "tessera-small", "stream": True, "max_tokens": TOKENS, "ignore_eos": True,
+                        "messages": [{"role": "user", "content": prompts[next(sent) % len(prompts)]}]}
+                async with client.stream("POST", f"{url}/v1/chat/completions", json=body, headers=headers) as r:
+                    assert r.status_code == 200, await r.aread()
+                    async for line in r.aiter_lines():
+                        chunks += line.startswith("data: {")
+                return chunks
+
+            for gw in gateways:
+                for _ in range(NUM_WARMUP):
+                    await one(gw.url)
+            for i in range(len(gateways)):
+                gw = gateways[(first + i) % len(gateways)]
+                for _ in range(NUM_REWARM):  # the others' turns left this one idle a while
+                    await one(gw.url)
+                spy = None
+                if os.environ.get("SPY") and gw is gateways[-1]:  # the last revision named (the working tree)
+                    spy = subprocess.Popen(["perf", "record", "-F", "4000", "-p", str(gw.pid), "-o", os.environ["SPY"]],
+                                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                    await asyncio.sleep(1.0)
+                c0 = cpu_seconds(gw.pid)
+                for _ in range(num_requests):
+                    num_chunks = await one(gw.url)
+                figures[gw.name] = {"chunks_per_request": num_chunks,
+                                    "per_request_ms": (cpu_seconds(gw.pid) - c0) / num_requests * 1e3}
+                if spy is not None:
+                    spy.send_signal(2)
+                    spy.wait(20)
+            # All idle at once: each gateway's idle CPU over the same seconds.
+            for measure, start_s, length_s in (("idle_after_ms_per_s", 0.0, IDLE_AFTER_S),
+                                               ("idle_late_ms_per_s", IDLE_LATE_START_S - IDLE_AFTER_S, IDLE_LATE_S)):
+                await asyncio.sleep(start_s)
+                cpu0, w0 = {gw.name: cpu_seconds(gw.pid) for gw in gateways}, time.perf_counter()
+                await asyncio.sleep(length_s)
+                wall = time.perf_counter() - w0
+                for gw in gateways:
+                    figures[gw.name][measure] = (cpu_seconds(gw.pid) - cpu0[gw.name]) / wall * 1e3
+    finally:
+        for proc in procs:
+            stop(proc)
+        beating.cancel()
+        engine.close()
+        await redis.aclose()
+        redis_server.stop()
+    return figures
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--requests", type=int, default=150, help="Measured requests per run and revision.")
+    parser.add_argument("--runs", type=int, default=3, help="Runs (each with fresh gateways and Redis).")
+    parser.add_argument("--revs", default=WORKING_TREE,
+                        help="Comma-separated git revisions (or directories holding platform/src) whose gateways "
+                             f"run side by side; {WORKING_TREE!r} is the working tree (default: it alone).")
+    parser.add_argument("--prompt-tokens", type=int, default=0,
+                        help="Each request's prompt: 0 (default) one short question; N: a different N-token text "
+                             "per request, as bench-stack sends (350 there).")
+    args = parser.parse_args()
+    import tempfile
+
+    names = args.revs.split(",")
+    trees = Path(tempfile.mkdtemp(prefix="bench-gateway-cpu-trees-"))
+    sources = {name: None if name == WORKING_TREE else checkout(name, trees) for name in dict.fromkeys(names)}
+    # A revision named twice runs two gateways of it: the spread between them is the noise floor (A/A).
+    revs = [(Path(name).name + "'" * names[:i].count(name), sources[name]) for i, name in enumerate(names)]
+    runs: list[dict[str, dict[str, Any]]] = []
+    prompts = chat_prompts(args.prompt_tokens, len(revs) * (NUM_WARMUP + NUM_REWARM + args.requests))
+    try:
+        for i in range(args.runs):
+            work = Path(tempfile.mkdtemp(prefix="bench-gateway-cpu-"))
+            runs.append(asyncio.run(one_run(args.requests, work, revs, i % len(revs), prompts)))
+            print(f"run {i + 1}/{args.runs}: {runs[-1]}", flush=True)
+    finally:
+        for name, source in sources.items():
+            if source is not None and not Path(name).is_dir():
+                subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(source.parents[1])],
+                               capture_output=True)
+        shutil.rmtree(trees, ignore_errors=True)
+    keys = ("per_request_ms", "idle_after_ms_per_s", "idle_late_ms_per_s")
+    goals = {"per_request_ms": GOAL_PER_REQUEST_MS, "idle_after_ms_per_s": GOAL_IDLE_MS_PER_S,
+             "idle_late_ms_per_s": GOAL_IDLE_MS_PER_S}
+    medians = {rev: {k: statistics.median(r[rev][k] for r in runs) for k in keys} for rev, _ in revs}
+    # The kernel's and uvloop's share, which no gateway code can remove: a bare relay's CPU per line times
+    # the writes a request makes to its client.
+    floor_us = relay_floor_us()
+    chunks = runs[-1][revs[-1][0]]["chunks_per_request"]
+    single = len(revs) == 1
+    path = write_results("gateway_cpu", {"tokens": TOKENS, "line_gap_s": LINE_GAP_S, "requests": args.requests,
+                                         "prompt_tokens": args.prompt_tokens or "short question",
+                                         "revisions": [rev for rev, _ in revs],
+                                         "runs": [r[revs[0][0]] for r in runs] if single else runs,
+                                         "median": medians[revs[0][0]] if single else medians, "goals": goals,
+                                         "relay_floor_us_per_line": floor_us})
+    print_table(["revision", "measure", *(f"run {i + 1}" for i in range(len(runs))), "median", "goal"],
+                [[rev, k, *(r[rev][k] for r in runs), medians[rev][k], goals[k]] for rev, _ in revs for k in keys])
+    print(f"floor: a bare uvloop relay spends {floor_us:.1f} us of CPU per line here; the {chunks} SSE events of a "
+          f"request at that cost: {floor_us * chunks / 1e3:.2f} ms of the per-request figure")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
