@@ -24,6 +24,11 @@ For example ``python bench/bench_gateway_cpu.py --revs 06f6e29,work``.
 ``--prompt-tokens N`` sends a different N-token prompt per request (bench-stack's are ~350) instead of one
 short question, so the tokenizer's share is in the figure.
 
+The fake engine stores each prompt's full blocks in the shared prefix index before its first delta, one batch,
+as a replica's KV-event feeder does after a prefill, so the gateway's local index follows the event stream as
+it does in a deployment (one stream read per request); ``--no-kv-events`` leaves the stream quiet. A short
+question fills no block and stores nothing either way.
+
 Beside them, the floor (``relay_floor.py``): a bare uvloop relay's CPU per line on this machine, times the
 events of a request.
 
