@@ -167,24 +167,28 @@ async def measure_route(redis_url: str, num_engines: int, num_blocks: int) -> di
 
     for _ in range(200):
         await router.route(request())
+    # The measured requests are made before the timing, and kept: a gateway makes a request's chain and drops
+    # it after the route, where a list of every request made during the timing grew the heap by ~7 MB of
+    # tuples and ints (62-66 a chain), which filled the collector's older generations and fresh arenas under
+    # the routes: the 64-engine p99 was 78-81 us with them made in the loop, 30-35 us made before it
+    # (docs/routing.md, "Latest run").
+    routed = [request() for _ in range(6 * 500)]
     # A gateway worker freezes its startup heap (gateway/lean_server.py), so a collection walks only what it
-    # made since; this bench's own scaffolding (the fleet's 100k-1M synthetic chains, tuples a collection
-    # would walk) is no gateway's, so it is frozen too, and the routes meet the collections a gateway's do.
+    # made since; this bench's own scaffolding (the fleet's 100k-1M synthetic chains and the requests above,
+    # tuples a collection would walk) is no gateway's, so it is frozen too, and the routes meet the
+    # collections a gateway's do.
     gc.collect()
     gc.freeze()
     route_us: list[float] = []
     hits = 0
-    routed: list[RouteRequest] = []
-    for _ in range(6):
+    for batch in range(6):
         await heartbeat()
         await router.num_live_engines()  # a fresh registry copy, outside the timing
-        for _ in range(500):
-            req = request()
+        for req in routed[batch * 500:(batch + 1) * 500]:
             t = time.perf_counter_ns()
             decision, _ = await router.route(req)
             route_us.append((time.perf_counter_ns() - t) / 1e3)
             hits += decision.expected_cached_tokens > 0
-            routed.append(req)
     parts = route_parts(feed.index, records, routed)
     # The same requests routed twice more: each one's best of the three times is the code's cost with the
     # machine's jitter (timer ticks, a neighbour's burst: on the 2-vCPU VM a decision's p99 is 2-3x its p50
