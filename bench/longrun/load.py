@@ -2,12 +2,17 @@
 
 Each tenant has open-loop Poisson arrivals of streamed chats (``continuous_usage_stats`` on, so the client
 counts every token it received; ``ignore_eos``, so a complete answer is exactly ``max_tokens`` long). The run
-goes in a background thread; the bench's main thread samples the platform meanwhile.
+goes in a process of its own, while the bench's main thread samples the platform: a sample walks every
+process with psutil and scrapes three ``/metrics``, and in the same process as the client (a thread, until
+2026-12-04) it held the interpreter while streams arrived, so the requests in flight at each window's end
+measured the sampler (docs/performance.md section 10, runs B and C).
 """
 
 from __future__ import annotations
 
 import math
+import multiprocessing
+from concurrent.futures import Future, ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -15,8 +20,6 @@ from tessera_loadgen.client import Target
 from tessera_loadgen.execute import RunOutput, execute
 from tessera_loadgen.tokenizer_spec import load_model_dir
 from tessera_loadgen.workload import Workload
-
-from .platform import Background
 
 
 def tenant_workload(keys: dict[str, str], *, rate_rps: float, duration_s: float, prompt_tokens: int,
@@ -36,19 +39,36 @@ def tenant_workload(keys: dict[str, str], *, rate_rps: float, duration_s: float,
         "retry": {"on_429": "count"}, "tenants": tenants})
 
 
-def start_load(workload: Workload, target_url: str, run_dir: Path, tokenizer_dir: Path | None = None) -> Background:
-    """The run, started in a thread; ``.result()`` is its ``RunOutput`` once every request has ended.
-    ``tokenizer_dir``: the model's directory, to make synthetic prompts exactly as long as asked in its
+class LoadProcess:
+    """A load run in a child process (spawned, in this session): ``is_alive`` while it runs, ``result`` its
+    ``RunOutput`` (or the exception it raised)."""
+
+    def __init__(self, workload: Workload, target_url: str, run_dir: Path, tokenizer_dir: Path | None) -> None:
+        self._pool = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
+        self._future: Future[RunOutput] = self._pool.submit(run_load, workload, target_url, run_dir, tokenizer_dir)
+
+    def is_alive(self) -> bool:
+        return not self._future.done()
+
+    def result(self) -> RunOutput:
+        try:
+            return self._future.result()
+        finally:
+            self._pool.shutdown()
+
+
+def start_load(workload: Workload, target_url: str, run_dir: Path, tokenizer_dir: Path | None = None) -> LoadProcess:
+    """The run, started in a process of its own; ``.result()`` is its ``RunOutput`` once every request has
+    ended. ``tokenizer_dir``: the model's directory, to make synthetic prompts exactly as long as asked in its
     tokens (without it a prompt's length is counted in words, ~3 of the small model's tokens each)."""
+    return LoadProcess(workload, target_url, run_dir, tokenizer_dir)
+
+
+def run_load(workload: Workload, target_url: str, run_dir: Path, tokenizer_dir: Path | None) -> RunOutput:
+    """The run itself (in the child)."""
     tokenizers = {"tessera-small": load_model_dir(tokenizer_dir)} if tokenizer_dir is not None else None
-
-    def run() -> RunOutput:
-        return execute(workload, Target.parse(target_url), run_dir, progress=False, plots=False,
-                       models={t.name: "tessera-small" for t in workload.tenants}, tokenizers=tokenizers)
-
-    thread = Background(run, "loadgen")
-    thread.start()
-    return thread
+    return execute(workload, Target.parse(target_url), run_dir, progress=False, plots=False,
+                   models={t.name: "tessera-small" for t in workload.tenants}, tokenizers=tokenizers)
 
 
 def cache_fill_workload(keys: dict[str, str], *, kv_blocks: int, block_size: int, times: float,

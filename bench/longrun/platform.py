@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -160,28 +159,6 @@ def key_families(url: str, depth: int = 2) -> dict[str, int]:
             text = key.decode(errors="replace") if isinstance(key, bytes) else str(key)
             families[":".join(text.split(":")[:depth])] += 1
     return dict(families.most_common(15))
-
-
-class Background(threading.Thread):
-    """Runs ``target()`` in a thread and keeps its result or its exception for ``result()``."""
-
-    def __init__(self, target: Any, name: str) -> None:
-        super().__init__(name=name, daemon=True)
-        self._target_fn = target
-        self._result: Any = None
-        self._error: BaseException | None = None
-
-    def run(self) -> None:
-        try:
-            self._result = self._target_fn()
-        except BaseException as exc:  # handed to the caller by result()
-            self._error = exc
-
-    def result(self) -> Any:
-        self.join()
-        if self._error is not None:
-            raise self._error
-        return self._result
 
 
 def gateway_pid(platform: LocalPlatform) -> int:
