@@ -40,13 +40,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import itertools
 import os
 import shutil
 import statistics
 import subprocess
 import time
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -83,20 +83,12 @@ GOAL_IDLE_MS_PER_S = 2.0
 SHORT_PROMPT = "Tell me about the KV cache and speculative decoding."
 
 
-def fake_engine(index: PrefixIndex | None, engine_id: str, block_size: int) -> Callable[..., Awaitable[None]]:
+async def fake_engine(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, index: PrefixIndex | None,
+                      engine_id: str, block_size: int) -> None:
     """``POST /generate``: ``max_tokens`` delta lines and the closing line, chunked, ``LINE_GAP_S`` apart.
     With ``index``, the prompt's full blocks are stored in the shared prefix index before the first delta, one
     batch, as the replica's KV-event feeder writes them after a prefill (engine/host.py): each gateway worker's
     local index then follows the stream as it does in a deployment."""
-
-    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await _serve(reader, writer, index, engine_id, block_size)
-
-    return serve
-
-
-async def _serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, index: PrefixIndex | None,
-                 engine_id: str, block_size: int) -> None:
     try:
         while True:
             body = orjson.loads(await read_request_body(reader))
@@ -153,7 +145,8 @@ async def one_run(num_requests: int, work: Path, revs: list[tuple[str, Path | No
     redis_server = EmbeddedRedis().start()
     redis = connect(redis_server.url)
     index = PrefixIndex(redis) if kv_events else None
-    engine = await asyncio.start_server(fake_engine(index, "fake-0", 32), "127.0.0.1", 0)
+    serve = functools.partial(fake_engine, index=index, engine_id="fake-0", block_size=32)
+    engine = await asyncio.start_server(serve, "127.0.0.1", 0)
     engine_port = engine.sockets[0].getsockname()[1]
     await register_model(redis, ModelInfo("tessera-small", str(model_dir), 2048, 32))
     registry = EngineRegistry(redis)

@@ -115,13 +115,8 @@ class LocalIndexFeed:
     async def poll(self, block_ms: int | None = None) -> int:
         """One stream read (waiting up to ``block_ms``, ``read_block_ms`` by default; 0: no wait), applied;
         returns the entries read."""
-        if block_ms is None:
-            block_ms = self.read_block_ms
-        if block_ms:
-            entries = await read_stream(self._reader, EVENTS_STREAM, self._last_id, READ_COUNT, block_ms)
-        else:
-            reply: Any = await self._redis.xread({EVENTS_STREAM: self._last_id}, count=READ_COUNT)
-            entries = reply[0][1] if reply else []
+        block_ms = self.read_block_ms if block_ms is None else block_ms
+        entries = await read_stream(self._reader, EVENTS_STREAM, self._last_id, READ_COUNT, block_ms)
         self.num_reads += 1
         for entry_id, fields in entries:
             await self._apply_entry(fields)

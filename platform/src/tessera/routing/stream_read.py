@@ -31,9 +31,11 @@ StreamEntry = tuple[bytes, dict[bytes, bytes]]
 
 async def read_stream(source: RedisWire | aioredis.Redis, stream: str, last_id: bytes | str, count: int,
                       block_ms: int) -> list[StreamEntry]:
-    """The entries of ``stream`` after ``last_id`` (at most ``count``), waiting up to ``block_ms`` (> 0) for
-    one; [] when none came. Raises redis-py's errors (a timeout: no reply within the block and the timeout)."""
-    command = ("XREAD", "COUNT", count, "BLOCK", block_ms, "STREAMS", stream, last_id)
+    """The entries of ``stream`` after ``last_id`` (at most ``count``), waiting up to ``block_ms`` for one (0:
+    not at all, where Redis's ``BLOCK 0`` would wait for ever); [] when none came. Raises redis-py's errors (a
+    timeout: no reply within the block and the client's timeout)."""
+    block: tuple[str | int, ...] = ("BLOCK", block_ms) if block_ms > 0 else ()
+    command = ("XREAD", "COUNT", count, *block, "STREAMS", stream, last_id)
     if isinstance(source, RedisWire):
         try:
             (reply,) = await source.execute([command], timeout_s=block_ms / 1000 + source.timeout_s)
