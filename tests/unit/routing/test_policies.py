@@ -256,11 +256,15 @@ def test_prefix_affinity_prefers_the_engine_holding_the_prefix() -> None:
 def test_prefix_affinity_without_hits_goes_to_the_prefixs_home() -> None:
     policy = make_policy("prefix_affinity")
     home, other = policies.prefix_homes(("a", "b"), REQ_320.block_hashes[0])
-    # Loads 2 and 1: mean 1.5, bound 2.875: both under it. A new prefix takes the less loaded of its homes;
-    # once routed (evicted since), the home takes its miss even if busier.
+    # Loads 2 and 1: mean 1.5, bound 2.875: both under it. A new prefix takes the less loaded of its homes,
+    # and its next request follows it there until the index shows it held; once held and evicted since, the
+    # home takes its miss even if busier.
     snap = RouteSnapshot((engine(home, 2), engine(other, 1)))
     first = policy(snap, REQ_320)
     assert first.ranked == (other, home) and "miss: new prefix" in first.reason
+    pending = policy(snap, REQ_320)
+    assert pending.ranked == (other, home) and "pending where it was sent" in pending.reason
+    assert policy(RouteSnapshot(snap.engines, {other: 8}), REQ_320).ranked[0] == other
     decision = policy(snap, REQ_320)
     assert decision.ranked == (home, other) and "miss: home" in decision.reason
 
@@ -280,9 +284,11 @@ def test_approx_prefix_forgets_dead_engines() -> None:
 
 
 def _reference_prefix_affinity(snap: RouteSnapshot, request: RouteRequest,
-                               seen: set[int]) -> list[tuple[str, tuple[object, ...]]]:
+                               placed: dict[int, str]) -> list[tuple[str, tuple[object, ...]]]:
     """prefix_affinity's ranking of the whole fleet, the plain way (sort every engine by its full key; then a
-    prefix nobody holds and not in ``seen`` moves the least loaded of its first open homes to the front)."""
+    prefix nobody holds and not in ``placed`` moves the least loaded of its first open homes to the front, and
+    one ``placed`` on an engine not yet seen holding it (not ``SETTLED``) moves that engine to the front while
+    it is open)."""
     engines = snap.engines
     loads = [max(e.load, snap.local_in_flight.get(e.engine_id, 0)) for e in engines]
     bound = policies.BOUND_FACTOR * sum(loads) / len(loads) + 1
@@ -306,14 +312,24 @@ def _reference_prefix_affinity(snap: RouteSnapshot, request: RouteRequest,
 
     order = sorted(range(len(engines)), key=lambda i: (*score(i), home_rank[engines[i].engine_id]))
     key = request.block_hashes[0]
-    if key not in seen and not any(snap.cached_prefix_blocks.get(e.engine_id, 0) > 0 for e in engines):
+    state = placed.get(key)
+    if any(snap.cached_prefix_blocks.get(e.engine_id, 0) > 0 for e in engines):
+        placed[key] = policies.SETTLED
+    elif state is None:
         choices = [i for i in order[:policies.NEW_PREFIX_CHOICES]
                    if not engines[i].under_pressure and loads[i] < bound]
         if len(choices) > 1:
             best = min(choices, key=lambda i: loads[i] + engines[i].num_waiting)
             order.remove(best)
             order.insert(0, best)
-    seen.add(key)
+        placed[key] = engines[order[0]].engine_id
+    elif state != policies.SETTLED:
+        i = by_id.get(state)
+        if i is not None and not engines[i].under_pressure and loads[i] < bound:
+            order.remove(i)
+            order.insert(0, i)
+        else:
+            placed[key] = engines[order[0]].engine_id
     return [(engines[i].engine_id, score(i)) for i in order]
 
 
@@ -332,7 +348,7 @@ def test_prefix_affinity_ranks_a_large_fleets_first_engines_exactly_as_a_full_so
                              pressure=rng.random() < pressured, block_size=16) for i in range(size))
         ids = [e.engine_id for e in fleet]
         keys = [rng.getrandbits(64) for _ in range(2)]
-        seen: set[int] = set()  # the prefixes the policy has routed (new ones are placed by load)
+        placed: dict[int, str] = {}  # the prefixes the policy has routed (new ones are placed by load)
         # Several requests per fleet, on two prefixes: the second request of a prefix reuses the homes the
         # policy made for the first (``_Fleet.homes``) under other cached prefixes and in-flight counts.
         for _ in range(4):
@@ -341,7 +357,7 @@ def test_prefix_affinity_ranks_a_large_fleets_first_engines_exactly_as_a_full_so
             request = RouteRequest("t", "m", 16 * 64 + 1, (rng.choice(keys), trial))
             snap = RouteSnapshot(fleet, cached, in_flight)
             got = policy(snap, request).ranked
-            want = _reference_prefix_affinity(snap, request, seen)
+            want = _reference_prefix_affinity(snap, request, placed)
             assert len(got) == policies.MAX_RANKED_ENGINES
             assert list(got) == [e for e, _ in want[:policies.MAX_RANKED_ENGINES]]
 

@@ -38,12 +38,12 @@ IDS = ("a", "b", "c", "d")
 def test_a_known_prefix_nobody_holds_goes_to_its_home_whatever_the_loads_under_the_bound() -> None:
     """Placed by load, a prefix evicted everywhere came back on whichever engine was least loaded at that
     moment, so with small caches every engine ended up cycling every prefix. Under the bound the home
-    decides for a prefix the policy has routed before, in every gateway process alike."""
+    decides for a prefix the policy has seen held, in every gateway process alike."""
     rng = random.Random(3)
     policy = make_policy("prefix_affinity")
     for key in range(200):
-        idle = RouteSnapshot(tuple(engine(e) for e in IDS))
-        policy(idle, request(key * 7919))  # routed once: known from now on
+        idle = RouteSnapshot(tuple(engine(e) for e in IDS), {IDS[key % 4]: 31})
+        policy(idle, request(key * 7919))  # routed to a holder: known, and seen held
         loads = rng.sample([3, 4, 4, 5], 4)  # mean 4, bound 9: every engine is under it
         snap = RouteSnapshot(tuple(engine(e, running=n) for e, n in zip(IDS, loads, strict=True)))
         decision = policy(snap, request(key * 7919))
@@ -76,16 +76,73 @@ def test_a_new_prefix_goes_to_the_least_loaded_of_its_first_homes_and_stays_ther
     assert make_policy("prefix_affinity")(snap, request(key)).ranked[0] == homes[2]
 
 
+def test_until_an_engine_is_seen_holding_it_a_prefix_follows_it_to_where_it_was_sent() -> None:
+    """The blocks of a prefix just sent to an engine reach the index only after its prefill and the KV events'
+    lag. Its next requests meanwhile go there too, not to its first home (a second prefill and a copy that
+    evicts another prefix there), while that engine is open; once held and then evicted, it goes home."""
+    ids = tuple(f"n{i}" for i in range(6))
+    key = 31337
+    homes = prefix_homes(ids, key)
+    policy = make_policy("prefix_affinity")
+    # New: the least loaded of its first four homes, homes[2] (loads 3, 3, 1, 3, 3, 3: bound 6.7).
+    first_loads = {e: 3 for e in ids} | {homes[2]: 1}
+    snap = RouteSnapshot(tuple(engine(e, running=first_loads[e]) for e in ids))
+    assert policy(snap, request(key)).ranked[0] == homes[2]
+    # Its prefill has not reached the index yet, and homes[2] is over the bound (loads 1, 1, 4, 1, 1, 1: mean
+    # 1.5, bound 4): the usual ranking, its first home...
+    busy = {e: 1 for e in ids} | {homes[2]: 4}
+    over = policy(RouteSnapshot(tuple(engine(e, running=busy[e]) for e in ids)), request(key))
+    assert over.ranked[0] == homes[0] and "miss: home" in over.reason
+    # ...where it is now on its way: it follows it there, even with its second home idle (which would take
+    # a miss from a busy first home).
+    loads = {e: 2 for e in ids} | {homes[1]: 0}
+    snap = RouteSnapshot(tuple(engine(e, running=loads[e]) for e in ids))
+    again = policy(snap, request(key))
+    assert again.ranked[0] == homes[0] and "pending where it was sent" in again.reason
+    # Held at homes[0] (a hit), then evicted, with homes[0] the busiest under the bound: its first home, as a
+    # prefix every worker has seen held goes.
+    assert policy(RouteSnapshot(snap.engines, {homes[0]: 31}), request(key)).ranked[0] == homes[0]
+    loads = {e: 1 for e in ids} | {homes[0]: 3}
+    evicted = policy(RouteSnapshot(tuple(engine(e, running=loads[e]) for e in ids)), request(key))
+    assert evicted.ranked[0] == homes[0] and "miss: home" in evicted.reason
+
+
+def test_a_prefix_sent_to_an_engine_follows_it_there_rather_than_to_its_first_home() -> None:
+    ids = tuple(f"n{i}" for i in range(6))
+    key = 4242
+    homes = prefix_homes(ids, key)
+    policy = make_policy("prefix_affinity")
+    # New: the least loaded of its first four homes is homes[3].
+    loads = {e: 2 for e in ids} | {homes[3]: 0}
+    assert policy(RouteSnapshot(tuple(engine(e, running=loads[e]) for e in ids)), request(key)).ranked[0] == homes[3]
+    # Not in the index yet; homes[3] has taken the request and two more, its first home is idle.
+    loads = {e: 2 for e in ids} | {homes[3]: 3, homes[0]: 0}  # mean 2.17, bound 5.3
+    decision = policy(RouteSnapshot(tuple(engine(e, running=loads[e]) for e in ids)), request(key))
+    assert decision.ranked[0] == homes[3] and "pending where it was sent" in decision.reason
+    # Another policy instance (another gateway worker) never sent it: the least loaded of its first homes.
+    other = make_policy("prefix_affinity")(RouteSnapshot(tuple(engine(e, running=loads[e]) for e in ids)),
+                                           request(key))
+    assert other.ranked[0] == homes[0]
+    # The engine left the fleet: the usual ranking, and the prefix is on its way to that engine from then on.
+    rest = tuple(e for e in ids if e != homes[3])
+    gone = policy(RouteSnapshot(tuple(engine(e, running=loads[e]) for e in rest)), request(key))
+    assert homes[3] not in gone.ranked and "pending" not in gone.reason
+
+
 def test_the_policy_remembers_a_bounded_number_of_prefixes() -> None:
-    seen = policies._SeenKeys(capacity=100)
-    assert not seen.add(1) and seen.add(1)
+    placements = policies._Placements(capacity=100)
+    assert placements.get(1) is None
+    placements.set(1, "a")
+    assert placements.get(1) == "a"
     for key in range(2, 51):  # the newer generation fills (50) and becomes the older one
-        seen.add(key)
-    assert seen.add(1)  # still remembered, from the older generation
+        placements.set(key, "b")
+    assert placements.get(1) == "a"  # still remembered, from the older generation
+    placements.set(1, policies.SETTLED)
+    assert placements.get(1) == policies.SETTLED
     for key in range(1000, 1100):  # two generations of other keys
-        seen.add(key)
-    assert not seen.add(2)  # forgotten: memory stays bounded
-    assert len(seen._newer) + len(seen._older) <= 100
+        placements.set(key, "c")
+    assert placements.get(2) is None  # forgotten: memory stays bounded
+    assert len(placements._newer) + len(placements._older) <= 100
 
 
 def test_a_holder_with_the_longest_queue_keeps_its_prefix_while_under_the_bound() -> None:
@@ -121,7 +178,7 @@ def test_an_idle_second_home_takes_a_miss_from_a_busy_first_home_but_a_busy_one_
     key = 4242
     homes = prefix_homes(IDS, key)
     policy = make_policy("prefix_affinity")
-    policy(RouteSnapshot(tuple(engine(e) for e in IDS)), request(key))  # a known prefix, evicted since
+    policy(RouteSnapshot(tuple(engine(e) for e in IDS), {homes[0]: 31}), request(key))  # held, evicted since
     idle_second = {homes[0]: 1, homes[1]: 0, homes[2]: 0, homes[3]: 0}
     snap = RouteSnapshot(tuple(engine(e, running=idle_second[e]) for e in IDS))
     assert policy(snap, request(key)).ranked[:2] == (homes[1], homes[0])

@@ -325,38 +325,46 @@ def prefix_homes(engine_ids: tuple[str, ...], key: int) -> list[str]:
 
 # A prefix nobody holds and this policy instance has never routed goes to the least loaded of its first
 # NEW_PREFIX_CHOICES open homes (waiting requests counted twice: they delay a first token, running ones share
-# steps), ties in ring order; a prefix it has routed before keeps its first home when evicted. Why (issue
-# #17, docs/routing.md "Where prefix_affinity's p99 goes"): at 64 overloaded engines the slowest 1 % were
-# long unique prompts sent to a first home that also served a hot prefix at twice the mean load, and the hits
-# queued behind their prefill; placing every miss by load (never-seen or evicted alike) lost the cache when
-# caches were scarce, because an evicted prefix placed by load moves among its homes' caches. Four: near
-# its home (the next request follows it there), enough choice to miss the one busy engine.
+# steps), ties in ring order. Why (issue #17, docs/routing.md "Where prefix_affinity's p99 goes"): at 64
+# overloaded engines the slowest 1 % were long unique prompts sent to a first home that also served a hot
+# prefix at twice the mean load, and the hits queued behind their prefill. Four: near its home, enough choice
+# to miss the one busy engine.
+# Until an engine is seen holding it, the prefix's next requests follow it to the engine it was sent to (its
+# blocks are on their way: a prefill, then the KV events' lag; sending them to the first home instead made a
+# second copy there, which under overload is a second prefill and an eviction). Once seen held, an evicted
+# prefix goes back to its first home, which every gateway worker computes alike: placing evicted prefixes by
+# load (or by each worker's own memory) moves them among caches, the failure with scarce caches.
 NEW_PREFIX_CHOICES = 4
-# How many prefixes' keys a policy instance remembers as routed (two generations of half each: ~10-15 MB).
+# How many prefixes' keys a policy instance remembers as routed (two generations of half each: ~15-20 MB).
 SEEN_PREFIXES = 200_000
 
 
-class _SeenKeys:
-    """The keys a policy instance has routed, bounded: two generations of sets, the older dropped when the
-    newer fills, so a key is remembered for between half and all of ``capacity`` later keys (an approximate
-    LRU at the cost of a set lookup a request)."""
+class _Placements:
+    """The prefixes (their keys) a policy instance has routed, bounded: for each, the engine it was sent to
+    while no engine was yet seen holding it (a *pending* placement), or ``SETTLED`` once one was. Two
+    generations of dicts, the older dropped when the newer fills, so a prefix is remembered for between half
+    and all of ``capacity`` later prefixes (an approximate LRU at the cost of a dict lookup a request)."""
 
     __slots__ = ("_capacity", "_newer", "_older")
 
     def __init__(self, capacity: int) -> None:
         self._capacity = max(2, capacity)
-        self._newer: set[int] = set()
-        self._older: set[int] = set()
+        self._newer: dict[int, str] = {}
+        self._older: dict[int, str] = {}
 
-    def add(self, key: int) -> bool:
-        """Remember ``key``; return whether it was remembered already."""
-        if key in self._newer:
-            return True
-        known = key in self._older
-        self._newer.add(key)
+    def get(self, key: int) -> str | None:
+        """The pending engine of ``key``, ``SETTLED``, or None: never routed (or forgotten)."""
+        state = self._newer.get(key)
+        return self._older.get(key) if state is None else state
+
+    def set(self, key: int, state: str) -> None:
+        self._newer[key] = state
         if len(self._newer) >= self._capacity // 2:
-            self._older, self._newer = self._newer, set()
-        return known
+            self._older, self._newer = self._newer, {}
+
+
+# A placement's state once an engine was seen holding the prefix (no engine id is empty).
+SETTLED = ""
 
 
 # prefix_affinity ranks this many engines at most (all of a smaller fleet): the gateway falls back down the
@@ -420,12 +428,13 @@ def _prefix_affinity() -> PolicyFn:
 
     A prefix nobody holds that this policy has never routed is the exception: it goes to the least loaded
     of its first ``NEW_PREFIX_CHOICES`` open homes (one busy home does not queue a long cold prefill in front
-    of its hot prefix's hits); its later requests follow its blocks, and once evicted it goes to its first home.
+    of its hot prefix's hits). Until the index shows an engine holding it, its later requests go where it was
+    sent (while that engine is open); then they follow its blocks, and once evicted it goes to its first home.
 
     Cost: O(engines holding the prefix + engines with this gateway's requests in flight + the ring walk to
     ``MAX_RANKED_ENGINES`` engines under the bound), not O(fleet)."""
     fleet_cache: list[_Fleet] = []
-    seen = _SeenKeys(SEEN_PREFIXES)
+    placements = _Placements(SEEN_PREFIXES)
 
     def fleet_of(engines: tuple[EngineView, ...]) -> _Fleet:
         if not fleet_cache or fleet_cache[0].engines is not engines:
@@ -521,8 +530,12 @@ def _prefix_affinity() -> PolicyFn:
                 return under, over, credit, price, walked[i]
 
             ranked = sorted({*walked, *loads, *cached}, key=full_key)[:MAX_RANKED_ENGINES]
-        placed_by_load = False
-        if not seen.add(key) and not cached:
+        placed_by_load = pending = False
+        state = placements.get(key)
+        if cached:
+            if state != SETTLED:
+                placements.set(key, SETTLED)
+        elif state is None:
             choices = [i for i in ranked[:NEW_PREFIX_CHOICES]
                        if i not in closed and loads.get(i, fleet_loads[i]) < bound]
             if len(choices) > 1:
@@ -531,9 +544,26 @@ def _prefix_affinity() -> PolicyFn:
                 ranked.remove(best)
                 ranked.insert(0, best)
                 placed_by_load = True
+            placements.set(key, fleet.ids[ranked[0]])
+        elif state != SETTLED:
+            # Sent before and no engine seen holding it since: its blocks are on their way to that engine
+            # (a prefill, then the KV events' lag). It follows them there while that engine is open.
+            i = index.get(state)
+            if i is not None and i not in closed and loads.get(i, fleet_loads[i]) < bound:
+                if i != ranked[0]:
+                    if i in ranked:
+                        ranked.remove(i)
+                    else:
+                        del ranked[MAX_RANKED_ENGINES - 1:]
+                    ranked.insert(0, i)
+                pending = True
+            else:
+                placements.set(key, fleet.ids[ranked[0]])
         top = ranked[0]
         top_cached, top_load = cached.get(top, 0), loads.get(top, fleet_loads[top])
-        if placed_by_load:
+        if pending:
+            reason = f"prefix_affinity miss: pending where it was sent, load={top_load}"
+        elif placed_by_load:
             reason = f"prefix_affinity miss: new prefix, least loaded of its first homes load={top_load}"
         elif top_cached > 0:
             reason = f"prefix_affinity cached_tokens={top_cached} load={top_load}"
