@@ -14,7 +14,7 @@ PYTEST_WORKERS ?= 2
 PYTEST_XDIST := $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadscope --no-loadscope-reorder)
 
 .PHONY: install run test lint unit integration e2e bench bench-gateway bench-gateway-hops bench-admission bench-routing \
-        bench-kvcontrol bench-loadgen bench-cli bench-stack bench-idle-gaps bench-wires bench-gateway-cpu bench-gateway-ab bench-prefix-index \
+        bench-kvcontrol bench-loadgen bench-cli bench-stack bench-idle-gaps bench-wires bench-gateway-cpu bench-relay-cold bench-gateway-ab bench-prefix-index \
         bench-flood bench-soak bench-chaos bench-fleet bench-sim-calibration bench-kvcontrol-fleet bench-ray-fleet \
         helm-check clean
 
@@ -101,6 +101,10 @@ bench-flood: install
 # The gateway's CPU per 16-token streamed request and idle, against a fake engine (issue #19's goals).
 bench-gateway-cpu: install
 	$(BIN)/python bench/bench_gateway_cpu.py
+
+# The gateway's per-token relay in process, per chunk back to back and from cold caches, beside a bare relay.
+bench-relay-cold: install
+	$(BIN)/python bench/relay_cold.py
 
 # The gateways of several git revisions side by side behind one engine: a change's cost per chunk and request.
 # REVS="7111dda HEAD work" (work = the working tree; a revision named twice gives the noise floor).

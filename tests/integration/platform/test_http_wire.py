@@ -214,6 +214,51 @@ async def test_relay_hands_every_line_in_order_then_the_end(server: tuple[Stream
     await http.close()
 
 
+class LineRecorder(Recorder):
+    """A Recorder also offered lone lines (``line_received``): it takes the odd ones, declines the rest."""
+
+    def __init__(self, pause_first: bool = False) -> None:
+        super().__init__(pause_first)
+        self.offered: list[bytes] = []
+        self.taken = 0
+
+    def line_received(self, line: bytes) -> bool:
+        assert not self.ended.done(), "a line after the end"
+        self.offered.append(line)
+        message = orjson.loads(line)
+        if message.get("i", 0) % 2 == 0:
+            return False
+        self.lines.append(message)
+        self.taken += 1
+        return True
+
+
+async def test_a_sink_offered_lone_lines_gets_every_line_once_in_order(server: tuple[StreamingApp, str]) -> None:
+    """Lines it declines reach lines_received in their place; a line offered is one whole line with nothing
+    buffered before it (so taking it keeps the order), never one still waiting behind a paused relay."""
+    _, base = server
+    http = EngineHTTP()
+    paced = LineRecorder()
+    async with http.post(f"{base}/stream", orjson.dumps({"n": 20, "gap_s": 0.01}), {}) as resp:
+        resp.relay(paced)
+        assert await paced.ended is None
+    assert paced.lines == [{"i": i} for i in range(20)]
+    assert paced.taken == 10 and all(line.endswith(b"\n") and line.count(b"\n") == 1 for line in paced.offered)
+    paused = LineRecorder(pause_first=True)
+    async with http.post(f"{base}/stream", orjson.dumps({"n": 40, "gap_s": 0.002}), {}) as resp:
+        paused.response = resp
+        resp.relay(paused)
+        while not paused.batches:
+            await asyncio.sleep(0.005)
+        await asyncio.sleep(0.3)  # everything arrives meanwhile and waits: no line is offered
+        held = len(paused.offered)
+        resp.resume()
+        assert await paused.ended is None
+    assert paused.lines == [{"i": i} for i in range(40)]
+    assert held <= 2 and paused.taken < 20  # the lines that waited were delivered together, not offered
+    await http.close()
+
+
 async def test_a_paused_relay_reads_nothing_until_resumed(server: tuple[StreamingApp, str]) -> None:
     _, base = server
     http = EngineHTTP()

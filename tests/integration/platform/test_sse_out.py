@@ -1,7 +1,8 @@
 """SSEOut, the client side of the gateway's streamed responses, behind a real uvicorn server (httptools, as
 the gateway runs): deltas written from synchronous code in order, the role chunk first, the last deltas in
 the tail's write when the engine's closing line came with them, and a client that reads slowly holding later
-chunks back (the relay is told to wait) without losing or reordering any."""
+chunks back (the relay is told to wait) without losing or reordering any. The per-token path (``text_now``,
+straight to uvicorn's transport) the same, and it declines while the client's transport is paused."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import pytest
 import uvicorn
 
 from tessera.engine.protocol import Delta
+from tessera.gateway.direct_body import direct_body_writer
 from tessera.gateway.openai_format import ChunkWriter
 from tessera.gateway.sse_out import SSEOut
 
@@ -31,6 +33,9 @@ class DeltaApp:
         self.times_behind = 0
         self.last_batch_ends = False  # the last batch came with the engine's closing line
         self.body_writes = 0
+        self.per_token = False  # after the first batch, each delta is offered to text_now first (uvicorn's send)
+        self.written_now = 0  # deltas text_now wrote
+        self.declined = 0  # deltas text_now declined while the response streamed
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -40,8 +45,13 @@ class DeltaApp:
             await send(message)
 
         writer = ChunkWriter(True, "chatcmpl-test", "m", 0)
-        out = SSEOut(counting_send, writer, self.role_choices, [(b"x-request-id", b"r1")])
+        out = SSEOut(send if self.per_token else counting_send, writer, self.role_choices, [(b"x-request-id", b"r1")])
         for i, batch in enumerate(self.batches):
+            if self.per_token and i > 0 and len(batch) == 1:
+                if out.text_now(batch[0].index, batch[0].text):
+                    self.written_now += 1
+                    continue
+                self.declined += 1
             behind = out.deltas(batch, self.last_batch_ends and i == len(self.batches) - 1)
             if behind is not None:
                 self.times_behind += 1
@@ -148,3 +158,41 @@ async def test_a_slow_client_holds_the_relay_back_and_gets_everything_in_order(
     assert texts[0] == "" and texts[1:-1] == [f"{i:06d}{BIG_TEXT}" for i in range(count)]
     assert events[-1] == "[DONE]"
     assert app.times_behind > 0, "the client never held the stream back: the test did not test backpressure"
+
+
+async def test_lone_deltas_written_at_once_arrive_as_the_batched_ones(server: tuple[DeltaApp, int]) -> None:
+    app, port = server
+    app.batches = [[Delta(0, "", [7])], [Delta(0, "Hel", [8])], [Delta(0, 'lo "x"\n', [9])], [Delta(0, "", [10])],
+                   [Delta(0, "!", [11])]]
+    _, batched = await _get(port)
+    app.per_token = True
+    _, per_token = await _get(port)
+    assert per_token == batched
+    assert [e["choices"][0]["delta"] for e in per_token[:-1]] == [
+        {"role": "assistant", "content": ""}, {"content": "Hel"}, {"content": 'lo "x"\n'}, {"content": "!"}, {}]
+    assert app.written_now == 4 and app.declined == 0
+
+
+async def test_text_now_declines_while_a_slow_clients_transport_is_paused_and_order_is_kept(
+        server: tuple[DeltaApp, int]) -> None:
+    """Written past ASGI, a chunk would go into the transport's buffer whatever the client reads: without
+    the paused-transport check every delta is taken and the gateway buffers the whole answer."""
+    app, port = server
+    app.per_token = True
+    count = 4000  # 8 MB of text
+    app.batches = [[Delta(0, "", [0])]] + [[Delta(0, f"{i:06d}{BIG_TEXT}", [i])] for i in range(count)]
+    _, events = await _get(port, read_after_s=0.5)
+    texts = [e["choices"][0]["delta"].get("content") for e in events[:-1]]
+    assert texts[0] == "" and texts[1:-1] == [f"{i:06d}{BIG_TEXT}" for i in range(count)]
+    assert events[-1] == "[DONE]"
+    assert app.declined > 0 and app.times_behind > 0, "the slow client never paused the per-token path"
+    assert app.written_now > 0
+
+
+def test_no_direct_writer_for_a_send_that_is_not_uvicorns_own() -> None:
+    async def wrapped(message: dict[str, Any]) -> None: ...
+
+    assert direct_body_writer(wrapped) is None
+    out = SSEOut(wrapped, ChunkWriter(True, "chatcmpl-test", "m", 0), 1, [])
+    out.started = True
+    assert not out.text_now(0, "x"), "nothing but uvicorn's own send may be written past"

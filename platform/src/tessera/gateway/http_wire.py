@@ -11,7 +11,9 @@ every batch of complete lines to the sink from inside the protocol's ``data_rece
 is the gateway's per-token path: a line reaches the client in the same event-loop callback that read it
 from the engine, with no task wakeup, future or async-generator step between (measured in ``make
 bench-gateway``: the CPU per streamed chunk). A sink that cannot take more (its client reads slowly) pauses
-the response, which stops reading from the engine socket until it resumes.
+the response, which stops reading from the engine socket until it resumes. A sink with a ``line_received``
+is offered each body chunk that is one whole line, with nothing buffered before it, straight from the
+parser's callback, before any buffering: the per-token path with the fewest steps (``bench/relay_cold.py``).
 
 Closing a response before its end closes its connection: that is how the engine learns the caller went
 away and aborts the vLLM request. A finished response returns its connection to the pool. A request sent
@@ -31,7 +33,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Protocol
 from urllib.parse import urlsplit
@@ -62,7 +64,11 @@ class EngineTimeout(EngineUnreachable):
 
 
 class LineSink(Protocol):
-    """Receives a relayed response body (see ``StreamResponse.relay``), on the event loop's callbacks."""
+    """Receives a relayed response body (see ``StreamResponse.relay``), on the event loop's callbacks.
+
+    It may also have ``line_received(line: bytes) -> bool``: offered a body chunk that is one whole line (its
+    newline included) when nothing is buffered before it and the relay is not paused; True when it took the
+    line, False (having done nothing) to have it delivered to ``lines_received`` as usual."""
 
     def lines_received(self, lines: list[bytes]) -> None:
         """The complete lines that arrived, in order, without their newlines (never empty)."""
@@ -90,6 +96,7 @@ class _Connection(asyncio.Protocol):
         self._wakeup: asyncio.Future[None] | None = None
         self._paused = False
         self.sink: LineSink | None = None
+        self._line_sink: Callable[[bytes], bool] | None = None  # the sink's line_received while it may take one
         self._sink_ended = False
         self._sink_paused = False
         self._heard = False  # a byte came since the idle watch last looked
@@ -108,7 +115,8 @@ class _Connection(asyncio.Protocol):
             self.transport.abort()  # type: ignore[union-attr]
             return
         if self.sink is not None:
-            self.deliver()
+            if self.buffer or self.complete or self.failure is not None:  # else the line went to _line_sink
+                self.deliver()
         elif len(self.buffer) > MAX_BUFFER_BYTES and not self._paused and self.transport is not None:
             self.transport.pause_reading()
             self._paused = True
@@ -125,6 +133,9 @@ class _Connection(asyncio.Protocol):
             self.headers_done.set_result(None)
 
     def on_body(self, body: bytes) -> None:
+        line_sink = self._line_sink
+        if line_sink is not None and not self.buffer and body.endswith(b"\n") and line_sink(body):
+            return
         self.buffer += body
         self._wake()
 
@@ -136,6 +147,7 @@ class _Connection(asyncio.Protocol):
     # for the response
     def _fail(self, exc: BaseException) -> None:
         self.failure = exc
+        self._line_sink = None
         if not self.headers_done.done():
             self.headers_done.set_exception(exc)
         self._wake()
@@ -179,10 +191,16 @@ class _Connection(asyncio.Protocol):
             return  # the end, if it came, waits for resume: it must follow the sink's last lines
         if self.complete or self.failure is not None:
             self._sink_ended = True
+            self._line_sink = None
             sink.body_ended(None if self.complete else self.failure)
+
+    def set_sink(self, sink: LineSink | None) -> None:
+        self.sink = sink
+        self._line_sink = getattr(sink, "line_received", None)
 
     def pause_sink(self) -> None:
         self._sink_paused = True
+        self._line_sink = None
         if self.transport is not None and not self.closed:
             self.transport.pause_reading()
 
@@ -190,6 +208,8 @@ class _Connection(asyncio.Protocol):
         if not self._sink_paused:
             return
         self._sink_paused = False
+        if not self._sink_ended and self.failure is None:
+            self._line_sink = getattr(self.sink, "line_received", None)
         if self.transport is not None and not self.closed:
             self.transport.resume_reading()
         self.deliver()
@@ -255,7 +275,7 @@ class StreamResponse:
     def relay(self, sink: LineSink) -> None:
         """From now on the body's lines go to ``sink`` as they arrive (those already here go now), and
         ``sink.body_ended`` says when the response is over; ``lines()`` must not be used alongside."""
-        self._conn.sink = sink
+        self._conn.set_sink(sink)
         self._conn.watch_idle(self._idle_timeout_s)
         self._conn.deliver()
 
@@ -297,7 +317,7 @@ class EngineHTTP:
             yield StreamResponse(conn, self._idle_timeout_s)
         finally:
             conn.stop_watch()
-            conn.sink = None  # a relay ends with its response: nothing reaches it from a late close
+            conn.set_sink(None)  # a relay ends with its response: nothing reaches it from a late close
             if conn.reusable:
                 self._idle.setdefault(address, []).append((conn, time.monotonic()))
             elif conn.transport is not None:

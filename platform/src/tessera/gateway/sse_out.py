@@ -3,6 +3,9 @@ connection's callbacks (see ``engine_client``) with eager sends (see ``eager_sen
 
 Order is kept when the client reads slowly: a send that has to wait for the client's socket holds every
 later message in a backlog, and the engine relay stops reading until that wait is over.
+
+Once the response streams, a lone delta takes ``text_now``: its chunk written straight to the client's
+transport (``direct_body``) when nothing waits before it and the client keeps up; otherwise ``deltas``.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING, Any
 
+from tessera.gateway.direct_body import direct_body_writer
 from tessera.gateway.eager_send import send_now
 
 if TYPE_CHECKING:
@@ -27,6 +31,7 @@ class SSEOut:
                  headers: list[tuple[bytes, bytes]]) -> None:
         """``role_choices``: how many chat choices open with the assistant's role chunk (0: a completion)."""
         self._send = send
+        self._direct = direct_body_writer(send)
         self._writer = writer
         self._role_choices = role_choices
         self._headers = headers
@@ -49,6 +54,14 @@ class SSEOut:
         elif body:
             self._emit({"type": "http.response.body", "body": body, "more_body": True})
         return self._behind
+
+    def text_now(self, index: int, text: str) -> bool:
+        """One delta's text, its chunk written at once (the engine relay's ``TextSink``). False, having written
+        nothing, when it cannot be: the response not started, messages waiting before it, the client's
+        transport paused, or a server other than uvicorn's (the delta then goes to ``deltas``)."""
+        if self._behind is not None or not self.started or self._direct is None:
+            return False
+        return not text or self._direct(self._writer.text(index, text))
 
     async def end(self, tail: bytes) -> None:
         """The last bytes of the body (after the held deltas), after everything sent before them."""

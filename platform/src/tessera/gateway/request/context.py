@@ -6,16 +6,16 @@ before it wrote (reading a field before its phase ran is an ``AttributeError``, 
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from tessera.gateway.engine_client import StreamResult
 
 if TYPE_CHECKING:
     from tessera.asgi import Headers, Receive, Send
     from tessera.engine.protocol import GenerateBody
-    from tessera.gateway.engine_client import DeltaSink
+    from tessera.gateway.engine_client import DeltaSink, TextSink
     from tessera.gateway.models import ServedModel
     from tessera.gateway.request.endpoint import Endpoint, OpenAIRequest
     from tessera.registry import EngineRecord
@@ -79,4 +79,9 @@ class ResponseHead:
 
 # The engine call as the respond phases see it: runs it, handing its deltas to the sink (a bound
 # ``EngineClient.relay``).
-Relay = Callable[["DeltaSink"], Awaitable[None]]
+
+
+class Relay(Protocol):
+    """The engine call with everything but where the deltas go (``EngineClient.relay``, partly applied)."""
+
+    def __call__(self, on_deltas: DeltaSink, on_text: TextSink | None = None, /) -> Awaitable[None]: ...
