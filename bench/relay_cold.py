@@ -80,7 +80,7 @@ def gateway_relay(per_token: bool) -> tuple[Callable[[bytes], None], CountingTra
     conn.connection_made(CountingTransport())  # type: ignore[arg-type]
     conn.data_received(ENGINE_HEAD)
     response = StreamResponse(conn)
-    response.relay(_Attempt(response, StreamResult(), [], out.deltas, out.text_now if per_token else None))
+    response.relay(_Attempt(response, StreamResult(), [], out.deltas, out.text_sink if per_token else None))
     return conn.data_received, client
 
 

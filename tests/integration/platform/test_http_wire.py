@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Callable
+from typing import Any, TypeVar
 
 import orjson
 import pytest
@@ -16,6 +16,8 @@ import uvicorn
 
 from tessera.gateway.http_wire import EngineHTTP, EngineTimeout, EngineUnreachable
 from tests.support.poll import async_wait_until
+
+T = TypeVar("T")
 
 
 class StreamingApp:
@@ -245,34 +247,34 @@ async def test_a_sink_offered_lone_lines_gets_every_line_once_in_order(server: t
     assert paced.lines == [{"i": i} for i in range(20)]
     assert paced.taken == 10 and all(line.endswith(b"\n") and line.count(b"\n") == 1 for line in paced.offered)
     paused = LineRecorder(pause_first=True)
-    async with http.post(f"{base}/stream", orjson.dumps({"n": 40, "gap_s": 0.002}), {}) as resp:
-        paused.response = resp
-        resp.relay(paused)
-        while not paused.batches:
-            await asyncio.sleep(0.005)
-        await asyncio.sleep(0.3)  # everything arrives meanwhile and waits: no line is offered
-        held = len(paused.offered)
-        resp.resume()
-        assert await paused.ended is None
+    held = await _paused_then_resumed(http, base, paused, lambda: len(paused.offered))
     assert paused.lines == [{"i": i} for i in range(40)]
     assert held <= 2 and paused.taken < 20  # the lines that waited were delivered together, not offered
     await http.close()
+
+
+async def _paused_then_resumed(http: EngineHTTP, base: str, sink: Recorder, at_hold: Callable[[], T]) -> T:
+    """Relays 40 paced lines to ``sink`` (which pauses after its first batch), holds 0.3 s while the server
+    sends the rest, resumes and waits for the end; returns ``at_hold()`` as it was during the hold."""
+    async with http.post(f"{base}/stream", orjson.dumps({"n": 40, "gap_s": 0.002}), {}) as resp:
+        sink.response = resp
+        resp.relay(sink)
+        while not sink.batches:
+            await asyncio.sleep(0.005)
+        await asyncio.sleep(0.3)  # the server sends everything meanwhile; it waits in the socket
+        held = at_hold()
+        assert not sink.ended.done()
+        resp.resume()
+        assert await sink.ended is None
+    return held
 
 
 async def test_a_paused_relay_reads_nothing_until_resumed(server: tuple[StreamingApp, str]) -> None:
     _, base = server
     http = EngineHTTP()
     sink = Recorder(pause_first=True)
-    async with http.post(f"{base}/stream", orjson.dumps({"n": 40, "gap_s": 0.002}), {}) as resp:
-        sink.response = resp
-        resp.relay(sink)
-        while not sink.lines:
-            await asyncio.sleep(0.005)
-        await asyncio.sleep(0.3)  # the server sends everything meanwhile; it waits in the socket
-        held = len(sink.lines)
-        assert held < 40 and not sink.ended.done()
-        resp.resume()
-        assert await sink.ended is None
+    held = await _paused_then_resumed(http, base, sink, lambda: len(sink.lines))
+    assert held < 40
     assert sink.lines == [{"i": i} for i in range(40)]
     await http.close()
 

@@ -194,5 +194,6 @@ def test_no_direct_writer_for_a_send_that_is_not_uvicorns_own() -> None:
 
     assert direct_body_writer(wrapped) is None
     out = SSEOut(wrapped, ChunkWriter(True, "chatcmpl-test", "m", 0), 1, [])
+    assert out.text_sink is None, "the relay would parse every line only to be declined"
     out.started = True
     assert not out.text_now(0, "x"), "nothing but uvicorn's own send may be written past"

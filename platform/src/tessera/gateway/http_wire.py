@@ -96,7 +96,8 @@ class _Connection(asyncio.Protocol):
         self._wakeup: asyncio.Future[None] | None = None
         self._paused = False
         self.sink: LineSink | None = None
-        self._line_sink: Callable[[bytes], bool] | None = None  # the sink's line_received while it may take one
+        self._sink_line_received: Callable[[bytes], bool] | None = None  # the sink's line_received, if it has one
+        self._offer_line: Callable[[bytes], bool] | None = None  # the same while it may take a line now
         self._sink_ended = False
         self._sink_paused = False
         self._heard = False  # a byte came since the idle watch last looked
@@ -115,7 +116,7 @@ class _Connection(asyncio.Protocol):
             self.transport.abort()  # type: ignore[union-attr]
             return
         if self.sink is not None:
-            if self.buffer or self.complete or self.failure is not None:  # else the line went to _line_sink
+            if self.buffer or self.complete or self.failure is not None:  # else the line went to _offer_line
                 self.deliver()
         elif len(self.buffer) > MAX_BUFFER_BYTES and not self._paused and self.transport is not None:
             self.transport.pause_reading()
@@ -133,8 +134,8 @@ class _Connection(asyncio.Protocol):
             self.headers_done.set_result(None)
 
     def on_body(self, body: bytes) -> None:
-        line_sink = self._line_sink
-        if line_sink is not None and not self.buffer and body.endswith(b"\n") and line_sink(body):
+        offer = self._offer_line
+        if offer is not None and not self.buffer and body.endswith(b"\n") and offer(body):
             return
         self.buffer += body
         self._wake()
@@ -147,7 +148,7 @@ class _Connection(asyncio.Protocol):
     # for the response
     def _fail(self, exc: BaseException) -> None:
         self.failure = exc
-        self._line_sink = None
+        self._offer_line = None
         if not self.headers_done.done():
             self.headers_done.set_exception(exc)
         self._wake()
@@ -191,16 +192,16 @@ class _Connection(asyncio.Protocol):
             return  # the end, if it came, waits for resume: it must follow the sink's last lines
         if self.complete or self.failure is not None:
             self._sink_ended = True
-            self._line_sink = None
+            self._offer_line = None
             sink.body_ended(None if self.complete else self.failure)
 
     def set_sink(self, sink: LineSink | None) -> None:
         self.sink = sink
-        self._line_sink = getattr(sink, "line_received", None)
+        self._sink_line_received = self._offer_line = getattr(sink, "line_received", None)
 
     def pause_sink(self) -> None:
         self._sink_paused = True
-        self._line_sink = None
+        self._offer_line = None
         if self.transport is not None and not self.closed:
             self.transport.pause_reading()
 
@@ -209,7 +210,7 @@ class _Connection(asyncio.Protocol):
             return
         self._sink_paused = False
         if not self._sink_ended and self.failure is None:
-            self._line_sink = getattr(self.sink, "line_received", None)
+            self._offer_line = self._sink_line_received
         if self.transport is not None and not self.closed:
             self.transport.resume_reading()
         self.deliver()

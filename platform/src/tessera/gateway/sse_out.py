@@ -19,6 +19,7 @@ from tessera.gateway.eager_send import send_now
 if TYPE_CHECKING:
     from tessera.asgi import Send
     from tessera.engine.protocol import Delta
+    from tessera.gateway.engine_client import TextSink
     from tessera.gateway.openai_format import ChunkWriter
 
 SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
@@ -54,6 +55,12 @@ class SSEOut:
         elif body:
             self._emit({"type": "http.response.body", "body": body, "more_body": True})
         return self._behind
+
+    @property
+    def text_sink(self) -> TextSink | None:
+        """``text_now`` where it can ever write (uvicorn's own send), else None: the relay then makes no
+        per-token attempt that could only decline after parsing the line."""
+        return self.text_now if self._direct is not None else None
 
     def text_now(self, index: int, text: str) -> bool:
         """One delta's text, its chunk written at once (the engine relay's ``TextSink``). False, having written
