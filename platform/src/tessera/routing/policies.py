@@ -410,6 +410,18 @@ class _Fleet:
         return closed
 
 
+def _to_front(ranked: list[int], i: int) -> None:
+    """Moves engine ``i`` to the head of a ranking of at most MAX_RANKED_ENGINES (the last one drops out
+    when ``i`` was not in it)."""
+    if ranked and ranked[0] == i:
+        return
+    if i in ranked:
+        ranked.remove(i)
+    else:
+        del ranked[MAX_RANKED_ENGINES - 1:]
+    ranked.insert(0, i)
+
+
 @register("prefix_affinity")
 def _prefix_affinity() -> PolicyFn:
     """Consistent hashing with bounded loads, where the index's cached tokens come first.
@@ -541,8 +553,7 @@ def _prefix_affinity() -> PolicyFn:
             if len(choices) > 1:
                 # min keeps the first of equals: ring order (after the second-home swap) breaks ties.
                 best = min(choices, key=lambda i: loads.get(i, fleet_loads[i]) + engines[i].num_waiting)
-                ranked.remove(best)
-                ranked.insert(0, best)
+                _to_front(ranked, best)
                 placed_by_load = True
             placements.set(key, fleet.ids[ranked[0]])
         elif state != SETTLED:
@@ -550,12 +561,7 @@ def _prefix_affinity() -> PolicyFn:
             # (a prefill, then the KV events' lag). It follows them there while that engine is open.
             i = index.get(state)
             if i is not None and i not in closed and loads.get(i, fleet_loads[i]) < bound:
-                if i != ranked[0]:
-                    if i in ranked:
-                        ranked.remove(i)
-                    else:
-                        del ranked[MAX_RANKED_ENGINES - 1:]
-                    ranked.insert(0, i)
+                _to_front(ranked, i)
                 pending = True
             else:
                 placements.set(key, fleet.ids[ranked[0]])
