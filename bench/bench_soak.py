@@ -74,13 +74,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def sample(platform: Any) -> dict[str, Any]:
+def sample(platform: Any, scrape_gc: plat.GcScraper) -> dict[str, Any]:
     stats = plat.redis_stats(platform.redis_url)
     gateway = plat.gateway_pid(platform)
     return {"gateway_rss_bytes": plat.rss_bytes([gateway]), "engine_rss_bytes": plat.rss_bytes(plat.replica_pids()),
             "redis_keys": stats.keys, "redis_used_memory_bytes": stats.used_memory_bytes,
             "redis_clients": stats.connected_clients, "gateway_sockets": plat.inet_sockets(gateway),
-            "cpu_s": plat.component_cpu_s(platform), "gc": plat.gc_pauses(platform),
+            "cpu_s": plat.component_cpu_s(platform), "gc": scrape_gc(),
             "redis_persistence": plat.redis_persistence(platform.redis_url)}
 
 
@@ -207,9 +207,14 @@ def main() -> None:
                                    request_timeout_s=120.0, seed=args.seed, name="soak", period_s=args.window_s)
         workload = workload.model_copy(update={"warmup_s": args.warmup_s})
         fill = fill_cache(platform, keys, args, work)
-        before = sample(platform)
+        scrape_gc = plat.GcScraper(platform)
+        before = sample(platform, scrape_gc)
         started = time.perf_counter()
         load = start_load(workload, platform.base_url, work / "loadgen")
+        # From here this thread only sleeps and samples: at the lowest priority, so a sample's own CPU (psutil's
+        # walks, the scrapes' parsing) waits for the platform's processes and the load generator's, started
+        # before it at the normal one, instead of delaying the requests in flight at each window's end.
+        os.nice(19)
         t_measure = started + args.warmup_s
         for index in range(num_windows):
             due = t_measure + (index + 1) * args.window_s
@@ -217,9 +222,10 @@ def main() -> None:
                 time.sleep(min(left, 5.0))
                 if not load.is_alive():
                     break
-            taken = {"at_s": round(time.perf_counter() - t_measure, 1), **sample(platform)}
+            taken = {"at_s": round(time.perf_counter() - t_measure, 1), **sample(platform, scrape_gc)}
             samples.append(taken)
             print(f"  window {index + 1}/{num_windows}: {taken}", flush=True)
+        scrape_gc.close()
         output = load.result()
         families = plat.key_families(platform.redis_url)
     finally:

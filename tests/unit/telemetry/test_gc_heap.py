@@ -9,8 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
+from tessera.telemetry import gc_heap
 from tessera.telemetry.gc_heap import PAUSE_BUCKETS_S, GcPauses, GenerationPauses
 
 FREEZE_PROBE = """
@@ -70,6 +72,42 @@ def test_each_collection_is_timed_by_generation_and_served() -> None:
     assert f'tessera_gc_pause_seconds_count{{generation="2"}} {float(counted)}' in text
     assert 'tessera_gc_pause_seconds_bucket{generation="2",le="+Inf"}' in text
     assert "tessera_gc_frozen_objects " in text
+
+
+def _counting_freeze_count(monkeypatch: pytest.MonkeyPatch, frozen: int) -> list[int]:
+    """``gc.get_freeze_count`` replaced by one that records each call: the real one walks every frozen
+    object (~50 ms for an engine replica's ~700,000)."""
+    calls: list[int] = []
+
+    def count() -> int:
+        calls.append(frozen)
+        return frozen
+
+    monkeypatch.setattr(gc, "get_freeze_count", count)
+    monkeypatch.setattr(gc_heap, "_frozen_at_start", None)
+    return calls
+
+
+def _scrape(pauses: GcPauses) -> str:
+    registry = CollectorRegistry()
+    registry.register(pauses)
+    return generate_latest(registry).decode()
+
+
+def test_scrapes_serve_the_frozen_count_noted_at_the_freeze_without_counting_again(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = _counting_freeze_count(monkeypatch, 654_321)
+    assert gc_heap.note_frozen_heap() == 654_321  # where the process froze its heap (or Serve did, for it)
+    texts = [_scrape(GcPauses()) for _ in range(3)]
+    assert len(calls) == 1
+    assert all("tessera_gc_frozen_objects 654321.0" in text for text in texts)
+
+
+def test_a_process_that_noted_nothing_counts_once_on_its_first_scrape(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = _counting_freeze_count(monkeypatch, 4_321)
+    texts = [_scrape(GcPauses()) for _ in range(3)]
+    assert len(calls) == 1
+    assert all("tessera_gc_frozen_objects 4321.0" in text for text in texts)
 
 
 def test_kept_pauses_are_taken_once_in_order() -> None:

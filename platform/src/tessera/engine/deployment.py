@@ -18,7 +18,6 @@ stops, engine/drain.py).
 
 from __future__ import annotations
 
-import gc
 import logging
 import os
 from collections.abc import Callable
@@ -31,7 +30,7 @@ from tessera.engine.config import EngineBackend, EngineConfig
 from tessera.engine.devices import ReplicaDevices, current_devices
 from tessera.engine.placement import deployment_options
 from tessera.settings import load_settings
-from tessera.telemetry.gc_heap import process_gc_pauses
+from tessera.telemetry.gc_heap import frozen_objects, note_frozen_heap, process_gc_pauses
 
 logger = logging.getLogger(__name__)
 
@@ -119,9 +118,15 @@ class EngineReplica:
         # host) holds ~650,000 tracked objects, ~420 ms per full collection unfrozen (telemetry/gc_heap.py).
         # Its collections' pauses are counted from here on, for /metrics.
         process_gc_pauses()
+        self._frozen_noted = False
 
     def check_health(self) -> None:
-        """Ray calls this periodically; raising marks the replica unhealthy and Ray replaces it."""
+        """Ray calls this periodically; raising marks the replica unhealthy and Ray replaces it. Its first
+        call comes right after Serve froze the heap, before the replica counts as started: where the frozen
+        objects are counted, the one time (a count walks them all: gc_heap.note_frozen_heap)."""
+        if not self._frozen_noted:
+            note_frozen_heap()
+            self._frozen_noted = True
         if not self.host.is_healthy():
             raise RuntimeError(f"engine {self.host.engine_id} is dead")
 
@@ -129,7 +134,7 @@ class EngineReplica:
         # Not the data path: a discovery endpoint answering where this replica streams from, and on which
         # node and devices it runs (and its process, which a test kills to see Ray replace it).
         return {"engine_id": self.host.engine_id, "url": self.host.url, "devices": self.devices.to_dict(),
-                "pid": os.getpid(), "gc_frozen_objects": gc.get_freeze_count()}
+                "pid": os.getpid(), "gc_frozen_objects": frozen_objects()}
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Serve's autoscaler reads the replica's load here (every metrics interval while the deployment

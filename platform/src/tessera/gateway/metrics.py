@@ -9,7 +9,6 @@ which ``launch.py`` sets up before the workers start).
 
 from __future__ import annotations
 
-import gc
 import os
 from collections.abc import Callable
 from typing import Any
@@ -87,7 +86,7 @@ def gc_pause_exporter() -> Callable[[list[tuple[int, float]]], None]:
     by_generation = [histogram.labels(str(generation)) for generation in range(3)]
     # Set once, when the worker has frozen its heap (lean_server.LeanServer.startup); summed over the workers.
     Gauge(gc_heap.FROZEN_METRIC_NAME, gc_heap.FROZEN_METRIC_HELP, registry=None,
-          multiprocess_mode="livesum").set(gc.get_freeze_count())
+          multiprocess_mode="livesum").set(gc_heap.frozen_objects())
 
     def export(pauses: list[tuple[int, float]]) -> None:
         for generation, pause_s in pauses:

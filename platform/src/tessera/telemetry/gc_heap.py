@@ -42,18 +42,40 @@ FREEZE_ENV = "TESSERA_GC_FREEZE"
 MAX_PENDING_PAUSES = 10_000
 
 
+# How many objects the startup freeze moved to the permanent generation, counted once (``note_frozen_heap``).
+# NOTE: ``gc.get_freeze_count()`` is not a stored number: it walks the permanent generation's list, ~50 ms for
+# an engine replica's ~700,000 frozen objects, with the interpreter held. Called per /metrics scrape it stalled
+# the replica's event loop, and every stream it relayed, for those 50 ms at each scrape (make bench-soak saw
+# its slowest requests at each sample; docs/performance.md section 10).
+_frozen_at_start: int | None = None
+
+
 def freeze_startup_heap() -> int:
     """Move every object alive now to the collector's permanent generation; returns how many it holds.
 
     Collect first, oldest generation last, so garbage of the start-up is freed rather than frozen.
     ``TESSERA_GC_FREEZE=0`` skips it (returns 0)."""
     if os.environ.get(FREEZE_ENV, "1") == "0":
-        return 0
+        return note_frozen_heap()
     gc.collect(0)
     gc.collect(1)
     gc.collect(2)
     gc.freeze()
-    return gc.get_freeze_count()
+    return note_frozen_heap()
+
+
+def note_frozen_heap() -> int:
+    """Count the permanent generation now (O(its size): call it once, where the process has just frozen its
+    heap, before it serves) and keep the count for ``frozen_objects``."""
+    global _frozen_at_start
+    _frozen_at_start = gc.get_freeze_count()
+    return _frozen_at_start
+
+
+def frozen_objects() -> int:
+    """The count ``note_frozen_heap`` kept (counted now and kept, the one time, where nothing noted it: the
+    objects frozen later, or freed since, are not followed)."""
+    return note_frozen_heap() if _frozen_at_start is None else _frozen_at_start
 
 
 @dataclass(slots=True)
@@ -131,7 +153,7 @@ class GcPauses(Collector):
             pending.append((generation, pause_s))
 
     def collect(self) -> Iterator[GaugeMetricFamily | HistogramMetricFamily]:
-        yield GaugeMetricFamily(FROZEN_METRIC_NAME, FROZEN_METRIC_HELP, value=gc.get_freeze_count())
+        yield GaugeMetricFamily(FROZEN_METRIC_NAME, FROZEN_METRIC_HELP, value=frozen_objects())
         family = HistogramMetricFamily(METRIC_NAME, METRIC_HELP, labels=["generation"])
         for generation, pauses in enumerate(self.generations):
             cumulative = 0
