@@ -46,7 +46,7 @@ MAX_PENDING_PAUSES = 10_000
 # NOTE: ``gc.get_freeze_count()`` is not a stored number: it walks the permanent generation's list, ~50 ms for
 # an engine replica's ~700,000 frozen objects, with the interpreter held. Called per /metrics scrape it stalled
 # the replica's event loop, and every stream it relayed, for those 50 ms at each scrape (make bench-soak saw
-# its slowest requests at each sample; docs/performance.md section 10).
+# its slowest requests at each sample; docs/performance.md section 11).
 _frozen_at_start: int | None = None
 
 
@@ -54,7 +54,7 @@ def freeze_startup_heap() -> int:
     """Move every object alive now to the collector's permanent generation; returns how many it holds.
 
     Collect first, oldest generation last, so garbage of the start-up is freed rather than frozen.
-    ``TESSERA_GC_FREEZE=0`` skips it (returns 0)."""
+    ``TESSERA_GC_FREEZE=0`` skips it (returns what is frozen: 0, unless something else froze the heap)."""
     if os.environ.get(FREEZE_ENV, "1") == "0":
         return note_frozen_heap()
     gc.collect(0)
