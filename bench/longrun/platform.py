@@ -181,29 +181,25 @@ LONG_PAUSE_S = 0.05  # a bucket bound of tessera.telemetry.gc_heap.PAUSE_BUCKETS
 class GcScraper:
     """Per part, from its /metrics (tessera.telemetry.gc_heap): full collections so far, their total seconds,
     collections of any generation longer than 50 ms, and objects frozen at start. A part that does not answer is
-    left out. One HTTP client and one request signer for the whole run, and only the ``tessera_gc_`` lines
-    parsed: a fresh ``httpx.get`` built a TLS context each time (~22 ms of this process's CPU a scrape) and the
-    engine's 55 kB of vLLM series took 12 ms to parse, at every window's end, on the two cores the platform
-    serves from."""
+    left out. One HTTP client for the whole run, and only the ``tessera_gc_`` lines parsed: a fresh
+    ``httpx.get`` built a TLS context each time (~22 ms of this process's CPU a scrape) and the engine's 55 kB
+    of vLLM series took 12 ms to parse, at every window's end, on the two cores the platform serves from."""
 
     def __init__(self, platform: LocalPlatform) -> None:
-        from tessera.data_plane_auth import signer_from_settings
-        from tessera.settings import load_settings
-
         self._platform = platform
         self._client = httpx.Client(timeout=5)
-        self._signer = signer_from_settings(load_settings(), "the soak bench")
 
     def close(self) -> None:
         self._client.close()
 
     def __call__(self) -> dict[str, dict[str, float]]:
+        from _support import signed_headers
         from prometheus_client.parser import text_string_to_metric_families
 
         targets: dict[str, list[tuple[str, dict[str, str]]]] = {
             "gateway": [(self._platform.gateway_metrics_url, {})],
             "kvcontrol": [(self._platform.kvcontrol_metrics_url, {})],
-            "engine": [(f"{url}/metrics", self._signer.headers("GET", "/metrics")) for url in self._engine_urls()]}
+            "engine": [(f"{url}/metrics", signed_headers("GET", "/metrics")) for url in self._engine_urls()]}
         out: dict[str, dict[str, float]] = {}
         for part, urls in targets.items():
             totals = {"full_collections": 0.0, "full_collection_s": 0.0, "long_pauses": 0.0, "frozen_objects": 0.0}
