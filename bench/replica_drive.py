@@ -53,14 +53,16 @@ class GenerateStream:
     error: str | None = None
 
 
-async def read_generate_stream(lines: Any) -> GenerateStream:
+async def read_generate_stream(lines: Any, on_first: Callable[[], None] | None = None) -> GenerateStream:
     """Reads a ``/generate`` response body (an async iterator of NDJSON lines, aiohttp's ``resp.content``)
-    up to its end or its first ``error`` line."""
+    up to its end or its first ``error`` line; ``on_first`` is called at the first token."""
     out = GenerateStream()
     async for line in lines:
         message = orjson.loads(line)
         if "t" in message and out.first_token_s is None:
             out.first_token_s = time.perf_counter()
+            if on_first is not None:
+                on_first()
         elif message.get("done"):
             out.stats = message["stats"]
         elif "error" in message:

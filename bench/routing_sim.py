@@ -10,11 +10,13 @@ What it models, and why each matters to a policy:
   requests takes a second or two of CPU, so regimes can be swept and mechanisms counted.
 * **Load signals**: each engine heartbeats its running/waiting counts every ``heartbeat_s`` (registry.py);
   each gateway worker re-reads the registry every ``registry_refresh_s`` (router.py) and passes the same
-  views to its policy until the next read, plus its own in-flight counts (current).
+  views to its policy until the next read, plus the pod's in-flight counts (current).
 * **Index**: an engine's blocks become visible ``index_lag_s`` after the step that stored or evicted them
   (KV events → feeder → index); a lookup counts the leading blocks of the chain each engine holds.
 * **Gateway workers**: ``workers`` routers, each with its own policy instance (its own approx_prefix memory,
-  its own round-robin counter) and its own in-flight counts, as ``make run``'s worker processes.
+  its own round-robin counter), as ``make run``'s worker processes; they share one count of the requests in
+  flight to each engine and of their prompt tokens not yet prefilled, as the pod's table
+  (routing/pod_in_flight.py) makes a gateway's workers share them.
 
 Nothing here is a benchmark figure of a real engine: every latency is simulated seconds under the step
 costs given. ``bench_routing.py --backend sim`` runs its regimes on it; the real-engine backend is the
@@ -166,7 +168,8 @@ class _Engine:
     pool: BlockPool
     scheduler: SimScheduler
     busy: bool = False
-    beat: tuple[int, int, float] = (0, 0, 0.0)  # running, waiting, usage at the last heartbeat
+    # running, waiting, KV usage and prompt tokens awaiting a first token, at the last heartbeat
+    beat: tuple[int, int, float, int] = (0, 0, 0.0, 0)
     index: dict[int, int] = field(default_factory=dict)  # hash -> copies, as the index has heard
 
 
@@ -174,7 +177,10 @@ class _Engine:
 class _Worker:
     policy: Callable[[RouteSnapshot, RouteRequest], Any]
     views: tuple[EngineView, ...] = ()
+    # engine id -> requests the pod's workers sent there that have not ended (one dict for all, the pod table)
     in_flight: dict[str, int] = field(default_factory=dict)
+    # engine id -> their prompt tokens not prefilled yet (the first token not out); shared as in_flight is
+    pending_prefill: dict[str, int] = field(default_factory=dict)
 
 
 def run(setup: SimSetup, policy_name: str, requests: list[SimRequestSpec], model: str = "sim") -> list[SimOutcome]:
@@ -185,7 +191,9 @@ def run(setup: SimSetup, policy_name: str, requests: list[SimRequestSpec], model
                                     max_num_batched_tokens=setup.max_num_batched_tokens))
                for i in range(setup.num_engines)]
     by_id = {e.engine_id: e for e in engines}
-    workers = [_Worker(make_policy(policy_name)) for _ in range(setup.workers)]
+    pod_in_flight: dict[str, int] = {}
+    pod_pending: dict[str, int] = {}
+    workers = [_Worker(make_policy(policy_name), (), pod_in_flight, pod_pending) for _ in range(setup.workers)]
     queue: list[tuple[float, int, str, Any]] = []
     order = itertools.count()
 
@@ -202,14 +210,16 @@ def run(setup: SimSetup, policy_name: str, requests: list[SimRequestSpec], model
         at(setup.registry_refresh_s * (k + 0.5) / len(workers), "read", worker)
 
     def view(engine: _Engine) -> EngineView:
-        running, waiting, usage = engine.beat
-        return EngineView(engine.engine_id, "", running, waiting, usage, setup.num_gpu_blocks, setup.block_size)
+        running, waiting, usage, pending = engine.beat
+        return EngineView(engine.engine_id, "", running, waiting, usage, setup.num_gpu_blocks, setup.block_size,
+                          False, pending)
 
     for worker in workers:  # the first request reads the registry itself (an idle fleet)
         worker.views = tuple(view(e) for e in engines)
 
     outcomes: dict[int, SimOutcome] = {}
     live: dict[str, tuple[int, SimRequest, _Worker]] = {}
+    prefill_of: dict[str, int] = {}  # request id -> the tokens it added to the pod's pending_prefill
     num_done = 0
 
     def lookup(chain: tuple[int, ...]) -> dict[str, int]:
@@ -244,7 +254,7 @@ def run(setup: SimSetup, policy_name: str, requests: list[SimRequestSpec], model
             spec = requests[i]
             worker = workers[spec.worker % len(workers)]
             cached = lookup(spec.chain)
-            snapshot = RouteSnapshot(worker.views, cached, dict(worker.in_flight))
+            snapshot = RouteSnapshot(worker.views, cached, dict(worker.in_flight), dict(worker.pending_prefill))
             decision = worker.policy(snapshot, RouteRequest(spec.tenant, model, len(spec.prompt), spec.chain,
                                                             spec.prefix_text, spec.session_id, spec.salt))
             engine = by_id[decision.ranked[0]]
@@ -257,6 +267,10 @@ def run(setup: SimSetup, policy_name: str, requests: list[SimRequestSpec], model
                                      len(engine.scheduler.running) + engine.scheduler.num_waiting,
                                      max(cached.values(), default=0) * setup.block_size)
             worker.in_flight[engine.engine_id] = worker.in_flight.get(engine.engine_id, 0) + 1
+            uncached = max(0, len(spec.prompt) - decision.expected_cached_tokens)
+            if uncached:
+                worker.pending_prefill[engine.engine_id] = worker.pending_prefill.get(engine.engine_id, 0) + uncached
+            prefill_of[request.request_id] = uncached
             engine.scheduler.add_request(request)
             live[request.request_id] = (i, request, worker)
             if not engine.busy:
@@ -265,6 +279,15 @@ def run(setup: SimSetup, policy_name: str, requests: list[SimRequestSpec], model
             engine, batch = payload
             assert isinstance(batch, ScheduledBatch)
             out = engine.scheduler.update(batch, now_s, next_token)
+            for request_id in out.new_tokens:
+                tokens = prefill_of.pop(request_id, 0)
+                if tokens:  # its first token: prefilled
+                    owner = live[request_id][2]
+                    left = owner.pending_prefill[engine.engine_id] - tokens
+                    if left:
+                        owner.pending_prefill[engine.engine_id] = left
+                    else:
+                        del owner.pending_prefill[engine.engine_id]
             events = engine.pool.take_events()
             if events:
                 at(now_s + setup.index_lag_s, "index", (engine, events))
@@ -287,7 +310,8 @@ def run(setup: SimSetup, policy_name: str, requests: list[SimRequestSpec], model
             _apply(engine.index, events)
         elif kind == "beat":
             engine = payload
-            engine.beat = (len(engine.scheduler.running), engine.scheduler.num_waiting, engine.pool.usage)
+            engine.beat = (len(engine.scheduler.running), engine.scheduler.num_waiting, engine.pool.usage,
+                           engine.scheduler.pending_prefill_tokens)
             if now_s < end_s:
                 at(now_s + setup.heartbeat_s, "beat", engine)
         elif kind == "read":

@@ -13,10 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import random
+import shutil
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -136,12 +139,19 @@ async def run_tessera(policy: str, requests: Sequence[FleetRequest], chains: Seq
     from _support import signed_headers
 
     from tessera.redis_conn import connect
+    from tessera.routing import pod_in_flight
     from tessera.routing.prefix_index import PrefixIndex
     from tessera.routing.router import Router
     from tessera.routing.snapshot import RouteRequest
 
     redis = connect(redis_url, timeout_s=5.0)
-    routers = [Router(redis, policy, PrefixIndex(redis), index_source=index_source) for _ in range(num_workers)]
+    # The workers of one gateway pod share their in-flight counts through the pod's table, as `tessera
+    # gateway --workers N` makes them (gateway/launch.py).
+    table_dir = tempfile.mkdtemp(prefix="fleet-pod-")
+    table = Path(table_dir) / "pod-in-flight.table"
+    pod_in_flight.create(table, num_workers)
+    pods = [pod_in_flight.PodInFlight.attach(table) for _ in range(num_workers)]
+    routers = [Router(redis, policy, PrefixIndex(redis), index_source=index_source, pod=pod) for pod in pods]
     for router in routers:
         await router.start_local_index()
     session = _session()
@@ -156,16 +166,19 @@ async def run_tessera(policy: str, requests: Sequence[FleetRequest], chains: Seq
                 request.text[:APPROX_PREFIX_CHARS] if policy == "approx_prefix" else "", request.session_id))
             decision_us = (time.perf_counter() - t) * 1e6
             engine_id = decision.ranked[0]
+            # As the gateway does (gateway/request/call.py): the prompt tokens to prefill there, declared to the
+            # replica and counted against it here until the first token.
+            prefill_tokens = max(0, request.num_prompt_tokens - decision.expected_cached_tokens)
             body = orjson.dumps({"request_id": f"fleet-{request.index}-{time.monotonic_ns()}",
                                  "prompt_token_ids": request.token_ids(), "max_tokens": request.max_tokens,
-                                 "ignore_eos": True})
-            with router.in_flight(engine_id):
+                                 "ignore_eos": True, "prefill_tokens": prefill_tokens})
+            with router.in_flight(engine_id, prefill_tokens) as flight:
                 async with session.post(f"{records[engine_id].url}/generate", data=body,
                                         headers=signed_headers("POST", "/generate", body)) as resp:
                     if resp.status != 200:
                         errors.note(f"/generate {resp.status}: {(await resp.text())[:120]}")
                         return _failed(request, scheduled, start, time_scale)
-                    stream = await read_generate_stream(resp.content)
+                    stream = await read_generate_stream(resp.content, flight.prefilled)
             if stream.error is not None:
                 errors.note(f"/generate error line: {stream.error}")
                 return _failed(request, scheduled, start, time_scale)
@@ -192,6 +205,10 @@ async def run_tessera(policy: str, requests: Sequence[FleetRequest], chains: Seq
         await session.close()
         for router in routers:
             await router.close()
+        for pod in pods:
+            if pod is not None:
+                pod.close()
+        shutil.rmtree(table_dir, ignore_errors=True)
         await redis.aclose()
 
 

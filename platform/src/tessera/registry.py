@@ -41,6 +41,9 @@ class EngineRecord:
     num_running: int = 0
     num_waiting: int = 0
     kv_cache_usage: float = 0.0
+    # Prompt tokens of the requests running here that await their first token (as the gateways declared them:
+    # what a new request would queue behind; routing/policies.py rule 6).
+    pending_prefill_tokens: int = 0
     # What runs, which may differ from the config where the platform cannot run it (engine/capabilities.py).
     kv_cache_dtype: str = ""
     kv_capacity_tokens: int = 0

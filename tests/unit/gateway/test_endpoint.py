@@ -40,11 +40,12 @@ def test_the_mid_stream_error_event_carries_the_error_body() -> None:
 
 def test_in_flight_counts_until_the_block_ends_even_when_it_raises() -> None:
     counts: dict[str, int] = {}
-    with InFlight(counts, "a"):
-        with InFlight(counts, "a"):
-            assert counts == {"a": 2}
-        assert counts == {"a": 1}
+    pending: dict[str, int] = {}
+    with InFlight(counts, "a", pending):
+        with InFlight(counts, "a", pending, 100):
+            assert counts == {"a": 2} and pending == {"a": 100}
+        assert counts == {"a": 1} and pending == {}
     assert counts == {}
-    with pytest.raises(ValueError), InFlight(counts, "b"):
+    with pytest.raises(ValueError), InFlight(counts, "b", pending, 100):
         raise ValueError("engine failed")
-    assert counts == {}
+    assert counts == {} and pending == {}

@@ -4,6 +4,7 @@ wrong field, 413 over ``max_body_bytes``), list and abort in-flight requests, an
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -133,6 +134,7 @@ async def test_a_stream_is_protocol_lines_ending_in_done() -> None:
 @pytest.mark.parametrize(("body", "named"), [
     (orjson.dumps({"request_id": "r1", "max_tokens": 3}), "prompt_token_ids: Field required"),
     (generate_body(max_tokens=0), "max_tokens: Input should be greater than or equal to 1"),
+    (generate_body(prefill_tokens=-1), "prefill_tokens: Input should be greater than or equal to 0"),
     (generate_body(temperature="hot"), "temperature: Input should be a valid number"),
     (generate_body(tempreature=1.0), "tempreature: Extra inputs are not permitted"),
     (b"{not json", "Invalid JSON"),
@@ -203,6 +205,46 @@ async def test_abort_ends_a_running_request_with_a_retryable_error_line() -> Non
     assert isinstance(lines[-1], Failed) and lines[-1].retryable and lines[-1].status == 503
     assert lines[-1].message == "request aborted by the engine: kv pressure"
     assert (await call(endpoints, "GET", "/requests")).json() == []
+
+
+class FirstTokenGate(FakeEngine):
+    """Holds its first output until ``first`` is set (the prompt's prefill), its second until ``rest``."""
+
+    def __init__(self, tokens: list[int], first: asyncio.Event, rest: asyncio.Event) -> None:
+        super().__init__(tokens, rest)
+        self.first = first
+
+    async def generate(self, prompt: dict[str, Any], params: Any, request_id: str, priority: int = 0) -> Any:
+        await self.first.wait()
+        async for output in super().generate(prompt, params, request_id, priority):
+            yield output
+
+
+async def test_a_request_counts_its_declared_prefill_tokens_until_its_first_token() -> None:
+    """What the heartbeat reports as the replica's prefill backlog (``pending_prefill_tokens``): the tokens
+    the gateway declared, at most the prompt's, until each request's first output."""
+    first, rest = asyncio.Event(), asyncio.Event()
+    endpoints, in_flight, _ = make(FirstTokenGate([7, 8, 9], first, rest))
+    prompt = list(range(300))  # within the test's body limit (LIMIT bytes)
+    streams = [asyncio.create_task(call(endpoints, "POST", "/generate", body)) for body in (
+        generate_body(prompt_token_ids=prompt, prefill_tokens=250),
+        generate_body(request_id="r2", prompt_token_ids=prompt, prefill_tokens=10**6))]  # no more than its prompt
+
+    async def until(condition: Callable[[], bool]) -> None:
+        async with asyncio.timeout(10):
+            while not condition():
+                assert not any(stream.done() for stream in streams), [s.result().status for s in streams if s.done()]
+                await asyncio.sleep(0.01)
+
+    await until(lambda: len(in_flight) == 2)
+    assert in_flight.pending_prefill_tokens == 550
+    first.set()
+    await until(lambda: not in_flight.pending_prefill_tokens)  # each one's first output: prefilled, still running
+    assert len(in_flight) == 2
+    rest.set()
+    for stream in streams:
+        assert (await stream).status == 200
+    assert in_flight.pending_prefill_tokens == 0 and len(in_flight) == 0
 
 
 async def test_a_caller_that_leaves_aborts_its_request() -> None:

@@ -76,6 +76,33 @@ def test_a_new_prefix_goes_to_the_least_loaded_of_its_first_homes_and_stays_ther
     assert make_policy("prefix_affinity")(snap, request(key)).ranked[0] == homes[2]
 
 
+def test_a_new_prefix_goes_to_the_first_home_with_the_shortest_prefill_backlog() -> None:
+    """Requests count decodes and prefills alike; what a long cold prompt waits behind is the prompt tokens
+    queued for prefill there. Of the first homes, the one with the shortest backlog (the replicas' heartbeat
+    or this gateway's own count, the larger; in steps of PENDING_PREFILL_STEP) takes a new prefix, even with
+    more requests; within one step, the request counts decide as before."""
+    ids = tuple(f"n{i}" for i in range(6))
+    key = 4242
+    homes = prefix_homes(ids, key)
+    step = policies.PENDING_PREFILL_STEP
+    running = {homes[0]: 1, homes[1]: 1, homes[2]: 3, homes[3]: 3, homes[4]: 0, homes[5]: 0}
+    # homes[0] and homes[1] have one request each, each a long prompt still prefilling; homes[2] three in decode.
+    pending = {homes[0]: 4 * step, homes[1]: 3 * step, homes[3]: step}
+
+    def view(engine_id: str, heartbeat_pending: int) -> EngineView:
+        return replace(engine(engine_id, running=running[engine_id]), pending_prefill_tokens=heartbeat_pending)
+
+    heartbeat = RouteSnapshot(tuple(view(e, pending.get(e, 0)) for e in ids))
+    decision = make_policy("prefix_affinity")(heartbeat, request(key))
+    assert decision.ranked[0] == homes[2] and "miss: new prefix" in decision.reason
+    # The heartbeat has not seen it yet, this gateway has: its own count of the tokens it sent there.
+    local = RouteSnapshot(tuple(view(e, 0) for e in ids), local_pending_prefill_tokens=pending)
+    assert make_policy("prefix_affinity")(local, request(key)).ranked[0] == homes[2]
+    # Backlogs within one step of each other: the fewest requests (homes[0] and homes[1]: ring order).
+    small = RouteSnapshot(tuple(view(e, step - 1 if e in pending else 0) for e in ids))
+    assert make_policy("prefix_affinity")(small, request(key)).ranked[0] == homes[0]
+
+
 def test_until_an_engine_is_seen_holding_it_a_prefix_follows_it_to_where_it_was_sent() -> None:
     """The blocks of a prefix just sent to an engine reach the index only after its prefill and the KV events'
     lag. Its next requests meanwhile go there too, not to its first home (a second prefill and a copy that

@@ -14,7 +14,7 @@ from tessera.redis_conn import EmbeddedRedis, connect
 from tessera.registry import EngineRecord, EngineRegistry
 from tessera.routing import router as router_module
 from tessera.routing.prefix_index import PrefixIndex
-from tessera.routing.router import Router
+from tessera.routing.router import InFlight, Router, engine_view
 from tessera.routing.snapshot import RouteRequest
 
 MODEL = "m"
@@ -215,3 +215,21 @@ async def test_periods_given_to_the_router_override_the_defaults(
     decision, _ = await router.route(request(chain(1)))  # max age 0: read on the spot
     assert sorted(decision.ranked) == ["a", "b"]
     await router.close()
+
+
+def test_in_flight_counts_a_requests_prefill_tokens_until_its_first_token() -> None:
+    counts: dict[str, int] = {}
+    pending: dict[str, int] = {}
+    with InFlight(counts, "a", pending, 300) as flight, InFlight(counts, "a", pending, 200):
+        assert counts == {"a": 2} and pending == {"a": 500}
+        flight.prefilled()
+        flight.prefilled()  # once
+        assert counts == {"a": 2} and pending == {"a": 200}
+    # The other one ended before its first token (a failure): its tokens leave with it.
+    assert counts == {} and pending == {}
+
+
+def test_a_replicas_prefill_backlog_reaches_the_policys_view_through_the_registry() -> None:
+    record = EngineRecord("a", "http://a", MODEL, 32, 100, 2048, num_running=2, pending_prefill_tokens=4096)
+    view = engine_view(EngineRecord.from_redis({k.encode(): v.encode() for k, v in record.to_redis().items()}))
+    assert view.pending_prefill_tokens == 4096 and view.load == 2

@@ -173,7 +173,8 @@ class EngineEndpoints:
             await respond_json(send, 409, {"error": f"request {request.request_id!r} is already running here; "
                                                     "every request needs an id of its own"})
             return
-        entry = self.in_flight.start(request.request_id, headers.get("x-tessera-tenant", ""), request.priority)
+        entry = self.in_flight.start(request.request_id, headers.get("x-tessera-tenant", ""), request.priority,
+                                     min(request.prefill_tokens, len(request.prompt_token_ids)))
         engine = self.replica.engine
         await send({"type": "http.response.start", "status": 200, "headers": NDJSON_HEADERS})
         stream = asyncio.create_task(traced_generation(engine, self.replica.engine_id, request, entry, send, headers))

@@ -68,6 +68,7 @@ async def stream_generation(engine: Any, engine_id: str, request: GenerateReques
                                         priority=request.priority):
         final = output
         stats.num_steps += 1
+        entry.prefill_tokens = 0  # an output: the prompt is prefilled
         lines = []
         for completion in output.outputs:
             num_new = len(completion.token_ids)

@@ -128,6 +128,7 @@ class EngineHost(ThreadedReplicaHost):
             num_running=load.num_running,
             num_waiting=load.num_waiting,
             kv_cache_usage=load.kv_cache_usage,
+            pending_prefill_tokens=self.in_flight.pending_prefill_tokens,
             kv_cache_dtype=facts["kv_cache_dtype"],
             kv_capacity_tokens=facts["kv_capacity_tokens"],
             speculative_method=facts["speculative_method"],

@@ -24,10 +24,12 @@ class InFlight:
     traceparent: str = ""
     # The request's counters while it runs (generation.py), for its usage record when it ends.
     stats: RequestStats | None = None
+    # Prompt tokens the gateway expects it to prefill, until its first token is out (generation.py sets 0).
+    prefill_tokens: int = 0
 
 
 # What ``GET /requests`` lists of an entry (not its counters).
-_LISTED = tuple(f.name for f in fields(InFlight) if f.name != "stats")
+_LISTED = tuple(f.name for f in fields(InFlight) if f.name not in ("stats", "prefill_tokens"))
 
 
 class InFlightRequests:
@@ -41,10 +43,16 @@ class InFlightRequests:
         self._entries: dict[str, InFlight] = {}
         self.on_end = on_end
 
-    def start(self, request_id: str, tenant: str, priority: int) -> InFlight:
-        entry = InFlight(request_id, tenant, priority, time.time())
+    def start(self, request_id: str, tenant: str, priority: int, prefill_tokens: int = 0) -> InFlight:
+        entry = InFlight(request_id, tenant, priority, time.time(), prefill_tokens=prefill_tokens)
         self._entries[request_id] = entry
         return entry
+
+    @property
+    def pending_prefill_tokens(self) -> int:
+        """Prompt tokens still to prefill before the requests' first tokens, as the gateway declared them
+        (read once a heartbeat: a sum over the requests running here)."""
+        return sum(entry.prefill_tokens for entry in self._entries.values())
 
     def finish(self, request_id: str) -> None:
         entry = self._entries.pop(request_id, None)

@@ -52,6 +52,10 @@ class GenerateRequest(BaseModel):
     n: int = Field(default=1, ge=1, le=16)
     cache_salt: str | None = None
     priority: int = 0
+    # The prompt tokens the gateway expects this replica to prefill (those its cache does not hold, as the
+    # prefix index saw it). The replica reports the sum over its requests not yet past their first token in
+    # its heartbeat (``pending_prefill_tokens``), where every gateway worker's routing policy sees it.
+    prefill_tokens: int = Field(default=0, ge=0)
 
 
 @dataclass(slots=True)
@@ -98,6 +102,7 @@ class GenerateBody(TypedDict, total=False):
     n: int
     cache_salt: str | None
     priority: int
+    prefill_tokens: int
 
 
 def encode_request(body: GenerateBody) -> bytes:
@@ -112,6 +117,8 @@ def continuation(body: GenerateBody, generated: list[int], attempt: int) -> Gene
     if generated:
         again["prompt_token_ids"] = body["prompt_token_ids"] + generated
         again["max_tokens"] = body["max_tokens"] - len(generated)
+    if "prefill_tokens" in body:  # another replica: what its cache holds was not looked up
+        again["prefill_tokens"] = len(again["prompt_token_ids"])
     return again
 
 

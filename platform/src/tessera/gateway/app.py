@@ -34,6 +34,7 @@ from tessera.gateway.responses import respond, respond_error
 from tessera.gateway.settler import Settler
 from tessera.redis_conn import connect
 from tessera.redis_wire import RedisWire
+from tessera.routing import pod_in_flight
 from tessera.routing.prefix_index import PrefixIndex
 from tessera.routing.router import Router
 from tessera.settings import TesseraSettings, load_settings
@@ -72,7 +73,8 @@ class Gateway:
         self.router = Router(self.redis, settings.routing_policy, PrefixIndex(self.redis),
                              refresh_s=settings.registry_refresh_s, max_age_s=settings.registry_max_age_s,
                              wire=self.wire, index_source=settings.prefix_index,
-                             local_index_max_blocks=settings.local_index_max_blocks, feed_wire=self.feed_wire)
+                             local_index_max_blocks=settings.local_index_max_blocks, feed_wire=self.feed_wire,
+                             pod=pod_in_flight.attach_from_env())
         self.engines = EngineClient(settings.engine_head_timeout_s, settings.engine_idle_timeout_s,
                                     settings.engine_total_timeout_s, signer_from_settings(settings, "a gateway"))
         self.metrics = GatewayMetrics()

@@ -57,6 +57,9 @@ class StreamResult:
     completion_tokens: int = 0
     retries: int = 0
     first_delta_ns: int | None = None  # wall clock (time.time_ns) of the first delta received
+    # Called once, with the first delta: the prompt is prefilled (the router's count of prefill tokens queued
+    # at the engine drops it: routing/router.py ``InFlight.prefilled``).
+    on_first_delta: Callable[[], None] | None = None
     # An engine may have seen the request: one answered, or a connection was made to one. False when every
     # attempt was refused a connection: nothing was served and settle undoes the admission (settle.py).
     reached_engine: bool = False
@@ -146,6 +149,8 @@ class _Attempt:
         if deltas:
             if result.first_delta_ns is None:
                 result.first_delta_ns = time.time_ns()
+                if result.on_first_delta is not None:
+                    result.on_first_delta()
             behind = self.on_deltas(deltas, self.done and not aborted)
             if behind is not None:
                 self.response.pause()

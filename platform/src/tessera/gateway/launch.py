@@ -10,7 +10,9 @@ restarted container keeps its emptyDir) would be added to this run's.
 Each worker runs ``lean_server.LeanServer``: uvicorn's ``Server`` with a 1 s housekeeping tick, not 0.1 s, and
 each connection ``connection_limits.LimitedHttpToolsProtocol``: uvicorn's httptools protocol within the
 ``TESSERA_MAX_URL_BYTES``, ``TESSERA_MAX_HEADER_BYTES``, ``TESSERA_HEADER_TIMEOUT_S``,
-``TESSERA_MAX_CONNECTIONS_PER_WORKER`` and ``TESSERA_MAX_IN_FLIGHT_PER_WORKER`` limits.
+``TESSERA_MAX_CONNECTIONS_PER_WORKER`` and ``TESSERA_MAX_IN_FLIGHT_PER_WORKER`` limits. With several workers,
+their routers share one count of the requests in flight to each engine (``routing/pod_in_flight.py``), a file
+made here beside the metric samples.
 """
 
 from __future__ import annotations
@@ -86,7 +88,16 @@ def run_gateway(launch: GatewayLaunch) -> None:
 
     What ``uvicorn.run`` does, with ``LeanServer`` as each worker's server. No ``server`` header (it only
     names the software); the ``date`` header stays."""
-    os.environ[METRICS_DIR_ENV] = str(prepare_metrics_dir(launch.metrics_dir))
+    metrics_dir = prepare_metrics_dir(launch.metrics_dir)
+    os.environ[METRICS_DIR_ENV] = str(metrics_dir)
+    if launch.workers > 1:
+        # The workers' shared count of requests in flight to each engine (routing/pod_in_flight.py), made
+        # before they start; each claims a row of it. Next to the metric samples: per run, per container.
+        from tessera.routing import pod_in_flight
+
+        table = metrics_dir / "pod-in-flight.table"
+        pod_in_flight.create(table, launch.workers)
+        os.environ[pod_in_flight.ENV_VAR] = str(table)
     import uvicorn
     from uvicorn.config import STARTUP_FAILURE
     from uvicorn.supervisors import multiprocess

@@ -335,6 +335,11 @@ def prefix_homes(engine_ids: tuple[str, ...], key: int) -> list[str]:
 # prefix goes back to its first home, which every gateway worker computes alike: placing evicted prefixes by
 # load (or by each worker's own memory) moves them among caches, the failure with scarce caches.
 NEW_PREFIX_CHOICES = 4
+# Rule 6 compares the homes' prefill backlogs (prompt tokens waiting for their first token) in steps of this
+# many tokens, so a few tokens' difference leaves the choice to the request counts. The backlog, not the count,
+# is what a long cold prompt waits behind: one engine holding a 4,000-token prefill and another with three
+# requests in decode both read "load 3" in requests.
+PENDING_PREFILL_STEP = 1024
 # How many prefixes' keys a policy instance remembers as routed (two generations of half each: ~15-20 MB).
 SEEN_PREFIXES = 200_000
 
@@ -551,8 +556,12 @@ def _prefix_affinity() -> PolicyFn:
             choices = [i for i in ranked[:NEW_PREFIX_CHOICES]
                        if i not in closed and loads.get(i, fleet_loads[i]) < bound]
             if len(choices) > 1:
-                # min keeps the first of equals: ring order (after the second-home swap) breaks ties.
-                best = min(choices, key=lambda i: loads.get(i, fleet_loads[i]) + engines[i].num_waiting)
+                # The shortest prefill backlog first, then the fewest requests; min keeps the first of equals:
+                # ring order (after the second-home swap) breaks ties.
+                local_pending, ids = snapshot.local_pending_prefill_tokens, fleet.ids
+                best = min(choices, key=lambda i: (
+                    max(engines[i].pending_prefill_tokens, local_pending.get(ids[i], 0)) // PENDING_PREFILL_STEP,
+                    loads.get(i, fleet_loads[i]) + engines[i].num_waiting))
                 _to_front(ranked, best)
                 placed_by_load = True
             placements.set(key, fleet.ids[ranked[0]])

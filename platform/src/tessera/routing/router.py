@@ -25,6 +25,7 @@ from tessera.refresher import REFRESHER_IDLE_S, UsageRefresher
 from tessera.registry import EngineRecord, EngineRegistry
 from tessera.routing.local_feed import LocalIndexFeed
 from tessera.routing.local_index import LocalPrefixIndex
+from tessera.routing.pod_in_flight import PodInFlight, key_map
 from tessera.routing.policies import make_policy
 from tessera.routing.prefix_index import PrefixIndex
 from tessera.routing.snapshot import EngineView, RouteDecision, RouteRequest, RouteSnapshot
@@ -53,7 +54,8 @@ LOCAL_INDEX_MAX_BLOCKS = 2_000_000
 
 def engine_view(record: EngineRecord) -> EngineView:
     return EngineView(record.engine_id, record.url, record.num_running, record.num_waiting, record.kv_cache_usage,
-                      record.num_gpu_blocks, record.block_size, record.under_pressure)
+                      record.num_gpu_blocks, record.block_size, record.under_pressure,
+                      record.pending_prefill_tokens)
 
 
 class RoutePlan(NamedTuple):
@@ -97,38 +99,66 @@ Routed = tuple[RouteDecision, dict[str, EngineRecord]]
 
 
 class InFlight:
-    """``with router.in_flight(engine_id):`` counts a request this process sent to an engine until it
-    ends; the policies see the counts (fresher than heartbeats). A plain class: the request path pays no
-    generator frame for it."""
+    """``with router.in_flight(engine_id, prefill_tokens) as flight:`` counts a request this process sent to
+    an engine until it ends, and its prompt tokens to prefill there until ``flight.prefilled()`` (its first
+    token) or its end; the policies see both (fresher than heartbeats), and so do the pod's other workers
+    through ``pod`` (pod_in_flight.py). A plain class: the request path pays no generator frame for it."""
 
-    __slots__ = ("_counts", "_engine_id")
+    __slots__ = ("_counts", "_engine_id", "_pending", "_pod", "_tokens")
 
-    def __init__(self, counts: dict[str, int], engine_id: str) -> None:
+    def __init__(self, counts: dict[str, int], engine_id: str, pending: dict[str, int],
+                 tokens: int = 0, pod: PodInFlight | None = None) -> None:
         self._counts = counts
         self._engine_id = engine_id
+        self._pending = pending
+        self._tokens = tokens
+        self._pod = pod
 
-    def __enter__(self) -> None:
+    def __enter__(self) -> InFlight:
         self._counts[self._engine_id] = self._counts.get(self._engine_id, 0) + 1
+        if self._tokens:
+            self._pending[self._engine_id] = self._pending.get(self._engine_id, 0) + self._tokens
+        if self._pod is not None:
+            self._pod.add(self._engine_id, 1, self._tokens)
+        return self
+
+    def prefilled(self) -> None:
+        """The request's first token came: its prompt is no longer in the engine's prefill backlog (once)."""
+        if self._tokens:
+            left = self._pending[self._engine_id] - self._tokens
+            if left > 0:
+                self._pending[self._engine_id] = left
+            else:
+                del self._pending[self._engine_id]
+            if self._pod is not None:
+                self._pod.add(self._engine_id, 0, -self._tokens)
+            self._tokens = 0
 
     def __exit__(self, *_: object) -> None:
+        self.prefilled()
         left = self._counts[self._engine_id] - 1
         if left > 0:
             self._counts[self._engine_id] = left
         else:
             del self._counts[self._engine_id]
+        if self._pod is not None:
+            self._pod.add(self._engine_id, -1, 0)
 
 
 class Router:
     def __init__(self, redis: aioredis.Redis, policy_name: str, prefix_index: PrefixIndex | None = None, *,
                  refresh_s: float | None = None, max_age_s: float | None = None,
                  wire: RedisWire | None = None, index_source: str = "redis",
-                 local_index_max_blocks: int = LOCAL_INDEX_MAX_BLOCKS, feed_wire: RedisWire | None = None) -> None:
+                 local_index_max_blocks: int = LOCAL_INDEX_MAX_BLOCKS, feed_wire: RedisWire | None = None,
+                 pod: PodInFlight | None = None) -> None:
         """``refresh_s``/``max_age_s``: the registry copy's refresh period and the age past which a request
         reads it itself (default ``REGISTRY_CACHE_S``/``REGISTRY_MAX_AGE_S``); ``wire``: the lean Redis
         connection the registry is read over (default: redis-py); ``index_source``: one of
         ``INDEX_SOURCES`` (the gateway passes ``TESSERA_PREFIX_INDEX``); ``local_index_max_blocks``: the
         local index's cap; ``feed_wire``: a lean connection for the local index feed's blocking reads alone
-        (``LocalIndexFeed``'s ``wire``; never ``wire``, whose calls a blocking read would hold up)."""
+        (``LocalIndexFeed``'s ``wire``; never ``wire``, whose calls a blocking read would hold up); ``pod``: the
+        pod's in-flight table (pod_in_flight.py), through which the policies see every worker's requests in
+        flight, not this one's alone (None: this process's own)."""
         if index_source not in INDEX_SOURCES:
             raise ValueError(f"unknown prefix index source {index_source!r}; valid: {', '.join(INDEX_SOURCES)}")
         self._registry = EngineRegistry(redis, wire=wire)
@@ -144,6 +174,10 @@ class Router:
         self._refresher = UsageRefresher("registry", self._read_registry,
                                          REGISTRY_CACHE_S if refresh_s is None else refresh_s, REFRESHER_IDLE_S)
         self._in_flight: dict[str, int] = {}
+        # engine id -> prompt tokens this process sent there that await their first token (InFlight.prefilled)
+        self._pending_prefill: dict[str, int] = {}
+        self._pod = pod
+        self._engine_keys: dict[int, str] = {}  # the pod table's engine keys -> ids, at the last registry read
         self._feed: LocalIndexFeed | None = None
         self._feed_task: asyncio.Task[None] | None = None
         if self._prefix_index is not None and index_source == "local":
@@ -198,6 +232,8 @@ class Router:
         started = time.monotonic()
         self._engines = await self._registry.live_engines()
         self._read_at = started
+        if self._pod is not None:
+            self._engine_keys = key_map([e.engine_id for e in self._engines])
         self._masks.clear()
         self._models = _model_views(self._engines)
         if self._feed is not None:
@@ -251,9 +287,13 @@ class Router:
         if view is None or view.records is not plan.records:  # a plan made before the last registry read
             view = _ModelView(plan.records, tuple(engine_view(r) for r in plan.records),
                               {r.engine_id: r for r in plan.records})
-        # The live in-flight counts, not a copy: the policy runs to its answer without yielding, so they
-        # cannot change under it.
-        snapshot = RouteSnapshot(view.views, cached, self._in_flight)
+        if self._pod is not None:
+            in_flight, pending = self._pod.totals(self._engine_keys)
+        else:
+            # The live counts, not a copy: the policy runs to its answer without yielding, so they cannot
+            # change under it.
+            in_flight, pending = self._in_flight, self._pending_prefill
+        snapshot = RouteSnapshot(view.views, cached, in_flight, pending)
         return self._policy(snapshot, plan.request), view.by_id
 
     def _live_mask(self, index: LocalPrefixIndex, model: str, view: _ModelView) -> int:
@@ -264,8 +304,8 @@ class Router:
         self._masks[model] = (index.generation, mask)
         return mask
 
-    def in_flight(self, engine_id: str) -> InFlight:
-        return InFlight(self._in_flight, engine_id)
+    def in_flight(self, engine_id: str, prefill_tokens: int = 0) -> InFlight:
+        return InFlight(self._in_flight, engine_id, self._pending_prefill, prefill_tokens, self._pod)
 
     @property
     def num_in_flight(self) -> dict[str, int]:

@@ -26,6 +26,8 @@ class EngineView:
     num_gpu_blocks: int
     block_size: int
     under_pressure: bool = False
+    # Prompt tokens the replica holds that await their first token (its heartbeat; declared by the gateways).
+    pending_prefill_tokens: int = 0
 
     @property
     def load(self) -> int:
@@ -52,6 +54,8 @@ class RouteSnapshot(NamedTuple):
     cached_prefix_blocks: Mapping[str, int] = _NONE
     # engine_id -> requests this gateway routed there and has not seen finish (fresher than heartbeats).
     local_in_flight: Mapping[str, int] = _NONE
+    # engine_id -> prompt tokens of those requests not yet past their first token (fresher than heartbeats).
+    local_pending_prefill_tokens: Mapping[str, int] = _NONE
 
 
 class RouteDecision(NamedTuple):

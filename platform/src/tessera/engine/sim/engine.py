@@ -235,3 +235,7 @@ class SimEngine:
     @property
     def kv_cache_usage(self) -> float:
         return self.pool.usage
+
+    @property
+    def pending_prefill_tokens(self) -> int:
+        return self.scheduler.pending_prefill_tokens

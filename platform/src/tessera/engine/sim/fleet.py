@@ -69,6 +69,7 @@ class SimReplica:
             block_size=self.config.block_size, num_gpu_blocks=engine.num_gpu_blocks,
             max_model_len=self.config.max_model_len, kv_events_endpoint=self.kv_events_endpoint,
             num_running=engine.num_running, num_waiting=engine.num_waiting, kv_cache_usage=engine.kv_cache_usage,
+            pending_prefill_tokens=engine.pending_prefill_tokens,
             kv_cache_dtype=str(getattr(self.config.step_time, "kv_cache_dtype", "")),
             kv_capacity_tokens=(engine.num_gpu_blocks - 1) * self.config.block_size,
         )

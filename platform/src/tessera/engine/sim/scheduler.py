@@ -128,6 +128,22 @@ class SimScheduler:
     def has_work(self) -> bool:
         return bool(self.running) or self.num_waiting > 0
 
+    @property
+    def pending_prefill_tokens(self) -> int:
+        """Prompt tokens still to prefill before each request's first token (a waiting one's cache hit as the
+        pool holds it now)."""
+        total = 0
+        size = self.pool.block_size
+        for request in self.requests.values():
+            if request.output_token_ids:
+                continue
+            if request.status == Status.RUNNING or request.num_computed_tokens:
+                total += request.num_tokens - request.num_computed_tokens
+            else:
+                hit = self.pool.longest_cache_hit(request.chain.hashes[:(request.num_tokens - 1) // size])
+                total += request.num_tokens - len(hit) * size
+        return total
+
     def _push_waiting(self, request: SimRequest, front: bool = False) -> None:
         if self.policy == "priority":
             heapq.heappush(self._heap, (request.priority, request.arrival_s, next(self._order), request))

@@ -47,11 +47,17 @@ async def call_engine(ctx: RequestContext, engines: EngineClient, router: Router
     body, decision, records = ctx.body, ctx.decision, ctx.records
     priority = ctx.tenant.policy.priority + (DEMOTION_STEP if ctx.demoted else 0)
     response_id = ctx.response_id
+    # The prompt tokens the engine must prefill (those its cache does not hold, as the index saw it): declared
+    # to the replica, which reports their sum over its requests awaiting a first token in its heartbeat, and
+    # counted here against the engine until the first delta (routing/router.py ``InFlight``): the prefill
+    # backlog prefix_affinity places a new prefix by.
+    prefill_tokens = max(0, len(ctx.prompt_ids) - decision.expected_cached_tokens)
     engine_body: GenerateBody = {
         "request_id": engine_request_id(ctx.tenant.name, response_id), "prompt_token_ids": ctx.prompt_ids,
         "max_tokens": ctx.max_tokens,
         "temperature": body.temperature, "top_p": body.top_p, "seed": body.seed, "stop": body.stop_list,
-        "n": body.n, "cache_salt": ctx.cache_salt, "priority": priority, "ignore_eos": body.ignore_eos}
+        "n": body.n, "cache_salt": ctx.cache_salt, "priority": priority, "ignore_eos": body.ignore_eos,
+        "prefill_tokens": prefill_tokens}
     ctx.engine_body = engine_body
     engine_headers = {"x-tessera-tenant": ctx.tenant.name, "x-request-id": ctx.request_id}
     ctx.notes.engine_headers(engine_headers)
@@ -65,7 +71,8 @@ async def call_engine(ctx: RequestContext, engines: EngineClient, router: Router
                               engine_headers, ctx.result)
     respond = respond_stream if body.stream else respond_full
     result, notes = ctx.result, ctx.notes
-    with router.in_flight(first):
+    with router.in_flight(first, prefill_tokens) as flight:
+        result.on_first_delta = flight.prefilled
         ctx.called = True
         notes.call_started()
         call_error: Exception | None = None
