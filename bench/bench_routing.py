@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import os
@@ -40,13 +41,14 @@ import statistics
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _support import REPO, bench_model, signed_headers
-from replica_drive import read_generate_stream, replay
+from replica_drive import one_pod, read_generate_stream, replay
 from routing_figures import percentile
 from routing_sim import SLOW_CPU_STEP_COSTS, Outcome, SimRequestSpec, SimSetup, WorkloadSpec, make_workload
 
@@ -145,15 +147,18 @@ def on_engine_loop(host: Any, coro: Any, timeout_s: float = 60.0) -> Any:
 
 
 async def generate(session: Any, url: str, prompt: list[int], salt: str | None = None,
-                   max_tokens: int = 1) -> tuple[float | None, dict[str, Any]]:
+                   max_tokens: int = 1, prefill_tokens: int = 0,
+                   on_first: Callable[[], None] | None = None) -> tuple[float | None, dict[str, Any]]:
+    """One ``/generate`` call; ``prefill_tokens`` declared as the gateway declares it (gateway/request/call.py),
+    ``on_first`` called at the first token."""
     import orjson
 
     body = {"request_id": f"b-{time.monotonic_ns()}", "prompt_token_ids": prompt, "max_tokens": max_tokens,
-            "ignore_eos": True, "cache_salt": salt}
+            "ignore_eos": True, "cache_salt": salt, "prefill_tokens": prefill_tokens}
     data = orjson.dumps(body)
     async with session.post(f"{url}/generate", data=data, headers=signed_headers("POST", "/generate", data)) as resp:
         assert resp.status == 200, await resp.text()
-        stream = await read_generate_stream(resp.content)
+        stream = await read_generate_stream(resp.content, on_first)
     if stream.error is not None:
         raise RuntimeError(stream.error)
     return stream.first_token_s, stream.stats
@@ -210,7 +215,9 @@ async def run_policy(name: str, requests: list[SimRequestSpec], redis_url: str) 
     from tessera.routing.snapshot import RouteRequest
 
     redis = connect(redis_url, timeout_s=5.0)
-    routers = [Router(redis, name, PrefixIndex(redis)) for _ in range(GATEWAY_WORKERS)]
+    # Two gateway workers of one pod: their in-flight counts shared through the pod's table.
+    held = contextlib.ExitStack()
+    routers = [Router(redis, name, PrefixIndex(redis), pod=row) for row in held.enter_context(one_pod(GATEWAY_WORKERS))]
     connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60)
     session = aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=600))
 
@@ -219,8 +226,10 @@ async def run_policy(name: str, requests: list[SimRequestSpec], redis_url: str) 
         decision, records = await router.route(RouteRequest(req.tenant, MODEL, len(req.prompt), req.chain,
                                                             req.prefix_text, req.session_id, req.salt))
         engine_id = decision.ranked[0]
-        with router.in_flight(engine_id):
-            first, stats = await generate(session, records[engine_id].url, req.prompt, req.salt, req.max_tokens)
+        prefill_tokens = max(0, len(req.prompt) - decision.expected_cached_tokens)
+        with router.in_flight(engine_id, prefill_tokens) as flight:
+            first, stats = await generate(session, records[engine_id].url, req.prompt, req.salt, req.max_tokens,
+                                          prefill_tokens, flight.prefilled)
         return Outcome(engine_id, decision.reason, (first or time.perf_counter()) - scheduled,
                        time.perf_counter() - start, int(stats.get("num_cached_tokens", 0)), len(req.prompt),
                        int(stats.get("num_output_tokens", 0)))
@@ -230,6 +239,7 @@ async def run_policy(name: str, requests: list[SimRequestSpec], redis_url: str) 
     finally:
         for router in routers:
             await router.close()
+        held.close()
         await session.close()
         await redis.aclose()
 

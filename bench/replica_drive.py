@@ -1,7 +1,8 @@
 """Driving replicas from a benchmark's own client, shared by bench_routing.py and the fleet bench
-(bench/fleet/drive.py): an open-loop replay of a request sequence at its arrival times, and the reader of a
+(bench/fleet/drive.py): an open-loop replay of a request sequence at its arrival times, the reader of a
 replica's ``/generate`` stream (the replica protocol's NDJSON lines: ``t`` tokens, one ``done`` with the
-engine's stats, or an ``error``).
+engine's stats, or an ``error``), and the in-flight table the benches' router instances share as one gateway
+pod's workers do.
 
 Open loop: each request is sent at its scheduled time whether or not earlier ones have finished, so a slow
 policy meets the same arrivals as a fast one and its queueing shows in its TTFTs.
@@ -10,9 +11,13 @@ policy meets the same arrivals as a fast one and its queueing shows in its TTFTs
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import shutil
+import tempfile
 import time
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 import orjson
@@ -69,3 +74,22 @@ async def read_generate_stream(lines: Any, on_first: Callable[[], None] | None =
             out.error = str(message["error"])
             break
     return out
+
+
+@contextlib.contextmanager
+def one_pod(num_workers: int) -> Iterator[list[Any]]:
+    """``num_workers`` rows of one in-flight table (routing/pod_in_flight.py), one per router instance standing
+    for a gateway worker, as ``tessera gateway --workers N`` gives its workers; released on exit."""
+    from tessera.routing import pod_in_flight
+
+    directory = Path(tempfile.mkdtemp(prefix="bench-pod-"))
+    table = directory / "pod-in-flight.table"
+    pod_in_flight.create(table, num_workers)
+    rows = [pod_in_flight.PodInFlight.attach(table) for _ in range(num_workers)]
+    try:
+        yield rows
+    finally:
+        for row in rows:
+            if row is not None:
+                row.close()
+        shutil.rmtree(directory, ignore_errors=True)

@@ -12,19 +12,17 @@ real (wall) microseconds.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
-import shutil
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import aiohttp
 import orjson
-from replica_drive import read_generate_stream, replay
+from replica_drive import one_pod, read_generate_stream, replay
 from routing_figures import percentile
 
 from fleet.summary import Outcome
@@ -139,19 +137,15 @@ async def run_tessera(policy: str, requests: Sequence[FleetRequest], chains: Seq
     from _support import signed_headers
 
     from tessera.redis_conn import connect
-    from tessera.routing import pod_in_flight
     from tessera.routing.prefix_index import PrefixIndex
     from tessera.routing.router import Router
     from tessera.routing.snapshot import RouteRequest
 
     redis = connect(redis_url, timeout_s=5.0)
-    # The workers of one gateway pod share their in-flight counts through the pod's table, as `tessera
-    # gateway --workers N` makes them (gateway/launch.py).
-    table_dir = tempfile.mkdtemp(prefix="fleet-pod-")
-    table = Path(table_dir) / "pod-in-flight.table"
-    pod_in_flight.create(table, num_workers)
-    pods = [pod_in_flight.PodInFlight.attach(table) for _ in range(num_workers)]
-    routers = [Router(redis, policy, PrefixIndex(redis), index_source=index_source, pod=pod) for pod in pods]
+    # The workers of one gateway pod share their in-flight counts through the pod's table.
+    held = contextlib.ExitStack()
+    routers = [Router(redis, policy, PrefixIndex(redis), index_source=index_source, pod=row)
+               for row in held.enter_context(one_pod(num_workers))]
     for router in routers:
         await router.start_local_index()
     session = _session()
@@ -205,10 +199,7 @@ async def run_tessera(policy: str, requests: Sequence[FleetRequest], chains: Seq
         await session.close()
         for router in routers:
             await router.close()
-        for pod in pods:
-            if pod is not None:
-                pod.close()
-        shutil.rmtree(table_dir, ignore_errors=True)
+        held.close()
         await redis.aclose()
 
 

@@ -177,3 +177,27 @@ async def test_a_router_routes_around_the_requests_another_worker_has_in_flight(
     finally:
         for router in (first, second):
             await router.close()
+
+
+def test_a_gateway_with_several_workers_gets_a_fresh_table_of_a_row_each(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from tessera.gateway.launch import prepare_pod_table
+
+    monkeypatch.delenv(pod_in_flight.ENV_VAR, raising=False)
+    assert prepare_pod_table(tmp_path, 1) is None and pod_in_flight.ENV_VAR not in os.environ
+    table = prepare_pod_table(tmp_path, 3)
+    assert table is not None and os.environ[pod_in_flight.ENV_VAR] == str(table)
+    rows = [pod_in_flight.attach_from_env() for _ in range(3)]
+    assert all(rows) and pod_in_flight.attach_from_env() is None
+    assert rows[0] is not None
+    rows[0].add("engine-a", 7, 0)
+    left = table.read_bytes()  # what a killed pod leaves in its emptyDir
+    for row in rows:
+        assert row is not None
+        row.close()
+    table.write_bytes(left)
+    # A restarted container keeps its emptyDir: the next run's table starts empty, whatever the last one held.
+    assert prepare_pod_table(tmp_path, 3) == table
+    fresh = PodInFlight.attach(table)
+    assert fresh is not None and fresh.totals(KEYS) == ({}, {})
+    fresh.close()

@@ -67,6 +67,21 @@ def prepare_metrics_dir(path: Path | None) -> Path:
     return directory
 
 
+def prepare_pod_table(directory: Path, workers: int) -> Path | None:
+    """With several workers, their shared count of requests in flight to each engine (routing/pod_in_flight.py):
+    a fresh table of one row per worker in ``directory`` (beside the metric samples: per run, per container),
+    named to the workers through the environment they inherit. One worker needs none (None)."""
+    from tessera.routing import pod_in_flight
+
+    if workers <= 1:
+        os.environ.pop(pod_in_flight.ENV_VAR, None)
+        return None
+    table = directory / "pod-in-flight.table"
+    pod_in_flight.create(table, workers)
+    os.environ[pod_in_flight.ENV_VAR] = str(table)
+    return table
+
+
 def bind_listener(host: str, port: int) -> socket.socket:
     """A listening socket as uvicorn binds its own (``Config.bind_socket``): reusable address, inheritable by
     the workers."""
@@ -90,14 +105,7 @@ def run_gateway(launch: GatewayLaunch) -> None:
     names the software); the ``date`` header stays."""
     metrics_dir = prepare_metrics_dir(launch.metrics_dir)
     os.environ[METRICS_DIR_ENV] = str(metrics_dir)
-    if launch.workers > 1:
-        # The workers' shared count of requests in flight to each engine (routing/pod_in_flight.py), made
-        # before they start; each claims a row of it. Next to the metric samples: per run, per container.
-        from tessera.routing import pod_in_flight
-
-        table = metrics_dir / "pod-in-flight.table"
-        pod_in_flight.create(table, launch.workers)
-        os.environ[pod_in_flight.ENV_VAR] = str(table)
+    prepare_pod_table(metrics_dir, launch.workers)
     import uvicorn
     from uvicorn.config import STARTUP_FAILURE
     from uvicorn.supervisors import multiprocess
