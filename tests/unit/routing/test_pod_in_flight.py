@@ -9,11 +9,11 @@ import signal
 import subprocess
 import sys
 import textwrap
-from collections.abc import AsyncIterator, Iterator
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import redis.asyncio as aioredis
 
 from tessera.redis_conn import EmbeddedRedis, connect
 from tessera.registry import EngineRecord, EngineRegistry
@@ -139,44 +139,32 @@ def test_a_table_without_a_free_row_attaches_nothing(tmp_path: Path) -> None:
         worker.wait(timeout=10)
 
 
-# A router's policy sees the requests another worker of the pod has in flight.
-
-@pytest.fixture(scope="module")
-def own_redis() -> Iterator[EmbeddedRedis]:
-    server = EmbeddedRedis().start()
-    yield server
-    server.stop()
-
-
-@pytest.fixture
-async def redis(own_redis: EmbeddedRedis) -> AsyncIterator[aioredis.Redis]:
-    client = connect(own_redis.url, timeout_s=5.0)
-    await client.flushall()
-    yield client
-    await client.aclose()
-
-
 async def test_a_router_routes_around_the_requests_another_worker_has_in_flight(
-        redis: aioredis.Redis, pods: tuple[PodInFlight, PodInFlight], monkeypatch: pytest.MonkeyPatch) -> None:
+        redis_server: EmbeddedRedis, pods: tuple[PodInFlight, PodInFlight], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two workers' routers of one pod, on the session's Redis (a model and engines of this test's own)."""
     monkeypatch.setattr(router_module, "REGISTRY_CACHE_S", 60.0)
+    redis = connect(redis_server.url, timeout_s=5.0)
+    tag = uuid.uuid4().hex[:8]
+    model, a, b = f"m-{tag}", f"a-{tag}", f"b-{tag}"
     registry = EngineRegistry(redis, 1.0)
-    for engine_id in ("a", "b"):
-        await registry.heartbeat(EngineRecord(engine_id, f"http://{engine_id}", "m", 32, 100, 2048))
+    for engine_id in (a, b):
+        await registry.heartbeat(EngineRecord(engine_id, f"http://{engine_id}", model, 32, 100, 2048))
     first_pod, second_pod = pods
     first = Router(redis, "least_loaded", pod=first_pod)
     second = Router(redis, "least_loaded", pod=second_pod)
-    request = RouteRequest(tenant="t", model="m", num_prompt_tokens=10, block_hashes=())
+    request = RouteRequest(tenant="t", model=model, num_prompt_tokens=10, block_hashes=())
     try:
         busy = (await first.route(request))[0].ranked[0]
-        idle = "b" if busy == "a" else "a"
+        idle = b if busy == a else a
         with first.in_flight(busy), first.in_flight(busy):
             # Without the table the second worker sees two idle engines and least_loaded's tie-break, which
             # changes with every decision, picks either: eight alike are the loads it read from the table.
             assert {(await second.route(request))[0].ranked[0] for _ in range(8)} == {idle}
-        assert second_pod.totals(key_map(["a", "b"])) == ({}, {})
+        assert second_pod.totals(key_map([a, b])) == ({}, {})
     finally:
         for router in (first, second):
             await router.close()
+        await redis.aclose()
 
 
 def test_a_gateway_with_several_workers_gets_a_fresh_table_of_a_row_each(
