@@ -126,10 +126,13 @@ def run_gateway(launch: GatewayLaunch) -> None:
     # NOTE: uvicorn builds each connection's protocol as ``http(config=..., server_state=..., app_state=...)``:
     # a partial binds the limits, and pickles to the workers (a class made here would not).
     protocol = functools.partial(LimitedHttpToolsProtocol, limits=limits, metrics_port=launch.metrics_port)
+    # proxy_headers off: uvicorn's default wraps the app in a middleware that rewrites the client address from
+    # X-Forwarded-For for peers at 127.0.0.1, on every request; nothing in the gateway reads the client address.
     config = uvicorn.Config("tessera.gateway.app:create_app", factory=True, host=launch.host, port=launch.port,
                             workers=launch.workers, loop="uvloop", http=protocol,  # type: ignore[arg-type]
                             ws="none", access_log=False, server_header=False, log_level=launch.log_level,
-                            timeout_keep_alive=launch.timeout_keep_alive_s, timeout_graceful_shutdown=backstop_s)
+                            timeout_keep_alive=launch.timeout_keep_alive_s, timeout_graceful_shutdown=backstop_s,
+                            proxy_headers=False)
     sockets = [config.bind_socket()]
     if launch.metrics_port is not None:
         sockets.append(bind_listener(launch.host, launch.metrics_port))
