@@ -133,3 +133,23 @@ def test_abort_frees_the_requests_blocks() -> None:
 def test_a_bad_configuration_names_the_valid_policies() -> None:
     with pytest.raises(ValueError, match="fcfs, priority"):
         scheduler(policy="lifo")  # type: ignore[arg-type]
+
+
+def test_the_prefill_backlog_is_the_prompt_tokens_before_each_first_token_less_cache_hits() -> None:
+    """What the sim's heartbeat reports as ``pending_prefill_tokens`` (routing rule 6's backlog): every
+    request's prompt not yet computed, a waiting one's cached blocks taken off, nothing once its first token
+    is out."""
+    sched = scheduler(budget=4)
+    sched.add_request(request("a", 12, max_tokens=2))
+    assert sched.pending_prefill_tokens == 12
+    assert step(sched) == {"a": 4}  # a chunk
+    sched.add_request(request("b", 6, first_token=5000))
+    assert sched.pending_prefill_tokens == 8 + 6
+    step(sched)
+    step(sched)  # a's last chunk: its first token
+    b = sched.requests["b"]
+    assert sched.requests["a"].output_token_ids and sched.pending_prefill_tokens == 6 - b.num_computed_tokens
+    while sched.has_work():
+        step(sched)
+    sched.add_request(request("c", 12, max_tokens=1))  # a's prompt, cached: two blocks hit
+    assert sched.pending_prefill_tokens == 4
