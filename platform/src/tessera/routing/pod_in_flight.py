@@ -5,7 +5,7 @@ Why: a worker's router counts what it sent to each engine until it ends (``route
 than the engines' heartbeats (up to a second old). With W workers each sees 1/W of the pod's traffic, so two
 workers meeting the same new prefix pick homes from different views, and a long cold prompt queued by one
 worker is invisible to the other. At 64 simulated engines overloaded (docs/routing.md, "The pod's in-flight
-table"), two workers that each counted alone reached TTFT p99 214 ms; sharing the counts, 166 ms.
+table"), two workers that each counted alone reached TTFT p99 214-226 ms; sharing the counts, 160-169 ms.
 
 Layout: one file, mapped by every worker, made by ``launch.run_gateway`` before the workers start (``create``),
 with one row per worker. A worker owns a row for its life: an ``fcntl`` lock on the row's bytes, which the
