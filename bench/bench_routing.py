@@ -226,7 +226,7 @@ async def run_policy(name: str, requests: list[SimRequestSpec], redis_url: str) 
         decision, records = await router.route(RouteRequest(req.tenant, MODEL, len(req.prompt), req.chain,
                                                             req.prefix_text, req.session_id, req.salt))
         engine_id = decision.ranked[0]
-        prefill_tokens = max(0, len(req.prompt) - decision.expected_cached_tokens)
+        prefill_tokens = decision.tokens_to_prefill(len(req.prompt))
         with router.in_flight(engine_id, prefill_tokens) as flight:
             first, stats = await generate(session, records[engine_id].url, req.prompt, req.salt, req.max_tokens,
                                           prefill_tokens, flight.prefilled)

@@ -267,7 +267,7 @@ def run(setup: SimSetup, policy_name: str, requests: list[SimRequestSpec], model
                                      len(engine.scheduler.running) + engine.scheduler.num_waiting,
                                      max(cached.values(), default=0) * setup.block_size)
             worker.in_flight[engine.engine_id] = worker.in_flight.get(engine.engine_id, 0) + 1
-            uncached = max(0, len(spec.prompt) - decision.expected_cached_tokens)
+            uncached = decision.tokens_to_prefill(len(spec.prompt))
             if uncached:
                 worker.pending_prefill[engine.engine_id] = worker.pending_prefill.get(engine.engine_id, 0) + uncached
             prefill_of[request.request_id] = uncached

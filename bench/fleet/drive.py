@@ -162,7 +162,7 @@ async def run_tessera(policy: str, requests: Sequence[FleetRequest], chains: Seq
             engine_id = decision.ranked[0]
             # As the gateway does (gateway/request/call.py): the prompt tokens to prefill there, declared to the
             # replica and counted against it here until the first token.
-            prefill_tokens = max(0, request.num_prompt_tokens - decision.expected_cached_tokens)
+            prefill_tokens = decision.tokens_to_prefill(request.num_prompt_tokens)
             body = orjson.dumps({"request_id": f"fleet-{request.index}-{time.monotonic_ns()}",
                                  "prompt_token_ids": request.token_ids(), "max_tokens": request.max_tokens,
                                  "ignore_eos": True, "prefill_tokens": prefill_tokens})

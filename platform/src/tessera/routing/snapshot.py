@@ -62,3 +62,8 @@ class RouteDecision(NamedTuple):
     ranked: tuple[str, ...]
     reason: str
     expected_cached_tokens: int = 0
+
+    def tokens_to_prefill(self, num_prompt_tokens: int) -> int:
+        """The prompt tokens the chosen engine must prefill, as the index saw its cache: what the gateway
+        declares to the replica (``prefill_tokens``) and counts against it until the first token."""
+        return max(0, num_prompt_tokens - self.expected_cached_tokens)

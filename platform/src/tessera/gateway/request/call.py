@@ -51,7 +51,7 @@ async def call_engine(ctx: RequestContext, engines: EngineClient, router: Router
     # to the replica, which reports their sum over its requests awaiting a first token in its heartbeat, and
     # counted here against the engine until the first delta (routing/router.py ``InFlight``): the prefill
     # backlog prefix_affinity places a new prefix by.
-    prefill_tokens = max(0, len(ctx.prompt_ids) - decision.expected_cached_tokens)
+    prefill_tokens = decision.tokens_to_prefill(len(ctx.prompt_ids))
     engine_body: GenerateBody = {
         "request_id": engine_request_id(ctx.tenant.name, response_id), "prompt_token_ids": ctx.prompt_ids,
         "max_tokens": ctx.max_tokens,
