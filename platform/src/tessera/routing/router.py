@@ -102,7 +102,8 @@ class InFlight:
     """``with router.in_flight(engine_id, prefill_tokens) as flight:`` counts a request this process sent to
     an engine until it ends, and its prompt tokens to prefill there until ``flight.prefilled()`` (its first
     token) or its end; the policies see both (fresher than heartbeats), and so do the pod's other workers
-    through ``pod`` (pod_in_flight.py). A plain class: the request path pays no generator frame for it."""
+    through ``pod`` (pod_in_flight.py), which then holds them instead of the dicts. A plain class: the request
+    path pays no generator frame for it."""
 
     __slots__ = ("_counts", "_engine_id", "_pending", "_pod", "_tokens")
 
@@ -115,34 +116,38 @@ class InFlight:
         self._pod = pod
 
     def __enter__(self) -> InFlight:
+        if self._pod is not None:  # the pod's table is what the policies read: the dicts would go unread
+            self._pod.add(self._engine_id, 1, self._tokens)
+            return self
         self._counts[self._engine_id] = self._counts.get(self._engine_id, 0) + 1
         if self._tokens:
             self._pending[self._engine_id] = self._pending.get(self._engine_id, 0) + self._tokens
-        if self._pod is not None:
-            self._pod.add(self._engine_id, 1, self._tokens)
         return self
 
     def prefilled(self) -> None:
         """The request's first token came: its prompt is no longer in the engine's prefill backlog (once)."""
-        if self._tokens:
+        if not self._tokens:
+            return
+        if self._pod is not None:
+            self._pod.add(self._engine_id, 0, -self._tokens)
+        else:
             left = self._pending[self._engine_id] - self._tokens
             if left > 0:
                 self._pending[self._engine_id] = left
             else:
                 del self._pending[self._engine_id]
-            if self._pod is not None:
-                self._pod.add(self._engine_id, 0, -self._tokens)
-            self._tokens = 0
+        self._tokens = 0
 
     def __exit__(self, *_: object) -> None:
         self.prefilled()
+        if self._pod is not None:
+            self._pod.add(self._engine_id, -1, 0)
+            return
         left = self._counts[self._engine_id] - 1
         if left > 0:
             self._counts[self._engine_id] = left
         else:
             del self._counts[self._engine_id]
-        if self._pod is not None:
-            self._pod.add(self._engine_id, -1, 0)
 
 
 class Router:
@@ -306,11 +311,6 @@ class Router:
 
     def in_flight(self, engine_id: str, prefill_tokens: int = 0) -> InFlight:
         return InFlight(self._in_flight, engine_id, self._pending_prefill, prefill_tokens, self._pod)
-
-    @property
-    def num_in_flight(self) -> dict[str, int]:
-        """engine_id -> requests this process has running there (a copy)."""
-        return dict(self._in_flight)
 
     def _start_sweep(self) -> None:
         # Off the request path: the sweep may walk a dead engine's whole block set.
