@@ -116,6 +116,20 @@ def test_session_affinity_without_a_session_is_least_loaded_with_ties_spread() -
     assert firsts == {"a", "b"}
 
 
+@pytest.mark.parametrize("seed", [str(seed) for seed in range(24)])
+def test_tied_engines_share_decisions_evenly_under_every_string_hash_seed(seed: str) -> None:
+    # Workers run with different string-hash seeds; under some, hash((salt, id)) made one of two tied engines win
+    # 95 % of decisions. Each tied engine must win a fair share in every process.
+    code = ("from tessera.routing.policies import make_policy\n"
+            "from tessera.routing.snapshot import EngineView, RouteRequest, RouteSnapshot\n"
+            "policy = make_policy('least_loaded')\n"
+            "snap = RouteSnapshot(tuple(EngineView(i, 'http://' + i, 0, 0, 0.0, 1000, 32) for i in ('a', 'b')))\n"
+            "print(sum(policy(snap, RouteRequest('t', 'm', 10)).ranked[0] == 'a' for _ in range(2000)))\n")
+    wins = int(subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONHASHSEED": seed},
+                              capture_output=True, text=True, check=True).stdout)
+    assert 800 < wins < 1200
+
+
 def text_with_chunks(n: int, tag: str = "p") -> str:
     return "".join(f"{tag}{i:0{APPROX_CHUNK_CHARS - len(tag)}d}" for i in range(n))
 

@@ -52,17 +52,18 @@ def _load(engine: EngineView, snapshot: RouteSnapshot) -> int:
 KV_USAGE_STEP = 0.1
 
 
-# NOTE: equally loaded engines are told apart by a salt that changes with each decision (a policy instance
-# counts its decisions with itertools.count). Load signals lag (heartbeats every second; each gateway worker
-# sees only its own in-flight requests), and a fixed tie-break — an engine's id, or its exact KV usage, which
-# differs in the fourth digit — sent every decision between two heartbeats, from every worker, to the same
-# engine: at 1,000 simulated engines least_loaded piled 228 requests on one replica while most sat idle
-# (docs/routing.md). ``hash`` of a (salt, id) pair is seeded per process, so gateway workers spread differently.
+# NOTE: equally loaded engines are told apart by a fresh random draw per engine per decision. Load signals lag
+# (heartbeats every second; each gateway worker sees only its own in-flight requests), and a fixed tie-break —
+# an engine's id, or its exact KV usage, which differs in the fourth digit — sent every decision between two
+# heartbeats, from every worker, to the same engine: at 1,000 simulated engines least_loaded piled 228 requests on
+# one replica while most sat idle (docs/routing.md). Each policy instance draws from its own ``random.Random``
+# seeded from the OS, so gateway workers spread differently. (``hash((salt, id))`` did this before and was biased:
+# under some string-hash seeds one of two tied engines won 95% of the salts.)
 
 
-def _by_load(snapshot: RouteSnapshot, salt: int) -> list[EngineView]:
+def _by_load(snapshot: RouteSnapshot, draw: Callable[[], float]) -> list[EngineView]:
     return sorted(snapshot.engines, key=lambda e: (e.under_pressure, _load(e, snapshot),
-                                                   int(e.kv_cache_usage / KV_USAGE_STEP), hash((salt, e.engine_id))))
+                                                   int(e.kv_cache_usage / KV_USAGE_STEP), draw()))
 
 
 def _pressure_last(order: list[EngineView]) -> tuple[str, ...]:
@@ -91,12 +92,12 @@ def _round_robin() -> PolicyFn:
 
 @register("least_loaded")
 def _least_loaded() -> PolicyFn:
-    salts = itertools.count(1)
+    draw = random.Random().random
 
     def policy(snapshot: RouteSnapshot, request: RouteRequest) -> RouteDecision:
         if (empty := _empty(snapshot)) is not None:
             return empty
-        order = _by_load(snapshot, next(salts))
+        order = _by_load(snapshot, draw)
         return RouteDecision(tuple(e.engine_id for e in order), f"least_loaded load={_load(order[0], snapshot)}")
 
     return policy
@@ -108,13 +109,13 @@ def _rendezvous(key: str, engine_id: str) -> int:
 
 @register("session_affinity")
 def _session_affinity() -> PolicyFn:
-    salts = itertools.count(1)
+    draw = random.Random().random
 
     def policy(snapshot: RouteSnapshot, request: RouteRequest) -> RouteDecision:
         if (empty := _empty(snapshot)) is not None:
             return empty
         if request.session_id is None:
-            order = _by_load(snapshot, next(salts))
+            order = _by_load(snapshot, draw)
             return RouteDecision(tuple(e.engine_id for e in order), "session_affinity no session: least_loaded")
         # Rendezvous hashing: a session stays put when other engines come and go.
         order = sorted(snapshot.engines, key=lambda e: -_rendezvous(request.session_id or "", e.engine_id))
