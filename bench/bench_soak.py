@@ -23,6 +23,7 @@ Short run: ``SOAK_DURATION_S=240 SOAK_WINDOW_S=60 make bench-soak`` (or ``--dura
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import os
 import sys
@@ -36,14 +37,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _support import bench_model, percentiles, print_table, write_results
 from longrun import platform as plat
 from longrun.load import cache_fill_workload, start_load, tenant_workload
+from longrun.quiet_sample import quiet_sample_offset, window_arrivals
 from longrun.soak import WINDOW_HEADERS, Window, judge, verdict_word, window_row
 
 from tessera.engine.config import EngineConfig
+from tessera_loadgen.runner import tenant_arrival_offsets
+from tessera_loadgen.workload import Workload
 from tests.support.machine import free_port
 
 TENANTS = ("soak-a", "soak-b", "soak-c")
 KV_BLOCK_SIZE = EngineConfig.model_fields["block_size"].default  # what the local platform's engine runs
 FILL_PROMPT_TOKENS = 896  # long enough to fill fast, short of the platform's max_model_len (1,024)
+# From the bench choosing the load's t0 to its first arrival: the child's spawn, imports and prompt library
+# (~2-3 s here). Late is harmless: arrivals due before the child is ready go at once, inside the warm-up.
+LOAD_START_LEAD_S = 8.0
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -72,6 +79,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.duration_s <= 0 or args.window_s <= 0 or args.window_s > args.duration_s:
         parser.error("need 0 < window <= duration")
     return args
+
+
+def soak_window_arrivals(workload: Workload, args: argparse.Namespace) -> list[float]:
+    """Every tenant's arrivals in one window, seconds from its start (each window meets the same ones)."""
+    offsets = [t for tenant in workload.tenants
+               for t in itertools.takewhile(lambda t: t < args.window_s, tenant_arrival_offsets(workload, tenant))]
+    return window_arrivals(offsets, period_s=args.window_s, warmup_s=args.warmup_s)
 
 
 def sample(platform: Any, scrape_gc: plat.GcScraper) -> dict[str, Any]:
@@ -209,15 +223,19 @@ def main() -> None:
         fill = fill_cache(platform, keys, args, work)
         scrape_gc = plat.GcScraper(platform)
         before = sample(platform, scrape_gc)
-        started = time.perf_counter()
-        load = start_load(workload, platform.base_url, work / "loadgen")
+        # The schedule starts at a t0 the bench chooses, so it knows when every arrival falls and samples each
+        # window in its widest gap near the end (longrun/quiet_sample.py), not beside requests in flight.
+        t0 = time.perf_counter() + LOAD_START_LEAD_S
+        sample_offset_s = quiet_sample_offset(soak_window_arrivals(workload, args), args.window_s)
+        load = start_load(workload, platform.base_url, work / "loadgen", t0=t0)
         # From here this thread only sleeps and samples: at the lowest priority, so a sample's own CPU (psutil's
         # walks, the scrapes' parsing) waits for the platform's processes and the load generator's, started
-        # before it at the normal one, instead of delaying the requests in flight at each window's end.
+        # before it at the normal one, instead of delaying the requests in flight.
         os.nice(19)
-        t_measure = started + args.warmup_s
+        t_measure = t0 + args.warmup_s
+        print(f"  each window sampled {sample_offset_s:.2f} s after its start", flush=True)
         for index in range(num_windows):
-            due = t_measure + (index + 1) * args.window_s
+            due = t_measure + index * args.window_s + sample_offset_s
             while (left := due - time.perf_counter()) > 0:
                 time.sleep(min(left, 5.0))
                 if not load.is_alive():
@@ -230,7 +248,7 @@ def main() -> None:
         families = plat.key_families(platform.redis_url)
     finally:
         platform.stop()
-    # The loadgen's t0 is its first arrival; the windows count from the end of its warm-up.
+    # The loadgen's t0 is its first arrival (the one chosen above); the windows count from the end of its warm-up.
     windows = build_windows(output.records, output.t0 + args.warmup_s, args.window_s, samples)
     verdicts = judge(windows)
     print()

@@ -43,9 +43,11 @@ class LoadProcess:
     """A load run in a child process (spawned, in this session): ``is_alive`` while it runs, ``result`` its
     ``RunOutput`` (or the exception it raised)."""
 
-    def __init__(self, workload: Workload, target_url: str, run_dir: Path, tokenizer_dir: Path | None) -> None:
+    def __init__(self, workload: Workload, target_url: str, run_dir: Path, tokenizer_dir: Path | None,
+                 t0: float | None) -> None:
         self._pool = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
-        self._future: Future[RunOutput] = self._pool.submit(run_load, workload, target_url, run_dir, tokenizer_dir)
+        self._future: Future[RunOutput] = self._pool.submit(run_load, workload, target_url, run_dir, tokenizer_dir,
+                                                            t0)
 
     def is_alive(self) -> bool:
         return not self._future.done()
@@ -57,18 +59,22 @@ class LoadProcess:
             self._pool.shutdown()
 
 
-def start_load(workload: Workload, target_url: str, run_dir: Path, tokenizer_dir: Path | None = None) -> LoadProcess:
+def start_load(workload: Workload, target_url: str, run_dir: Path, tokenizer_dir: Path | None = None,
+               t0: float | None = None) -> LoadProcess:
     """The run, started in a process of its own; ``.result()`` is its ``RunOutput`` once every request has
     ended. ``tokenizer_dir``: the model's directory, to make synthetic prompts exactly as long as asked in its
-    tokens (without it a prompt's length is counted in words, ~3 of the small model's tokens each)."""
-    return LoadProcess(workload, target_url, run_dir, tokenizer_dir)
+    tokens (without it a prompt's length is counted in words, ~3 of the small model's tokens each). ``t0``:
+    when the schedule starts, on ``time.perf_counter``'s clock (the loadgen's ``execute``); by default as soon
+    as the child is ready."""
+    return LoadProcess(workload, target_url, run_dir, tokenizer_dir, t0)
 
 
-def run_load(workload: Workload, target_url: str, run_dir: Path, tokenizer_dir: Path | None) -> RunOutput:
+def run_load(workload: Workload, target_url: str, run_dir: Path, tokenizer_dir: Path | None,
+             t0: float | None = None) -> RunOutput:
     """The run itself (in the child)."""
     tokenizers = {"tessera-small": load_model_dir(tokenizer_dir)} if tokenizer_dir is not None else None
     return execute(workload, Target.parse(target_url), run_dir, progress=False, plots=False,
-                   models={t.name: "tessera-small" for t in workload.tenants}, tokenizers=tokenizers)
+                   models={t.name: "tessera-small" for t in workload.tenants}, tokenizers=tokenizers, t0=t0)
 
 
 def cache_fill_workload(keys: dict[str, str], *, kv_blocks: int, block_size: int, times: float,

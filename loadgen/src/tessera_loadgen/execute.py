@@ -67,20 +67,25 @@ def execute(
     plots: bool = True,
     models: dict[str, str] | None = None,
     tokenizers: Mapping[str, TokenizerSpec] | None = None,
+    t0: float | None = None,
 ) -> RunOutput:
     """Run ``workload`` against ``target`` and write ``run_dir``; returns the result and the records.
 
     ``models`` (tenant -> model) skips asking the server; ``tokenizers`` (model -> spec, from
     ``tokenizer_source.resolve_tokenizers``) makes those models' prompt lengths exact, the others'
-    approximate (words), which the result says.
+    approximate (words), which the result says. ``t0``: the run's clock origin on ``time.perf_counter``
+    (CLOCK_MONOTONIC, one clock for every process of the machine), so that a caller in another process knows
+    when each scheduled arrival falls; by default the run starts as soon as it is ready. Only in one process.
     """
     if num_workers < 1:
         raise ValueError(f"num_workers must be >= 1, got {num_workers}")
+    if t0 is not None and num_workers > 1:
+        raise ValueError("t0 is for a run in one process; several workers agree on their own")
     if models is None:
         models = run_in_loop(resolve_models(workload, target))
     tokenizers = dict(tokenizers or {})
     if num_workers == 1:
-        run = run_in_loop(_run_here(workload, target, models, tokenizers, progress))
+        run = run_in_loop(_run_here(workload, target, models, tokenizers, progress, t0))
     else:
         run = _run_workers(workload, target, models, tokenizers, num_workers, progress)
     summary = summarize_run(run.records, MetricSpec.from_workload(workload))
@@ -108,10 +113,15 @@ def execute(
 
 
 async def _run_here(
-    workload: Workload, target: Target, models: dict[str, str], tokenizers: dict[str, TokenizerSpec], progress: bool
+    workload: Workload,
+    target: Target,
+    models: dict[str, str],
+    tokenizers: dict[str, TokenizerSpec],
+    progress: bool,
+    t0: float | None = None,
 ) -> RunResult:
     stats = LiveStats()
-    runner = Runner(workload, target, models=models, stats=stats, tokenizers=tokenizers)
+    runner = Runner(workload, target, models=models, stats=stats, tokenizers=tokenizers, t0=t0)
     main = asyncio.current_task()
     loop = asyncio.get_running_loop()
     interrupts = 0

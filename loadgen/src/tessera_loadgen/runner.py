@@ -140,6 +140,19 @@ async def resolve_models(workload: Workload, target: Target) -> dict[str, str]:
     return models
 
 
+def tenant_arrival_offsets(workload: Workload, tenant: Tenant) -> Iterator[float]:
+    """An open-loop tenant's arrivals, seconds from the run's t0, forever (the run stops taking them at its end).
+
+    Seeded by the workload's seed and the tenant's name only, so a bench can know the schedule before the run
+    (the soak samples the platform between arrivals)."""
+    arrival = tenant.arrival
+    if arrival is None:
+        raise ValueError(f"tenant {tenant.name!r} has no arrival process (it runs closed-loop)")
+    seed = f"{workload.seed}:arrivals:{tenant.name}"
+    offsets = make_arrival_process(arrival.process, arrival.rate_rps, seed, arrival.burstiness).offsets_s()
+    return repeat_every(offsets, arrival.period_s) if arrival.period_s is not None else offsets
+
+
 def build_library(workload: Workload, tokenizers: Mapping[str, TokenizerSpec] | None = None) -> PromptLibrary:
     """The prompt material of a run: the workload's corpus and prefix groups, in tokens where known."""
     groups = {n: (g.num_prefixes, g.prefix_tokens) for n, g in workload.prefix_groups.items()}
@@ -266,12 +279,7 @@ class Runner:
         t0 = self.t0
         heap: list[_Arrival] = []
         for order, ctx in enumerate(ctxs):
-            arrival = ctx.tenant.arrival
-            assert arrival is not None
-            seed = f"{self.workload.seed}:arrivals:{ctx.tenant.name}"
-            offsets = make_arrival_process(arrival.process, arrival.rate_rps, seed, arrival.burstiness).offsets_s()
-            if arrival.period_s is not None:
-                offsets = repeat_every(offsets, arrival.period_s)
+            offsets = tenant_arrival_offsets(self.workload, ctx.tenant)
             heap.append(_Arrival(t0 + next(offsets), order, ctx, offsets))
         heapq.heapify(heap)
         loop = asyncio.get_running_loop()

@@ -9,14 +9,18 @@ the configured one only by timer rounding (under 2 ms).
 
 from __future__ import annotations
 
+import itertools
+import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tessera_loadgen.client import Target
+from tessera_loadgen.execute import execute
 from tessera_loadgen.metrics import MetricSpec, summarize_run
-from tessera_loadgen.runner import Runner, run_in_loop
+from tessera_loadgen.runner import Runner, run_in_loop, tenant_arrival_offsets
 from tessera_loadgen.workload import Workload
 
 MockFactory = Callable[..., str]
@@ -104,3 +108,24 @@ def test_a_periodic_arrival_schedule_sends_the_same_offsets_every_period(mock_se
     first = [t for t in offsets if t < 0.25]
     second = [t - 0.25 for t in offsets if 0.25 <= t < 0.5]
     assert first and second[: len(first)] == pytest.approx(first[: len(second)], abs=1e-6)
+
+
+def test_a_run_given_its_t0_schedules_what_tenant_arrival_offsets_predicts(mock_server: MockFactory,
+                                                                          tmp_path: Path) -> None:
+    """The soak knows every arrival before its load starts: the schedule from ``tenant_arrival_offsets`` and a
+    ``t0`` it passes to ``execute`` (in a process of its own there; the same clock, CLOCK_MONOTONIC)."""
+    url = mock_server(ttft_s=0.001, itl_s=0.001)
+    workload = Workload.model_validate({
+        "num_requests": 12, "model": "mock-model", "seed": 9,
+        "tenants": [{"name": name, "arrival": {"process": "poisson", "rate_rps": 30.0, "period_s": 0.2},
+                     "classes": [{"name": "c", "output_tokens": 2, "prompt": {"tokens": 8}}]}
+                    for name in ("a", "b")]})
+    t0 = time.perf_counter() + 0.5
+    output = execute(workload, Target.parse(url), tmp_path, progress=False, plots=False, t0=t0)
+    assert output.t0 == t0
+    for tenant in workload.tenants:
+        sent = sorted(r.t_sched - t0 for r in output.records if r.tenant == tenant.name)
+        predicted = list(itertools.islice(tenant_arrival_offsets(workload, tenant), len(sent)))
+        assert sent and sent == pytest.approx(predicted, abs=1e-9)
+    with pytest.raises(ValueError, match="t0 is for a run in one process"):
+        execute(workload, Target.parse(url), tmp_path, num_workers=2, t0=t0)
