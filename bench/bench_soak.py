@@ -103,7 +103,8 @@ NOT_WINDOW_FIELDS = ("at_s", "cpu_s", "gc", "redis_persistence")
 
 
 def build_windows(records: list[Any], t_measure: float, window_s: float, samples: list[dict[str, Any]]) -> list[Window]:
-    """One Window per sample: the requests scheduled in it (warm-up excluded), TTFT from the scheduled send."""
+    """One Window per sample: the requests scheduled in it (warm-up excluded), TTFT from the scheduled send;
+    its ``end_s`` is when its sample was taken (``at_s``, in the window's last minute), else the window's end."""
     ttfts: dict[int, list[tuple[str, float]]] = {}
     counts: dict[int, list[int]] = {}
     for record in records:
@@ -125,8 +126,8 @@ def build_windows(records: list[Any], t_measure: float, window_s: float, samples
         tenants = sorted({t for t, _ in values})
         per_tenant = {t: percentiles([v for name, v in values if name == t], (99,))[0] for t in tenants}
         num, failed = counts.get(index, [0, 0])
-        windows.append(Window(index=index, end_s=(index + 1) * window_s, num_requests=num, num_failed=failed,
-                              ttft_p50_s=p50, ttft_p99_s=p99, tenant_ttft_p99_s=per_tenant,
+        windows.append(Window(index=index, end_s=taken.get("at_s", (index + 1) * window_s), num_requests=num,
+                              num_failed=failed, ttft_p50_s=p50, ttft_p99_s=p99, tenant_ttft_p99_s=per_tenant,
                               **{k: v for k, v in taken.items() if k not in NOT_WINDOW_FIELDS}))
     return windows
 

@@ -28,7 +28,9 @@ KEY_SETTLE_S = 900.0
 
 @dataclass(frozen=True, slots=True)
 class Window:
-    """One window of the soak: ``end_s`` from the start of the load, samples taken at that moment."""
+    """One window of the soak: its requests are those scheduled in it; ``end_s``, seconds from the start of the
+    load, is when its sample (RSS, keys, ...) was taken: the window's end, or a quiet moment of its last minute
+    (longrun/quiet_sample.py), so the key bound counts a window as settled only once its sample is."""
 
     index: int
     end_s: float
@@ -109,5 +111,5 @@ def window_row(w: Window) -> list[Any]:
             w.redis_keys, f"{w.redis_used_memory_bytes / 2**20:.2f}", w.redis_clients, w.gateway_sockets]
 
 
-WINDOW_HEADERS = ["win", "end s", "reqs", "fail", "TTFT p50 ms", "p99 ms", "gw RSS MiB", "engine RSS MiB",
+WINDOW_HEADERS = ["win", "sampled at s", "reqs", "fail", "TTFT p50 ms", "p99 ms", "gw RSS MiB", "engine RSS MiB",
                   "redis keys", "redis MiB", "redis clients", "gw sockets"]

@@ -85,10 +85,14 @@ def test_windows_take_the_requests_scheduled_in_them_and_skip_the_warm_up() -> N
               "redis_used_memory_bytes": 4, "redis_clients": 5, "gateway_sockets": 6}
     records = [record(100.0, 9.0, warmup=True), record(101.0, 0.5), record(109.9, 0.1, "b"), record(111.0, None),
                record(115.0, 0.2), record(125.0, 0.3)]  # the last is past the two windows: dropped
-    first, second = build_windows(records, t_measure=100.0, window_s=10.0, samples=[sample, sample])
+    first, second = build_windows(records, t_measure=100.0, window_s=10.0,
+                                  samples=[{**sample, "at_s": 9.2}, {**sample, "at_s": 19.2}])
     assert (first.num_requests, first.num_failed, second.num_requests, second.num_failed) == (2, 0, 2, 1)
     assert set(first.tenant_ttft_p99_s) == {"a", "b"} and second.ttft_p50_s == pytest.approx(0.2)
-    assert (first.end_s, second.end_s, second.redis_keys) == (10.0, 20.0, 3)
+    # A window's end_s is when its sample was taken (a quiet moment before its end), for the keys' settling.
+    assert (first.end_s, second.end_s, second.redis_keys) == (9.2, 19.2, 3)
+    untimed = {k: v for k, v in sample.items() if k != "at_s"}
+    assert [w.end_s for w in build_windows(records, t_measure=100.0, window_s=10.0, samples=[untimed])] == [10.0]
 
 
 def test_the_cache_fill_stores_the_asked_multiple_of_the_cache_one_request_at_a_time_per_tenant() -> None:
