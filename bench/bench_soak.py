@@ -38,7 +38,8 @@ from _support import bench_model, percentiles, print_table, write_results
 from longrun import platform as plat
 from longrun.load import cache_fill_workload, start_load, tenant_workload
 from longrun.quiet_sample import quiet_sample_offset, window_arrivals
-from longrun.soak import WINDOW_HEADERS, Window, judge, verdict_word, window_row
+from longrun.sampling_noise import chance_of_failing_flat
+from longrun.soak import P99_RATIO_LIMIT, WINDOW_HEADERS, Window, judge, verdict_word, window_row
 
 from tessera.engine.config import EngineConfig
 from tessera_loadgen.runner import tenant_arrival_offsets
@@ -130,6 +131,24 @@ def build_windows(records: list[Any], t_measure: float, window_s: float, samples
                               num_failed=failed, ttft_p50_s=p50, ttft_p99_s=p99, tenant_ttft_p99_s=per_tenant,
                               **{k: v for k, v in taken.items() if k not in NOT_WINDOW_FIELDS}))
     return windows
+
+
+def flat_failure_chances(records: list[Any], t_measure: float, window_s: float, num_windows: int) -> dict[str, float]:
+    """Per p99 goal (``ttft_p99``, ``ttft_p99[tenant]``): how often a run flat by construction fails it by sampling
+    alone, each window drawn from the run's own TTFTs of that scope (longrun/sampling_noise.py)."""
+    by_scope: dict[str, list[list[float]]] = {}
+    for record in records:
+        index = math.floor((record.t_sched - t_measure) / window_s)
+        if record.warmup or not record.ok or record.t_first is None or not 0 <= index < num_windows:
+            continue
+        for scope in ("ttft_p99", f"ttft_p99[{record.tenant}]"):
+            by_scope.setdefault(scope, [[] for _ in range(num_windows)])[index].append(record.t_first - record.t_sched)
+    chances = {}
+    for scope, windows in by_scope.items():
+        if num_windows >= 2 and all(windows):
+            chances[scope] = chance_of_failing_flat([v for w in windows for v in w],
+                                                    window_sizes=[len(w) for w in windows], limit=P99_RATIO_LIMIT)
+    return chances
 
 
 CPU_PARTS = ("gateway", "engine", "kvcontrol", "redis", "ray_other", "client")
@@ -278,11 +297,15 @@ def main() -> None:
     print()
     print("Redis keys at the end, by family: " + ", ".join(f"{k} {n}" for k, n in families.items()))
     print()
-    print_table(["goal", "verdict", "detail"], [[v.goal, verdict_word(v.passed), v.detail] for v in verdicts])
+    flat_fails = flat_failure_chances(output.records, output.t0 + args.warmup_s, args.window_s, num_windows)
+    print_table(["goal", "verdict", "detail", "a flat run fails it"],
+                [[v.goal, verdict_word(v.passed), v.detail,
+                  f"{flat_fails[v.goal]:.0%}" if v.goal in flat_fails else ""] for v in verdicts])
     path = write_results("soak", {
         "args": vars(args), "num_windows": num_windows, "cache_fill": fill, "before_load": before,
         "windows": [asdict(w) for w in windows], "samples": samples,
-        "goals": [asdict(v) for v in verdicts], "slowest_requests": slow, "redis_key_families_at_end": families,
+        "goals": [asdict(v) for v in verdicts], "flat_run_failure_chance": flat_fails, "slowest_requests": slow,
+        "redis_key_families_at_end": families,
         "loadgen_summary": output.result["summary"]["overall"] | {"latency": None},
         "machine": {"cpus": os.cpu_count(), "loadavg_at_end": os.getloadavg()}})
     print(f"results: {path}")

@@ -107,3 +107,21 @@ def test_the_cache_fill_stores_the_asked_multiple_of_the_cache_one_request_at_a_
     # A tiny cache still sends each tenant one prompt.
     assert cache_fill_workload(keys, kv_blocks=1, block_size=32, times=1.0, prompt_tokens=896,
                                seed=1).num_requests == 3
+
+
+def test_flat_failure_chances_per_goal_from_the_windows_requests() -> None:
+    from types import SimpleNamespace
+
+    from bench_soak import flat_failure_chances
+
+    rng = random.Random(2)
+    records = [SimpleNamespace(t_sched=100.0 + i * 0.05, warmup=False, ok=True, tenant="ab"[i % 2],
+                               t_first=100.0 + i * 0.05 + rng.lognormvariate(-4.0, 0.5)) for i in range(2400)]
+    records.append(SimpleNamespace(t_sched=99.0, warmup=True, ok=True, tenant="a", t_first=199.0))  # warm-up
+    chances = flat_failure_chances(records, t_measure=100.0, window_s=30.0, num_windows=4)
+    assert set(chances) == {"ttft_p99", "ttft_p99[a]", "ttft_p99[b]"}
+    # Each tenant's windows hold half the requests: its p99 is noisier, so a flat run fails its rule more often.
+    assert chances["ttft_p99"] < min(chances["ttft_p99[a]"], chances["ttft_p99[b]"])
+    # A scope with an empty window gets no figure.
+    assert "ttft_p99[a]" not in flat_failure_chances([r for r in records if not (r.tenant == "a" and r.t_sched >= 190)],
+                                                     t_measure=100.0, window_s=30.0, num_windows=4)
