@@ -4,7 +4,7 @@ The soak's rule compares each window's p99 TTFT with the first window's. A p99 o
 n/100-th slowest of them, so two windows of the same platform differ by which few requests the machine
 slowed. ``chance_of_failing_flat`` draws every window from the run's own TTFTs pooled (a run flat by
 construction: each window the same distribution) and counts how often the rule still fails. In run R
-(docs/performance.md section 10) that was 4 % for the overall p99 (~1,240 requests a window) and 27-30 %
+(docs/performance.md section 10) that was 4 % for the overall p99 (~1,240 requests a window) and 26-31 %
 for each tenant's (~410): with three tenants, a perfectly flat run fails the per-tenant rule more often
 than it passes. The bench prints the figure beside each verdict so a FAIL can be read against it.
 """
