@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from dataclasses import dataclass, field
@@ -10,6 +11,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
+from tessera.gateway.segment_tokens import SegmentTokenizer
 from tessera.redis_wire import RedisWire
 from tessera.refresher import UsageRefresher
 from tessera.registry import MODELS_HASH, EngineRecord, ModelInfo, list_models
@@ -48,6 +50,13 @@ class ServedModel:
     # prompt (a string, or the chat messages as ((role, content), ...)) -> its token ids; never mutated
     _encoded: dict[object, list[int]] = field(default_factory=dict, repr=False)
     _num_cached_tokens: int = field(default=0, repr=False)
+    # A rendered conversation's pieces between special tokens, each tokenized once (None: the tokenizer's cut
+    # is not one the gateway can repeat exactly; see segment_tokens.py).
+    segments: SegmentTokenizer | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.segments is None:
+            self.segments = SegmentTokenizer.of(self.tokenizer, functools.partial(token_ids, self.tokenizer))
 
     @property
     def vocab_size(self) -> int:
@@ -87,7 +96,7 @@ class ServedModel:
             text = self.chat_template.render(
                 messages=messages, add_generation_prompt=True, bos_token=self.bos_token, eos_token=self.eos_token
             )
-        return token_ids(self.tokenizer, text)
+        return self.segments.encode(text) if self.segments is not None else token_ids(self.tokenizer, text)
 
 
 def token_ids(tokenizer: Any, text: str) -> list[int]:
