@@ -113,3 +113,13 @@ def test_the_cache_is_bounded_in_tokens(monkeypatch: pytest.MonkeyPatch) -> None
     # A piece over a quarter of the bound is never kept.
     segments.encode("z" * 200)
     assert "z" * 200 not in segments._pieces
+
+
+def test_a_lone_message_is_encoded_whole_and_fills_no_cache(small_model_dir: Path) -> None:
+    served = load_served_model(ModelInfo(name="m", tokenizer=str(small_model_dir), max_model_len=1024, block_size=32))
+    assert served.segments is not None
+    for i in range(20):
+        served.encode_chat([{"role": "user", "content": f"a question sent once, number {i}"}])
+    assert served.segments.num_cached_tokens == 0
+    served.encode_chat([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "and a history"}])
+    assert served.segments.num_cached_tokens > 0

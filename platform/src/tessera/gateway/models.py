@@ -96,7 +96,11 @@ class ServedModel:
             text = self.chat_template.render(
                 messages=messages, add_generation_prompt=True, bos_token=self.bos_token, eos_token=self.eos_token
             )
-        return self.segments.encode(text) if self.segments is not None else token_ids(self.tokenizer, text)
+        # A lone message has no history for a later turn to reuse (and no shared system prompt): its pieces
+        # would only fill the cache with text sent once, so it is encoded whole.
+        if self.segments is None or len(messages) < 2:
+            return token_ids(self.tokenizer, text)
+        return self.segments.encode(text)
 
 
 def token_ids(tokenizer: Any, text: str) -> list[int]:
