@@ -110,6 +110,11 @@ def test_the_cache_is_bounded_in_tokens(monkeypatch: pytest.MonkeyPatch) -> None
     for i in range(100):
         assert segments.encode(f"<|u|>{i:03d}{'y' * 40}<|u|>") == [0, *range(43), 0]
         assert segments.num_cached_tokens <= 400
+    # The least recently used piece leaves first: one used on every call stays.
+    segments = SegmentTokenizer({"<|u|>": 0}, lambda piece: list(range(len(piece))))
+    for i in range(100):
+        segments.encode(f"system prompt{'s' * 30}<|u|>{i:03d}{'y' * 40}")
+    assert f"system prompt{'s' * 30}" in segments._pieces
     # A piece over a quarter of the bound is never kept.
     segments.encode("z" * 200)
     assert "z" * 200 not in segments._pieces

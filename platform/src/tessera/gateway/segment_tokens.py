@@ -21,8 +21,8 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-# The pieces' ids kept per model and gateway worker, oldest out first, bounded in tokens (~36 bytes an id: a
-# list slot and an int object) so a tenant's distinct long messages cannot grow a worker past ~2.5 MiB.
+# The pieces' ids kept per model and gateway worker, least recently used out first, bounded in tokens (~36 bytes
+# an id: a list slot and an int object) so a tenant's distinct long messages cannot grow a worker past ~2.5 MiB.
 MAX_CACHED_PIECE_TOKENS = 65_536
 # A piece longer than this is tokenized every time: one message would otherwise flush every other.
 MAX_CACHED_PIECE_CHARS = 16_384
@@ -71,8 +71,10 @@ class SegmentTokenizer:
         return ids
 
     def _piece(self, piece: str) -> list[int]:
-        ids = self._pieces.get(piece)
+        ids = self._pieces.pop(piece, None)
         if ids is not None:
+            # Back to the newest end: a system prompt every conversation repeats stays while one-off text ages out.
+            self._pieces[piece] = ids
             return ids
         ids = self._encode_piece(piece)
         if len(piece) <= MAX_CACHED_PIECE_CHARS and len(ids) <= MAX_CACHED_PIECE_TOKENS // 4:
