@@ -22,7 +22,8 @@ a change's effect on the figures above without the machine's drift between two r
 For example ``python bench/bench_gateway_cpu.py --revs 06f6e29,work``.
 
 ``--prompt-tokens N`` sends a different N-token prompt per request (bench-stack's are ~350) instead of one
-short question, so the tokenizer's share is in the figure.
+short question, so the tokenizer's share is in the figure. ``--turns N`` makes the requests multi-turn chats of
+N turns (each the history so far and a new question), where the gateway tokenizes only the new messages.
 
 The fake engine stores each prompt's full blocks in the shared prefix index before its first delta, one batch,
 as a replica's KV-event feeder does after a prefill, so the gateway's local index follows the event stream as
@@ -133,8 +134,23 @@ def chat_prompts(prompt_tokens: int, count: int) -> list[str]:
     return [maker.prompt(f"gateway-cpu-{i}") for i in range(count)]
 
 
+def conversation(prompts: list[str], request: int, turns: int) -> list[dict[str, str]]:
+    """Request ``request``'s messages: with ``turns`` 1 one user message; otherwise turn ``request % turns`` of
+    a chat of that many turns (a system prompt, the earlier questions with their answers, the new question),
+    each chat with questions of its own, so only its history repeats."""
+    if turns <= 1:
+        return [{"role": "user", "content": prompts[request % len(prompts)]}]
+    chat, turn = divmod(request, turns)
+    messages = [{"role": "system", "content": "You are a concise assistant. Answer in one short paragraph."}]
+    for i in range(turn + 1):
+        messages.append({"role": "user", "content": prompts[(chat * turns + i) % len(prompts)]})
+        if i < turn:
+            messages.append({"role": "assistant", "content": f"Answer {chat}.{i}: " + "it depends " * 8})
+    return messages
+
+
 async def one_run(num_requests: int, work: Path, revs: list[tuple[str, Path | None]], first: int,
-                  prompts: list[str], kv_events: bool) -> dict[str, Any]:
+                  prompts: list[str], kv_events: bool, turns: int = 1) -> dict[str, Any]:
     """Every revision's gateway at once behind one Redis and one fake engine; measured one after the other,
     from ``revs[first]`` on (each run starts with the next, so drift falls on all alike), then idle together."""
     from tessera.redis_conn import EmbeddedRedis, connect
@@ -179,7 +195,7 @@ async def one_run(num_requests: int, work: Path, revs: list[tuple[str, Path | No
             async def one(url: str) -> int:
                 chunks = 0
                 body = {"model": "tessera-small", "stream": True, "max_tokens": TOKENS, "ignore_eos": True,
-                        "messages": [{"role": "user", "content": prompts[next(sent) % len(prompts)]}]}
+                        "messages": conversation(prompts, next(sent), turns)}
                 async with client.stream("POST", f"{url}/v1/chat/completions", json=body, headers=headers) as r:
                     assert r.status_code == 200, await r.aread()
                     async for line in r.aiter_lines():
@@ -240,6 +256,10 @@ def main() -> None:
     parser.add_argument("--kv-events", action=argparse.BooleanOptionalAction, default=True,
                         help="The fake engine stores each prompt's blocks in the prefix index, as a replica's "
                              "KV-event feeder does, so the gateways' local indexes follow the stream (default: on).")
+    parser.add_argument("--turns", type=int, default=1,
+                        help="1 (default): one message a request. N: multi-turn chats of N turns, each request "
+                             "the whole history so far and a new question (the model's context is 2,048 tokens: "
+                             "keep N x (prompt tokens + ~30) under it).")
     args = parser.parse_args()
     import tempfile
 
@@ -253,7 +273,8 @@ def main() -> None:
     try:
         for i in range(args.runs):
             work = Path(tempfile.mkdtemp(prefix="bench-gateway-cpu-"))
-            runs.append(asyncio.run(one_run(args.requests, work, revs, i % len(revs), prompts, args.kv_events)))
+            runs.append(asyncio.run(one_run(args.requests, work, revs, i % len(revs), prompts, args.kv_events,
+                                            args.turns)))
             print(f"run {i + 1}/{args.runs}: {runs[-1]}", flush=True)
     finally:
         for name, source in sources.items():
@@ -272,6 +293,7 @@ def main() -> None:
     single = len(revs) == 1
     path = write_results("gateway_cpu", {"tokens": TOKENS, "line_gap_s": LINE_GAP_S, "requests": args.requests,
                                          "prompt_tokens": args.prompt_tokens or "short question",
+                                         "turns": args.turns,
                                          "kv_events": args.kv_events,
                                          "revisions": [rev for rev, _ in revs],
                                          "runs": [r[revs[0][0]] for r in runs] if single else runs,
