@@ -92,9 +92,10 @@ async def refused(url: str) -> bool:
     try:
         async with httpx.AsyncClient(timeout=2.0) as client:
             await client.get(f"{url}/health")
-    except (httpx.ConnectError, httpx.RemoteProtocolError):
-        # Refused, or (a connection the kernel queued just before the listening socket closed) reset without
-        # an answer: either way not served here, and a client retries it elsewhere.
+    except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError):
+        # Refused, or (a connection the kernel queued just before the listening socket closed) closed or reset
+        # without an answer (EOF: RemoteProtocolError; ECONNRESET while reading the head: ReadError, seen in CI
+        # once): either way not served here, and a client retries it elsewhere.
         return True
     return False
 
