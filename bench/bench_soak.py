@@ -103,6 +103,11 @@ def sample(platform: Any, scrape_gc: plat.GcScraper) -> dict[str, Any]:
 NOT_WINDOW_FIELDS = ("at_s", "cpu_s", "gc", "redis_persistence")
 
 
+def window_of(record: Any, t_measure: float, window_s: float) -> int:
+    """The window a request was scheduled in (negative: the warm-up's time)."""
+    return math.floor((record.t_sched - t_measure) / window_s)
+
+
 def build_windows(records: list[Any], t_measure: float, window_s: float, samples: list[dict[str, Any]]) -> list[Window]:
     """One Window per sample: the requests scheduled in it (warm-up excluded), TTFT from the scheduled send;
     its ``end_s`` is when its sample was taken (``at_s``, in the window's last minute), else the window's end."""
@@ -111,7 +116,7 @@ def build_windows(records: list[Any], t_measure: float, window_s: float, samples
     for record in records:
         if record.warmup:
             continue
-        index = math.floor((record.t_sched - t_measure) / window_s)
+        index = window_of(record, t_measure, window_s)
         if not 0 <= index < len(samples):
             continue
         count = counts.setdefault(index, [0, 0])
@@ -138,7 +143,7 @@ def flat_failure_chances(records: list[Any], t_measure: float, window_s: float, 
     alone, each window drawn from the run's own TTFTs of that scope (longrun/sampling_noise.py)."""
     by_scope: dict[str, list[list[float]]] = {}
     for record in records:
-        index = math.floor((record.t_sched - t_measure) / window_s)
+        index = window_of(record, t_measure, window_s)
         if record.warmup or not record.ok or record.t_first is None or not 0 <= index < num_windows:
             continue
         for scope in ("ttft_p99", f"ttft_p99[{record.tenant}]"):
@@ -198,7 +203,7 @@ def slowest(records: list[Any], t_measure: float, window_s: float, num: int = 8)
     for record in records:
         if record.warmup or not record.ok or record.t_first is None:
             continue
-        index = math.floor((record.t_sched - t_measure) / window_s)
+        index = window_of(record, t_measure, window_s)
         by_window.setdefault(index, []).append([round(record.t_sched - t_measure, 2), record.tenant,
                                                 round((record.t_first - record.t_sched) * 1000, 1)])
     return {index: sorted(rows, key=lambda row: -row[2])[:num] for index, rows in sorted(by_window.items())}
