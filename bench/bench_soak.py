@@ -13,9 +13,10 @@ a window, ~410 a tenant): at the 1.5 of earlier runs a window's p99 was its 5th 
 its 2nd, so one stall moved it by tens of percent. At each window's end it samples
 the gateway's and the engine replica's RSS (their whole process trees), Redis's DBSIZE, used_memory and
 connected_clients, and the gateway's open sockets; per window it reports p50/p99 TTFT (the user's view:
-from the scheduled send), overall and per tenant. bench/longrun/soak.py judges the goals (p99 within 1.2x
-of the first window's, RSS growth < 5 %, Redis keys bounded once the per-request keys' TTLs have passed)
-and the bench prints PASS, FAIL or n/a per goal. Writes bench/results/soak.json.
+from the scheduled send), overall and per tenant (p95 and p99). bench/longrun/soak.py judges the goals (p99
+within 1.2x of the first window's, each tenant's p95 too, RSS growth < 5 %, Redis keys bounded once the
+per-request keys' TTLs have passed) and the bench prints PASS, FAIL or n/a per goal, each tenant's p99 ratio
+beside them as a reading. Writes bench/results/soak.json.
 
 Short run: ``SOAK_DURATION_S=240 SOAK_WINDOW_S=60 make bench-soak`` (or ``--duration-s``/``--window-s``).
 """
@@ -39,7 +40,7 @@ from longrun import platform as plat
 from longrun.load import cache_fill_workload, start_load, tenant_workload
 from longrun.quiet_sample import quiet_sample_offset, window_arrivals
 from longrun.sampling_noise import chance_of_failing_flat
-from longrun.soak import P99_RATIO_LIMIT, WINDOW_HEADERS, Window, judge, verdict_word, window_row
+from longrun.soak import P99_RATIO_LIMIT, WINDOW_HEADERS, Window, judge, readings, verdict_word, window_row
 
 from tessera.engine.config import EngineConfig
 from tessera_loadgen.runner import tenant_arrival_offsets
@@ -130,29 +131,33 @@ def build_windows(records: list[Any], t_measure: float, window_s: float, samples
         values = ttfts.get(index, [])
         p50, p99 = percentiles([v for _, v in values])
         tenants = sorted({t for t, _ in values})
-        per_tenant = {t: percentiles([v for name, v in values if name == t], (99,))[0] for t in tenants}
+        per_tenant = {t: percentiles([v for name, v in values if name == t], (95, 99)) for t in tenants}
         num, failed = counts.get(index, [0, 0])
         windows.append(Window(index=index, end_s=taken.get("at_s", (index + 1) * window_s), num_requests=num,
-                              num_failed=failed, ttft_p50_s=p50, ttft_p99_s=p99, tenant_ttft_p99_s=per_tenant,
+                              num_failed=failed, ttft_p50_s=p50, ttft_p99_s=p99,
+                              tenant_ttft_p95_s={t: p[0] for t, p in per_tenant.items()},
+                              tenant_ttft_p99_s={t: p[1] for t, p in per_tenant.items()},
                               **{k: v for k, v in taken.items() if k not in NOT_WINDOW_FIELDS}))
     return windows
 
 
 def flat_failure_chances(records: list[Any], t_measure: float, window_s: float, num_windows: int) -> dict[str, float]:
-    """Per p99 goal (``ttft_p99``, ``ttft_p99[tenant]``): how often a run flat by construction fails it by sampling
-    alone, each window drawn from the run's own TTFTs of that scope (longrun/sampling_noise.py)."""
+    """Per TTFT rule (the goals ``ttft_p99`` and ``ttft_p95[tenant]``, the readings ``ttft_p99[tenant]``): how often
+    a run flat by construction fails it by sampling alone, each window drawn from the run's own TTFTs of that
+    scope (longrun/sampling_noise.py)."""
     by_scope: dict[str, list[list[float]]] = {}
     for record in records:
         index = window_of(record, t_measure, window_s)
         if record.warmup or not record.ok or record.t_first is None or not 0 <= index < num_windows:
             continue
-        for scope in ("ttft_p99", f"ttft_p99[{record.tenant}]"):
+        for scope in ("ttft_p99", f"ttft_p95[{record.tenant}]", f"ttft_p99[{record.tenant}]"):
             by_scope.setdefault(scope, [[] for _ in range(num_windows)])[index].append(record.t_first - record.t_sched)
     chances = {}
     for scope, windows in by_scope.items():
         if num_windows >= 2 and all(windows):
             chances[scope] = chance_of_failing_flat([v for w in windows for v in w],
-                                                    window_sizes=[len(w) for w in windows], limit=P99_RATIO_LIMIT)
+                                                    window_sizes=[len(w) for w in windows], limit=P99_RATIO_LIMIT,
+                                                    q=95 if scope.startswith("ttft_p95") else 99)
     return chances
 
 
@@ -280,8 +285,9 @@ def main() -> None:
     print_table(WINDOW_HEADERS, [window_row(w) for w in windows])
     tenants = sorted({t for w in windows for t in w.tenant_ttft_p99_s})
     print()
-    print_table(["win", *(f"{t} p99 ms" for t in tenants)],
-                [[w.index, *(f"{w.tenant_ttft_p99_s.get(t, math.nan) * 1000:.1f}" for t in tenants)]
+    print_table(["win", *(f"{t} p95 / p99 ms" for t in tenants)],
+                [[w.index, *(f"{w.tenant_ttft_p95_s.get(t, math.nan) * 1000:.1f} / "
+                             f"{w.tenant_ttft_p99_s.get(t, math.nan) * 1000:.1f}" for t in tenants)]
                  for w in windows])
     print()
     print("CPU ms per request, by part of the platform, per window (which part's cost grows):")
@@ -306,10 +312,18 @@ def main() -> None:
     print_table(["goal", "verdict", "detail", "a flat run fails it"],
                 [[v.goal, verdict_word(v.passed), v.detail,
                   f"{flat_fails[v.goal]:.0%}" if v.goal in flat_fails else ""] for v in verdicts])
+    tenant_p99 = readings(windows)
+    print()
+    print("Read, not judged: each tenant's p99 against the same limit (its 4th-5th slowest request of a window; "
+          "longrun/soak.py says why)")
+    print_table(["reading", "within the limit", "detail", "a flat run exceeds it"],
+                [[v.goal, verdict_word(v.passed), v.detail,
+                  f"{flat_fails[v.goal]:.0%}" if v.goal in flat_fails else ""] for v in tenant_p99])
     path = write_results("soak", {
         "args": vars(args), "num_windows": num_windows, "cache_fill": fill, "before_load": before,
         "windows": [asdict(w) for w in windows], "samples": samples,
-        "goals": [asdict(v) for v in verdicts], "flat_run_failure_chance": flat_fails, "slowest_requests": slow,
+        "goals": [asdict(v) for v in verdicts], "readings": [asdict(v) for v in tenant_p99],
+        "flat_run_failure_chance": flat_fails, "slowest_requests": slow,
         "redis_key_families_at_end": families,
         "loadgen_summary": output.result["summary"]["overall"] | {"latency": None},
         "machine": {"cpus": os.cpu_count(), "loadavg_at_end": os.getloadavg()}})

@@ -3,7 +3,14 @@
 A window is what the soak sampled at its end (RSS, Redis keys and memory, connections) and the TTFT
 percentiles of the requests scheduled in it. The goals (issue #16):
 
-- ``ttft_p99``: no window's p99 TTFT above ``P99_RATIO_LIMIT`` times the first window's, overall and per tenant;
+- ``ttft_p99``: no window's p99 TTFT above ``P99_RATIO_LIMIT`` times the first window's, over all requests;
+- ``ttft_p95[tenant]``: the same limit per tenant, on its p95. A tenant's window holds ~410 requests at the
+  default rate, so its p99 is its 4th-5th slowest: drawn from the run's own TTFTs pooled (a run flat by
+  construction), that ratio exceeds 1.2 in 26-31 % of trials per tenant, and three tenants fail together
+  about 60 % of the time on a platform that does not change (longrun/sampling_noise.py, run R). A rule a
+  flat run fails more often than it passes cannot tell drift from noise; the p95 (its ~20th slowest) fails
+  a flat run 0-1 % of the time and still moves with a tenant whose requests slow down. Each tenant's p99
+  ratio stays in the report as a reading (``readings``), with how often a flat run exceeds it;
 - ``rss_growth``: the gateway's and the engine's RSS at the end at most ``RSS_GROWTH_LIMIT`` above their RSS
   at the end of the first window (the first window is the warm-up: allocators, caches and pools fill then);
 - ``redis_keys_bounded``: once the run is past ``KEY_SETTLE_S`` (every per-request key has expired at least
@@ -45,6 +52,7 @@ class Window:
     ttft_p50_s: float
     ttft_p99_s: float
     tenant_ttft_p99_s: dict[str, float] = field(default_factory=dict)
+    tenant_ttft_p95_s: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,16 +97,26 @@ def _keys_verdict(windows: list[Window]) -> Verdict:
                    f"{reference} keys at {settled[0].end_s:.0f} s, at most {worst} after (limit {limit:.0f})")
 
 
+def _tenants(windows: list[Window]) -> list[str]:
+    return sorted({t for w in windows for t in (*w.tenant_ttft_p99_s, *w.tenant_ttft_p95_s)})
+
+
 def judge(windows: list[Window]) -> list[Verdict]:
-    """Every goal's verdict, in a fixed order: overall p99, each tenant's p99, gateway RSS, engine RSS, keys."""
+    """Every goal's verdict, in a fixed order: overall p99, each tenant's p95, gateway RSS, engine RSS, keys."""
     verdicts = [_ratio_verdict("ttft_p99", [w.ttft_p99_s for w in windows])]
-    tenants = sorted({t for w in windows for t in w.tenant_ttft_p99_s})
-    verdicts += [_ratio_verdict(f"ttft_p99[{t}]", [w.tenant_ttft_p99_s.get(t, math.nan) for w in windows])
-                 for t in tenants]
+    verdicts += [_ratio_verdict(f"ttft_p95[{t}]", [w.tenant_ttft_p95_s.get(t, math.nan) for w in windows])
+                 for t in _tenants(windows)]
     verdicts.append(_rss_verdict("gateway_rss_growth", [w.gateway_rss_bytes for w in windows]))
     verdicts.append(_rss_verdict("engine_rss_growth", [w.engine_rss_bytes for w in windows]))
     verdicts.append(_keys_verdict(windows))
     return verdicts
+
+
+def readings(windows: list[Window]) -> list[Verdict]:
+    """Each tenant's p99 ratio, judged against the same limit but not a goal (the module's docstring: a flat run
+    exceeds it about as often as not); printed beside the flat-run figure so a slow tenant still shows."""
+    return [_ratio_verdict(f"ttft_p99[{t}]", [w.tenant_ttft_p99_s.get(t, math.nan) for w in windows])
+            for t in _tenants(windows)]
 
 
 def verdict_word(passed: bool | None) -> str:
