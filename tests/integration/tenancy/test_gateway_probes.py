@@ -4,6 +4,7 @@ worker processes, on the metrics port only."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import httpx
@@ -43,6 +44,15 @@ def test_metrics_are_summed_across_worker_processes(tenancy_redis: RestartableRe
             response = httpx.post(f"{gateway.url}/v1/completions", json=completion_body(), headers=tenant.headers,
                                   timeout=60)
             assert response.status_code == 200
+        # A worker writes its completions to the series on its server tick, once a second (metrics.py).
+        deadline = time.monotonic() + 10
+        while True:
+            text = httpx.get(gateway.metrics_url, timeout=10).text
+            counted = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                       if line.startswith("tessera_gateway_requests_total{") and f'"{tenant.name}"' in line]
+            if counted == [num_requests] or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
         for _ in range(10):
             text = httpx.get(gateway.metrics_url, timeout=10).text
             counted = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()

@@ -13,6 +13,7 @@ from uvicorn.supervisors import multiprocess
 
 from tessera.gateway import lean_server
 from tessera.gateway.lean_server import LeanServer, LeanWorker
+from tessera.gateway.metrics import FLUSH_STATE_KEY
 
 
 async def test_it_ticks_once_a_second_refreshing_the_date_and_exits_within_a_tick(
@@ -59,6 +60,21 @@ async def test_each_tick_beats_the_loop_watchdog_and_shutdown_disarms_it(monkeyp
     assert not server.watchdog.armed
     await asyncio.wait_for(loop, 1.0)
     assert not server.watchdog.armed
+
+
+async def test_each_tick_writes_the_requests_completed_since_the_last_to_the_metrics(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(lean_server, "SERVER_TICK_S", 0.05)
+    server = LeanServer(uvicorn.Config(app=lambda *_: None), watch_in_thread=False)
+    server.server_state.default_headers = []
+    flushes: list[float] = []
+    # What the gateway's lifespan startup leaves (app.py): the metrics' flush, under its key.
+    server.lifespan = SimpleNamespace(state={FLUSH_STATE_KEY: lambda: flushes.append(time.monotonic())})
+    loop = asyncio.ensure_future(server.main_loop())
+    await asyncio.sleep(0.3)
+    assert len(flushes) >= 4
+    server.should_exit = True
+    await asyncio.wait_for(loop, 1.0)
 
 
 def test_the_ticks_fall_on_the_refreshers_grid() -> None:

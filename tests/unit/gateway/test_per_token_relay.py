@@ -12,7 +12,7 @@ import orjson
 import pytest
 
 from tessera.engine.protocol import Delta, RequestStats, delta_line, done_line
-from tessera.gateway.engine_client import EngineClient, StreamResult
+from tessera.gateway.engine_client import EngineClient, StreamResult, _Attempt
 from tests.support.machine import free_port
 
 LINE_GAP_S = 0.01  # apart enough that each line is read alone
@@ -45,7 +45,16 @@ def _url(server: asyncio.AbstractServer) -> str:
 
 
 @pytest.mark.asyncio
-async def test_lone_deltas_go_to_the_text_sink_are_billed_and_continued_elsewhere_once() -> None:
+async def test_lone_deltas_go_to_the_text_sink_are_billed_and_continued_elsewhere_once(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    offered: list[bytes] = []  # what the per-token path was offered: single lines only (http_wire.on_body)
+    real_line_received = _Attempt.line_received
+
+    def line_received(self: _Attempt, line: bytes) -> bool:
+        offered.append(line)
+        return real_line_received(self, line)
+
+    monkeypatch.setattr(_Attempt, "line_received", line_received)
     first_requests: list[dict[str, object]] = []
     second_requests: list[dict[str, object]] = []
     # The first replica streams four deltas (one of them with two ids), then dies; the second finishes.
@@ -86,6 +95,8 @@ async def test_lone_deltas_go_to_the_text_sink_are_billed_and_continued_elsewher
     # The continuation carries every id the first replica made, those the per-token path took included.
     assert second_requests[0]["prompt_token_ids"] == [1, 2, 5, 6, 7, 8, 9]
     assert second_requests[0]["max_tokens"] == 2
+    # The chunk with "f" and the closing line was never offered whole (a JSON parse that could only fail).
+    assert offered and all(line.count(b"\n") == 1 and line.endswith(b"\n") for line in offered)
 
 
 @pytest.mark.asyncio

@@ -8,8 +8,9 @@ This module wires the services and dispatches by path; a generation request goes
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
-import uuid
+import secrets
 
 from opentelemetry import trace
 from opentelemetry.context import Context
@@ -24,7 +25,7 @@ from tessera.gateway.engine_client import EngineClient
 from tessera.gateway.errors import STORE_ERRORS, APIError, store_unavailable
 from tessera.gateway.failopen import FailOpen
 from tessera.gateway.finish_journal import FinishJournal, JournalConfig
-from tessera.gateway.metrics import GatewayMetrics
+from tessera.gateway.metrics import FLUSH_STATE_KEY, GatewayMetrics
 from tessera.gateway.models import ModelCatalog, replicas_extension, tokenizer_document
 from tessera.gateway.openapi import openapi_document
 from tessera.gateway.request.authenticate import require_tenant
@@ -49,6 +50,18 @@ logger = logging.getLogger(__name__)
 
 def _is_store_error(exc: BaseException) -> bool:
     return isinstance(exc, STORE_ERRORS)
+
+
+
+# Request ids the gateway makes (a request without its own X-Request-Id): a random prefix per process and a
+# counter, unique across processes and pods without a uuid4's getrandom system call per request. A label for
+# logs and spans, never a secret (the engine request id is made apart: request/call.py).
+_REQUEST_ID_PREFIX = f"req-{secrets.token_hex(8)}-"
+_request_ids = itertools.count()
+
+
+def new_request_id() -> str:
+    return f"{_REQUEST_ID_PREFIX}{next(_request_ids):x}"
 
 
 class Gateway:
@@ -103,9 +116,9 @@ class Gateway:
         if scope["type"] != "http":
             return
         headers = header_map(scope)
-        request_id = headers.get("x-request-id") or f"req-{uuid.uuid4().hex}"
+        request_id = headers.get("x-request-id") or new_request_id()
         if len(request_id) > 128:
-            request_id = f"req-{uuid.uuid4().hex}"
+            request_id = new_request_id()
         path, method = scope["path"], scope["method"]
         try:
             endpoint = ENDPOINTS.get(path)
@@ -211,8 +224,10 @@ class Gateway:
             message = await receive()
             if message["type"] == "lifespan.startup":
                 # The server's side of the drain finds it here (lean_server.LeanServer).
+                # ... and the metrics' flush, which its tick calls (metrics.py).
                 if isinstance(scope.get("state"), dict):
                     scope["state"][DRAIN_STATE_KEY] = self.drain
+                    scope["state"][FLUSH_STATE_KEY] = self.metrics.flush
                 # What earlier processes could not record is replayed; then the settler's timer starts.
                 self.finishes.restore(self.journal.adopt())
                 self._settler_task = asyncio.create_task(self.settler.run())
@@ -224,6 +239,7 @@ class Gateway:
                     logger.error("%d requests still open at shutdown; their usage may be unrecorded", left)
                 if self._settler_task is not None:
                     self._settler_task.cancel()
+                self.metrics.flush()
                 await self.finishes.close()
                 await self.router.close()
                 await self.auth.close()

@@ -135,7 +135,9 @@ class _Connection(asyncio.Protocol):
 
     def on_body(self, body: bytes) -> None:
         offer = self._offer_line
-        if offer is not None and not self.buffer and body.endswith(b"\n") and offer(body):
+        # One whole line only: a read that holds two (the last delta and the closing line, say) goes to the
+        # buffer, not to a JSON parse that fails and raises on the way.
+        if offer is not None and not self.buffer and body.find(b"\n") == len(body) - 1 and offer(body):
             return
         self.buffer += body
         self._wake()

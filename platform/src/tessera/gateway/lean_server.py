@@ -12,6 +12,9 @@ this project's VMs, more than everything else an idle gateway does). Its tick do
 It also drives the worker's drain (``drain.py``): the signal itself begins it (``/ready`` goes 503 before
 the listening socket closes), and uvicorn's graceful shutdown runs beside the cut at the deadline.
 
+Each tick also writes the requests the worker completed since the last one to its metric series
+(``metrics.GatewayMetrics.flush``, left in the lifespan state by the app), and the collector's pauses.
+
 Each tick also beats the worker's loop watchdog (``loop_watchdog.py``): a worker whose loop stops turning
 for ``TESSERA_LOOP_STALL_LIMIT_S`` writes its threads' stacks to stderr and exits, and the supervisor starts
 a new one. ``LeanWorker.pong`` checks it, in the thread that answers the supervisor's pings; a one-worker
@@ -29,13 +32,14 @@ import socket
 import time
 from collections.abc import Callable
 from types import FrameType
+from typing import Any
 
 import uvicorn
 from uvicorn.supervisors import multiprocess
 
 from tessera.gateway.drain import DRAIN_STATE_KEY, GatewayDrain
 from tessera.gateway.loop_watchdog import LoopWatchdog
-from tessera.gateway.metrics import gc_pause_exporter
+from tessera.gateway.metrics import FLUSH_STATE_KEY, gc_pause_exporter
 from tessera.settings import load_settings
 from tessera.telemetry.gc_heap import freeze_startup_heap, process_gc_pauses
 
@@ -81,6 +85,9 @@ class LeanServer(uvicorn.Server):
                 # The collector's pauses since the last tick, written here, in ordinary code (gc_heap.GcPauses).
                 if self._export_gc_pauses is not None:
                     self._export_gc_pauses()
+                flush = self._lifespan_state().get(FLUSH_STATE_KEY)
+                if flush is not None:
+                    flush()
                 should_exit = await self.on_tick(counter)
         finally:
             # Shutdown ticks no more; the drain's deadline and uvicorn's backstop bound it instead.
@@ -110,10 +117,14 @@ class LeanServer(uvicorn.Server):
         finally:
             cutter.cancel()
 
+    def _lifespan_state(self) -> dict[str, Any]:
+        """What the app left in the lifespan state at startup (empty before, or for an app without one)."""
+        state = getattr(getattr(self, "lifespan", None), "state", None)
+        return state if isinstance(state, dict) else {}
+
     def _drain(self) -> GatewayDrain | None:
         """The app's drain, which it left in the lifespan state at startup (None before, or for another app)."""
-        state = getattr(getattr(self, "lifespan", None), "state", None)
-        drain = state.get(DRAIN_STATE_KEY) if isinstance(state, dict) else None
+        drain = self._lifespan_state().get(DRAIN_STATE_KEY)
         return drain if isinstance(drain, GatewayDrain) else None
 
 

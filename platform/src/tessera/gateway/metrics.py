@@ -5,12 +5,21 @@ chart's ``gateway.metricsPort``), which only the scrapers reach; the API port an
 A connection to that port reaches ``metrics_app`` and nothing else (``connection_limits.py`` picks the app
 by the port a connection came to). It sums every worker's samples (prometheus_client's multiprocess mode,
 which ``launch.py`` sets up before the workers start).
+
+A request's completion is tallied in the worker (``completed``: a few additions) and written to the series
+on the worker's server tick (``flush``, once a second: lean_server.py), one write per series and tenant
+whatever the number of requests. Written per request, each of its six values (two counters, two histograms'
+bucket and sum) took the multiprocess value's lock and a ``getpid`` system call to notice a fork: ~6 % of the
+gateway's CPU per streamed request (``make bench-gateway-cpu``, docs/performance.md). A scrape therefore sees
+a worker's completions up to one tick late; the worker flushes what is left when it shuts down.
 """
 
 from __future__ import annotations
 
+import bisect
 import os
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -20,8 +29,52 @@ from tessera.asgi import Receive, Scope, Send, send_response
 from tessera.gateway.errors import APIError
 from tessera.telemetry import gc_heap
 
-# Tenants whose series children ``GatewayMetrics.completed`` keeps bound (all forgotten at once past it).
+# Tenants whose series children ``GatewayMetrics.flush`` keeps bound (all forgotten at once past it).
 MAX_BOUND_TENANTS = 10_000
+LATENCY_BUCKETS_S = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60)
+TTFT_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30)
+# Where the app leaves ``GatewayMetrics.flush`` in the lifespan state, for the server's tick (lean_server.py).
+FLUSH_STATE_KEY = "tessera.metrics_flush"
+
+
+@dataclass(slots=True)
+class HistogramTally:
+    """Observations of one histogram child not yet written: a count per bucket and their sum.
+
+    ``write_to`` adds them to the child as its own ``observe`` would have, one by one (a value goes to the
+    first bucket whose upper bound is at or above it; the child's count is its buckets' sum), with one write
+    per touched bucket. It reaches into prometheus_client's ``Histogram`` child (``_upper_bounds``,
+    ``_buckets``, ``_sum``), which has no call for many observations at once;
+    tests/unit/gateway/test_metrics_children.py renders both ways and fails if that layout changes."""
+
+    upper_bounds: tuple[float, ...]  # the child's, +Inf last
+    counts: list[int] = field(init=False)
+    total: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.counts = [0] * len(self.upper_bounds)
+
+    def add(self, value: float) -> None:
+        self.total += value
+        self.counts[bisect.bisect_left(self.upper_bounds, value)] += 1
+
+    def write_to(self, child: Any) -> None:
+        if not any(self.counts):
+            return
+        child._sum.inc(self.total)
+        for bucket, count in zip(child._buckets, self.counts, strict=True):
+            if count:
+                bucket.inc(count)
+
+
+@dataclass(slots=True)
+class CompletionTally:
+    """One tenant's completions since the last flush."""
+
+    latency: HistogramTally
+    ttft: HistogramTally
+    requests: int = 0
+    tokens: int = 0
 
 
 class GatewayMetrics:
@@ -38,30 +91,47 @@ class GatewayMetrics:
                                        registry=self.registry)
         self.latency = Histogram("tessera_gateway_request_seconds", "Request latency, seconds", ["tenant"],
                                  registry=self.registry,
-                                 buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60))
+                                 buckets=LATENCY_BUCKETS_S)
         self.ttft = Histogram("tessera_gateway_ttft_seconds", "Time to first token as the gateway relays it, "
                               "seconds (request start to the first delta from the engine)", ["tenant"],
                               registry=self.registry,
-                              buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30))
+                              buckets=TTFT_BUCKETS_S)
+        self._latency_bounds = (*map(float, LATENCY_BUCKETS_S), float("inf"))
+        self._ttft_bounds = (*map(float, TTFT_BUCKETS_S), float("inf"))
 
-        # tenant -> its children of the four series ``completed`` writes: ``labels()`` looks a child up under a
-        # lock with its label values checked and stringified, four times per request otherwise.
+        # tenant -> its children of the four series ``flush`` writes: ``labels()`` looks a child up under a
+        # lock with its label values checked and stringified.
         self._completed_children: dict[str, tuple[Any, Any, Any, Any]] = {}
+        self._pending: dict[str, CompletionTally] = {}
 
     def completed(self, tenant: str, tokens: int, seconds: float, ttft_s: float | None = None) -> None:
-        children = self._completed_children.get(tenant)
-        if children is None:
-            if len(self._completed_children) >= MAX_BOUND_TENANTS:
-                self._completed_children.clear()
-            children = self._completed_children[tenant] = (
-                self.requests.labels(tenant), self.tokens.labels(tenant), self.latency.labels(tenant),
-                self.ttft.labels(tenant))
-        requests, completion_tokens, latency, ttft = children
-        requests.inc()
-        completion_tokens.inc(tokens)
-        latency.observe(seconds)
+        """Tallies one request's completion; the series show it at the next ``flush``."""
+        tally = self._pending.get(tenant)
+        if tally is None:
+            tally = self._pending[tenant] = CompletionTally(HistogramTally(self._latency_bounds),
+                                                            HistogramTally(self._ttft_bounds))
+        tally.requests += 1
+        tally.tokens += tokens
+        tally.latency.add(seconds)
         if ttft_s is not None:
-            ttft.observe(max(0.0, ttft_s))
+            tally.ttft.add(max(0.0, ttft_s))
+
+    def flush(self) -> None:
+        """Writes the completions tallied since the last call to the series (the server's tick calls it)."""
+        pending, self._pending = self._pending, {}
+        for tenant, tally in pending.items():
+            children = self._completed_children.get(tenant)
+            if children is None:
+                if len(self._completed_children) >= MAX_BOUND_TENANTS:
+                    self._completed_children.clear()
+                children = self._completed_children[tenant] = (
+                    self.requests.labels(tenant), self.tokens.labels(tenant), self.latency.labels(tenant),
+                    self.ttft.labels(tenant))
+            requests, completion_tokens, latency, ttft = children
+            requests.inc(tally.requests)
+            completion_tokens.inc(tally.tokens)
+            tally.latency.write_to(latency)
+            tally.ttft.write_to(ttft)
 
     def rejected(self, tenant: str, limit: str) -> None:
         self.rejections.labels(tenant, limit).inc()
@@ -70,8 +140,9 @@ class GatewayMetrics:
         self.fail_open_total.labels(tenant).inc()
 
     def render(self) -> tuple[bytes, str]:
-        """This process's metrics (a gateway built in a test); ``tessera gateway`` serves every worker's
-        summed with ``metrics_app``."""
+        """This process's metrics, what it has tallied included (a gateway built in a test); ``tessera
+        gateway`` serves every worker's summed with ``metrics_app``."""
+        self.flush()
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
 
