@@ -4,7 +4,6 @@ worker processes, on the metrics port only."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import httpx
@@ -12,6 +11,7 @@ import httpx
 from tessera.engine.host import EngineHost
 from tessera.redis_conn import EmbeddedRedis
 from tests.support.gateways import GatewayProcess, running_gateways
+from tests.support.poll import wait_until
 from tests.support.tenancy import GATEWAY_ENV, completion_body, create_tenant
 from tests.support.valkey import RestartableRedis
 
@@ -44,20 +44,16 @@ def test_metrics_are_summed_across_worker_processes(tenancy_redis: RestartableRe
             response = httpx.post(f"{gateway.url}/v1/completions", json=completion_body(), headers=tenant.headers,
                                   timeout=60)
             assert response.status_code == 200
+        def counted(text: str) -> list[float]:
+            return [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                    if line.startswith("tessera_gateway_requests_total{") and f'"{tenant.name}"' in line]
+
         # A worker writes its completions to the series on its server tick, once a second (metrics.py).
-        deadline = time.monotonic() + 10
-        while True:
-            text = httpx.get(gateway.metrics_url, timeout=10).text
-            counted = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                       if line.startswith("tessera_gateway_requests_total{") and f'"{tenant.name}"' in line]
-            if counted == [num_requests] or time.monotonic() > deadline:
-                break
-            time.sleep(0.2)
+        wait_until(lambda: counted(httpx.get(gateway.metrics_url, timeout=10).text) == [num_requests], 10,
+                   "every worker's requests in the series", every_s=0.2)
         for _ in range(10):
             text = httpx.get(gateway.metrics_url, timeout=10).text
-            counted = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                       if line.startswith("tessera_gateway_requests_total{") and f'"{tenant.name}"' in line]
-            assert counted == [num_requests], text[:2000]
+            assert counted(text) == [num_requests], text[:2000]
             ttft = [line for line in text.splitlines()
                     if line.startswith("tessera_gateway_ttft_seconds_count{") and f'"{tenant.name}"' in line]
             assert ttft and float(ttft[0].rsplit(" ", 1)[1]) == num_requests
