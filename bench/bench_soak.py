@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _support import bench_model, percentiles, print_table, write_results
 from longrun import platform as plat
 from longrun.load import cache_fill_workload, start_load, tenant_workload
+from longrun.machine_speed import fixed_work_ms
 from longrun.quiet_sample import quiet_sample_offset, window_arrivals
 from longrun.sampling_noise import chance_of_failing_flat
 from longrun.soak import P99_RATIO_LIMIT, WINDOW_HEADERS, Window, judge, readings, verdict_word, window_row
@@ -97,11 +98,11 @@ def sample(platform: Any, scrape_gc: plat.GcScraper) -> dict[str, Any]:
             "redis_keys": stats.keys, "redis_used_memory_bytes": stats.used_memory_bytes,
             "redis_clients": stats.connected_clients, "gateway_sockets": plat.inet_sockets(gateway),
             "cpu_s": plat.component_cpu_s(platform), "gc": scrape_gc(),
-            "redis_persistence": plat.redis_persistence(platform.redis_url)}
+            "redis_persistence": plat.redis_persistence(platform.redis_url), "yardstick_ms": fixed_work_ms()}
 
 
 # What a sample holds beside a Window's fields (reported in tables of their own).
-NOT_WINDOW_FIELDS = ("at_s", "cpu_s", "gc", "redis_persistence")
+NOT_WINDOW_FIELDS = ("at_s", "cpu_s", "gc", "redis_persistence", "yardstick_ms")
 
 
 def window_of(record: Any, t_measure: float, window_s: float) -> int:
@@ -167,16 +168,21 @@ CPU_PARTS = ("gateway", "engine", "kvcontrol", "redis", "ray_other", "client")
 def cpu_rows(before: dict[str, Any], samples: list[dict[str, Any]], windows: list[Window]) -> list[list[Any]]:
     """Per window, each part's CPU milliseconds per request scheduled in it (the first window includes the
     warm-up's requests' CPU, so read it as an upper bound), then the machine's CPU seconds outside the platform
-    (other work beside the bench) and stolen by the hypervisor: whether a slow window was the machine's."""
+    (other work beside the bench) and stolen by the hypervisor, and the machine's yardstick (a fixed work's CPU
+    time at the window's sample, as a multiple of the first window's: longrun/machine_speed.py): whether a slow
+    window was the machine's."""
     rows, previous = [], before["cpu_s"]
+    first_yardstick = samples[0].get("yardstick_ms") if samples else None
     for window, taken in zip(windows, samples, strict=True):
         now = taken["cpu_s"]
         per = max(window.num_requests, 1)
         ours = sum(now[p] - previous[p] for p in CPU_PARTS)
         outside_s = now.get("machine_busy", 0.0) - previous.get("machine_busy", 0.0) - ours
         steal_s = now.get("machine_steal", 0.0) - previous.get("machine_steal", 0.0)
+        yardstick = taken.get("yardstick_ms")
         rows.append([window.index, *(f"{(now[p] - previous[p]) * 1000 / per:.1f}" for p in CPU_PARTS),
-                     f"{max(outside_s, 0.0):.1f}", f"{steal_s:.1f}"])
+                     f"{max(outside_s, 0.0):.1f}", f"{steal_s:.1f}",
+                     f"{yardstick:.2f} ({yardstick / first_yardstick:.2f}x)" if yardstick and first_yardstick else "–"])
         previous = now
     return rows
 
@@ -291,7 +297,8 @@ def main() -> None:
                  for w in windows])
     print()
     print("CPU ms per request, by part of the platform, per window (which part's cost grows):")
-    print_table(["win", *CPU_PARTS, "not ours, CPU s", "VM steal, s"], cpu_rows(before, samples, windows))
+    print_table(["win", *CPU_PARTS, "not ours, CPU s", "VM steal, s", "yardstick ms (x first)"],
+                cpu_rows(before, samples, windows))
     print()
     print("Garbage collector per window and part: full collections / their total / pauses over 50 ms; objects "
           "frozen at start: " + ", ".join(f"{part} {int(v['frozen_objects']):,}"

@@ -139,3 +139,27 @@ def test_flat_failure_chances_per_goal_from_the_windows_requests() -> None:
     # A scope with an empty window gets no figure.
     assert "ttft_p99[a]" not in flat_failure_chances([r for r in records if not (r.tenant == "a" and r.t_sched >= 190)],
                                                      t_measure=100.0, window_s=30.0, num_windows=4)
+
+
+def test_each_windows_cpu_row_ends_with_the_machines_yardstick_against_the_first_window() -> None:
+    from bench_soak import CPU_PARTS, cpu_rows
+
+    def taken(cpu: float, yardstick: float | None) -> dict[str, object]:
+        sample: dict[str, object] = {"cpu_s": {**dict.fromkeys(CPU_PARTS, cpu), "machine_busy": cpu * len(CPU_PARTS)}}
+        if yardstick is not None:
+            sample["yardstick_ms"] = yardstick
+        return sample
+
+    before = taken(0.0, None)
+    rows = cpu_rows(before, [taken(1.0, 8.0), taken(2.0, 10.0)], [window(0), window(1)])
+    # 1 s of each part over a window's 100 requests: 10 ms each; the second window's fixed work took 1.25x.
+    assert rows[0][1:7] == ["10.0"] * 6 and rows[0][-1] == "8.00 (1.00x)" and rows[1][-1] == "10.00 (1.25x)"
+    # A run from before the yardstick (no figure in its samples) prints none.
+    assert cpu_rows(before, [taken(1.0, None)], [window(0)])[0][-1] == "–"
+
+
+def test_the_yardstick_is_a_positive_cpu_time_of_the_same_work_each_time() -> None:
+    from longrun import machine_speed
+
+    assert machine_speed._fixed_work() == 10_007  # the same dict and sort every call
+    assert 0 < machine_speed.fixed_work_ms(repeats=2) < 1_000
