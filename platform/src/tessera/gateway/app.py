@@ -52,7 +52,6 @@ def _is_store_error(exc: BaseException) -> bool:
     return isinstance(exc, STORE_ERRORS)
 
 
-
 # Request ids the gateway makes (a request without its own X-Request-Id): a random prefix per process and a
 # counter, unique across processes and pods without a uuid4's getrandom system call per request. A label for
 # logs and spans, never a secret (the engine request id is made apart: request/call.py).

@@ -9,8 +9,8 @@ which ``launch.py`` sets up before the workers start).
 A request's completion is tallied in the worker (``completed``: a few additions) and written to the series
 on the worker's server tick (``flush``, once a second: lean_server.py), one write per series and tenant
 whatever the number of requests. Written per request, each of its six values (two counters, two histograms'
-bucket and sum) took the multiprocess value's lock and a ``getpid`` system call to notice a fork: ~6 % of the
-gateway's CPU per streamed request (``make bench-gateway-cpu``, docs/performance.md). A scrape therefore sees
+bucket and sum) took the multiprocess value's lock and a ``getpid`` system call to notice a fork: 5-6 % of a
+streamed request's samples in profiles of the gateway (docs/performance.md section 9). A scrape therefore sees
 a worker's completions up to one tick late; the worker flushes what is left when it shuts down.
 """
 
