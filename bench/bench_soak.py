@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _support import bench_model, percentiles, print_table, write_results
 from longrun import platform as plat
 from longrun.load import cache_fill_workload, start_load, tenant_workload
-from longrun.machine_speed import fixed_work_ms
+from longrun.machine_speed import YardstickSampler, fixed_work_ms
 from longrun.quiet_sample import quiet_sample_offset, window_arrivals
 from longrun.sampling_noise import chance_of_failing_flat
 from longrun.soak import P99_RATIO_LIMIT, WINDOW_HEADERS, Window, judge, readings, verdict_word, window_row
@@ -49,6 +49,7 @@ from tessera_loadgen.workload import Workload
 from tests.support.machine import free_port
 
 TENANTS = ("soak-a", "soak-b", "soak-c")
+YARDSTICK_EVERY_S = 10.0  # ~30 probes a 5-minute window
 KV_BLOCK_SIZE = EngineConfig.model_fields["block_size"].default  # what the local platform's engine runs
 FILL_PROMPT_TOKENS = 896  # long enough to fill fast, short of the platform's max_model_len (1,024)
 # From the bench choosing the load's t0 to its first arrival: the child's spawn, imports and prompt library
@@ -91,14 +92,17 @@ def soak_window_arrivals(workload: Workload, args: argparse.Namespace) -> list[f
     return window_arrivals(offsets, period_s=args.window_s, warmup_s=args.warmup_s)
 
 
-def sample(platform: Any, scrape_gc: plat.GcScraper) -> dict[str, Any]:
+def sample(platform: Any, scrape_gc: plat.GcScraper, yardstick_ms: float | None = None) -> dict[str, Any]:
+    """What the soak records at a window's sample; ``yardstick_ms``: the machine's yardstick over the window
+    (longrun/machine_speed.py), one probe now where none is given."""
     stats = plat.redis_stats(platform.redis_url)
     gateway = plat.gateway_pid(platform)
     return {"gateway_rss_bytes": plat.rss_bytes([gateway]), "engine_rss_bytes": plat.rss_bytes(plat.replica_pids()),
             "redis_keys": stats.keys, "redis_used_memory_bytes": stats.used_memory_bytes,
             "redis_clients": stats.connected_clients, "gateway_sockets": plat.inet_sockets(gateway),
             "cpu_s": plat.component_cpu_s(platform), "gc": scrape_gc(),
-            "redis_persistence": plat.redis_persistence(platform.redis_url), "yardstick_ms": fixed_work_ms()}
+            "redis_persistence": plat.redis_persistence(platform.redis_url),
+            "yardstick_ms": fixed_work_ms() if yardstick_ms is None else yardstick_ms}
 
 
 # What a sample holds beside a Window's fields (reported in tables of their own).
@@ -169,8 +173,8 @@ def cpu_rows(before: dict[str, Any], samples: list[dict[str, Any]], windows: lis
     """Per window, each part's CPU milliseconds per request scheduled in it (the first window includes the
     warm-up's requests' CPU, so read it as an upper bound), then the machine's CPU seconds outside the platform
     (other work beside the bench) and stolen by the hypervisor, and the machine's yardstick (a fixed work's CPU
-    time at the window's sample, as a multiple of the first window's: longrun/machine_speed.py): whether a slow
-    window was the machine's."""
+    time, the median of its probes through the window, as a multiple of the first window's:
+    longrun/machine_speed.py): whether a slow window was the machine's."""
     rows, previous = [], before["cpu_s"]
     first_yardstick = samples[0].get("yardstick_ms") if samples else None
     for window, taken in zip(windows, samples, strict=True):
@@ -268,6 +272,8 @@ def main() -> None:
         # walks, the scrapes' parsing) waits for the platform's processes and the load generator's, started
         # before it at the normal one, instead of delaying the requests in flight.
         os.nice(19)
+        # The machine's speed through each window, probed every few seconds (longrun/machine_speed.py).
+        yardstick = YardstickSampler(YARDSTICK_EVERY_S).start()
         t_measure = t0 + args.warmup_s
         print(f"  each window sampled {sample_offset_s:.2f} s after its start", flush=True)
         for index in range(num_windows):
@@ -276,9 +282,11 @@ def main() -> None:
                 time.sleep(min(left, 5.0))
                 if not load.is_alive():
                     break
-            taken = {"at_s": round(time.perf_counter() - t_measure, 1), **sample(platform, scrape_gc)}
+            taken = {"at_s": round(time.perf_counter() - t_measure, 1),
+                     **sample(platform, scrape_gc, yardstick.take())}
             samples.append(taken)
             print(f"  window {index + 1}/{num_windows}: {taken}", flush=True)
+        yardstick.stop()
         scrape_gc.close()
         output = load.result()
         families = plat.key_families(platform.redis_url)

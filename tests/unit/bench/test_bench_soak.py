@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import random
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -163,3 +164,29 @@ def test_the_yardstick_is_a_positive_cpu_time_of_the_same_work_each_time() -> No
 
     assert machine_speed._fixed_work() == 10_007  # the same dict and sort every call
     assert 0 < machine_speed.fixed_work_ms(repeats=2) < 1_000
+
+
+
+def test_the_yardstick_sampler_gives_each_window_the_median_of_its_probes() -> None:
+    from longrun.machine_speed import YardstickSampler
+
+    sampler = YardstickSampler(every_s=0.01).start()
+    try:
+        deadline = time.monotonic() + 5.0
+        while True:
+            with sampler._lock:
+                num_probes = len(sampler._probes)
+            if num_probes >= 3 or time.monotonic() > deadline:
+                break
+            time.sleep(0.01)
+        assert num_probes >= 3
+        first = sampler.take()
+        assert first is not None and first > 0
+    finally:
+        sampler.stop()
+    assert not sampler._thread.is_alive()
+    # Stopped, it probes no more: a take is the median of what it holds, and then there is nothing.
+    with sampler._lock:
+        sampler._probes[:] = [1.0, 9.0, 2.0]
+    assert sampler.take() == 2.0
+    assert sampler.take() is None
