@@ -6,9 +6,9 @@ The VMs these benches run on change speed by large factors with nothing else run
 client included, spent 16-35 % more CPU per request in its last window than in its first, p50 and p99 rising
 with it. The soak's other columns cannot tell that from a platform getting slower: the CPU outside the
 platform and the hypervisor's steal stay at zero. This yardstick can: the same pure-Python work (dict
-inserts and a sort, the kind of work the gateway and the engine's scheduler do), timed in CPU time, least of
-a few runs. A window whose p99 rose by as much as the yardstick's time is the machine's; one whose p99 rose
-while the yardstick held is the platform's.
+inserts and a sort, the kind of work the gateway and the engine's scheduler do), timed in CPU time. A window
+whose p99 rose by as much as the yardstick's time is the machine's; one whose p99 rose while the yardstick held
+is the platform's.
 
 Run V showed that one probe at a window's sample reads the machine at that instant, not over the window (4.86 ms
 at window 2's sample, 3.79 at window 3's, while every process spent 18-29 % more CPU per request in window 3
