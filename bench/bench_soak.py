@@ -150,19 +150,18 @@ def flat_failure_chances(records: list[Any], t_measure: float, window_s: float, 
     """Per TTFT rule (the goals ``ttft_p99`` and ``ttft_p95[tenant]``, the readings ``ttft_p99[tenant]``): how often
     a run flat by construction fails it by sampling alone, each window drawn from the run's own TTFTs of that
     scope (longrun/sampling_noise.py)."""
-    by_scope: dict[str, list[list[float]]] = {}
+    by_scope: dict[tuple[str, int], list[list[float]]] = {}  # (rule, its percentile) -> requests per window
     for record in records:
         index = window_of(record, t_measure, window_s)
         if record.warmup or not record.ok or record.t_first is None or not 0 <= index < num_windows:
             continue
-        for scope in ("ttft_p99", f"ttft_p95[{record.tenant}]", f"ttft_p99[{record.tenant}]"):
+        for scope in (("ttft_p99", 99), (f"ttft_p95[{record.tenant}]", 95), (f"ttft_p99[{record.tenant}]", 99)):
             by_scope.setdefault(scope, [[] for _ in range(num_windows)])[index].append(record.t_first - record.t_sched)
     chances = {}
-    for scope, windows in by_scope.items():
+    for (name, q), windows in by_scope.items():
         if num_windows >= 2 and all(windows):
-            chances[scope] = chance_of_failing_flat([v for w in windows for v in w],
-                                                    window_sizes=[len(w) for w in windows], limit=P99_RATIO_LIMIT,
-                                                    q=95 if scope.startswith("ttft_p95") else 99)
+            chances[name] = chance_of_failing_flat([v for w in windows for v in w],
+                                                   window_sizes=[len(w) for w in windows], limit=P99_RATIO_LIMIT, q=q)
     return chances
 
 

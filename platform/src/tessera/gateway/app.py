@@ -8,9 +8,7 @@ This module wires the services and dispatches by path; a generation request goes
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
-import secrets
 
 from opentelemetry import trace
 from opentelemetry.context import Context
@@ -29,6 +27,7 @@ from tessera.gateway.metrics import FLUSH_STATE_KEY, GatewayMetrics
 from tessera.gateway.models import ModelCatalog, replicas_extension, tokenizer_document
 from tessera.gateway.openapi import openapi_document
 from tessera.gateway.request.authenticate import require_tenant
+from tessera.gateway.request.call import process_unique_id
 from tessera.gateway.request.endpoint import ENDPOINTS
 from tessera.gateway.request.pipeline import GenerationPipeline
 from tessera.gateway.responses import respond, respond_error
@@ -52,15 +51,10 @@ def _is_store_error(exc: BaseException) -> bool:
     return isinstance(exc, STORE_ERRORS)
 
 
-# Request ids the gateway makes (a request without its own X-Request-Id): a random prefix per process and a
-# counter, unique across processes and pods without a uuid4's getrandom system call per request. A label for
-# logs and spans, never a secret (the engine request id is made apart: request/call.py).
-_REQUEST_ID_PREFIX = f"req-{secrets.token_hex(8)}-"
-_request_ids = itertools.count()
-
-
 def new_request_id() -> str:
-    return f"{_REQUEST_ID_PREFIX}{next(_request_ids):x}"
+    """The id of a request without its own X-Request-Id: a label for logs and spans, made as the response ids
+    are (no uuid4's getrandom system call per request); the engine request id is made apart (request/call.py)."""
+    return process_unique_id("req-")
 
 
 class Gateway:

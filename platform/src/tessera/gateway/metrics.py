@@ -118,6 +118,8 @@ class GatewayMetrics:
 
     def flush(self) -> None:
         """Writes the completions tallied since the last call to the series (the server's tick calls it)."""
+        if not self._pending:
+            return  # an idle tick: nothing to write, nothing to allocate
         pending, self._pending = self._pending, {}
         for tenant, tally in pending.items():
             children = self._completed_children.get(tenant)

@@ -22,10 +22,15 @@ if TYPE_CHECKING:
     from tessera.gateway.request.context import RequestContext
     from tessera.routing.router import Router
 
-# Response ids: a random prefix per process and a counter (unique across processes without an os.urandom
-# syscall per request).
+# Ids the gateway makes (response ids, and request ids where the client sent none): a random prefix per process
+# and a counter (unique across processes and pods without an os.urandom syscall per request).
 _ID_PREFIX = secrets.token_hex(8)
 _ids = itertools.count()
+
+
+def process_unique_id(prefix: str) -> str:
+    """``prefix``, this process's random part and the next count: unique across processes, never a secret."""
+    return f"{prefix}{_ID_PREFIX}{next(_ids):x}"
 
 
 def engine_request_id(tenant: str, response_id: str) -> str:
@@ -40,7 +45,7 @@ def engine_request_id(tenant: str, response_id: str) -> str:
 def new_response_id(id_prefix: str) -> str:
     """A response id, made at admission: the request's ticket names the engine request id built from it, so
     the settler finds the engine's usage record if this gateway dies (tenancy/settlement.py)."""
-    return f"{id_prefix}{_ID_PREFIX}{next(_ids):x}"
+    return process_unique_id(id_prefix)
 
 
 async def call_engine(ctx: RequestContext, engines: EngineClient, router: Router) -> None:
