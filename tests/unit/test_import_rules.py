@@ -179,7 +179,7 @@ def test_layer_rules(importer: str, forbidden: tuple[str, ...]) -> None:
 # modules import nothing of Tessera's; a new arrow is a design decision: add it here and to the doc.
 BASE = ("tessera.asgi", "tessera.cpu_info", "tessera.redis_conn", "tessera.redis_wire", "tessera.redis_tls",
         "tessera.redis_sentinel", "tessera.refresher", "tessera.registry", "tessera.settings",
-        "tessera.engine.protocol")
+        "tessera.engine.protocol", "tessera.unique_ids")
 MAY_IMPORT: dict[str, tuple[str, ...]] = {
     **{base: () for base in BASE},
     # a rediss:// URL's TLS options, as redis-py reads them; a redis+sentinel:// URL and its primary
@@ -189,7 +189,7 @@ MAY_IMPORT: dict[str, tuple[str, ...]] = {
     # The data-plane signature: its ASGI check (asgi) and where its key file is configured (settings).
     "tessera.data_plane_auth": ("tessera.asgi", "tessera.settings"),
     "tessera.telemetry": (),
-    "tessera.tenancy": ("tessera.redis_wire",),
+    "tessera.tenancy": ("tessera.redis_wire", "tessera.unique_ids"),  # lease ids
     "tessera.routing": ("tessera.registry", "tessera.redis_wire", "tessera.refresher"),
     # Proposals are EngineConfigs; the engine reads the planner's pure formulas (speculation break-even).
     "tessera.planner": ("tessera.engine.config",),
@@ -198,7 +198,7 @@ MAY_IMPORT: dict[str, tuple[str, ...]] = {
     "tessera.gateway": ("tessera.asgi", "tessera.data_plane_auth", "tessera.engine.protocol", "tessera.redis_conn",
                         "tessera.redis_wire",
                         "tessera.refresher", "tessera.registry", "tessera.routing", "tessera.settings",
-                        "tessera.telemetry", "tessera.tenancy"),
+                        "tessera.telemetry", "tessera.tenancy", "tessera.unique_ids"),
     "tessera.local": ("tessera.cpu_info", "tessera.data_plane_auth", "tessera.engine", "tessera.gateway",
                       "tessera.redis_conn", "tessera.registry",
                       "tessera.tenancy", "tessera.settings", "tessera.telemetry"),

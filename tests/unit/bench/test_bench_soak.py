@@ -166,7 +166,6 @@ def test_the_yardstick_is_a_positive_cpu_time_of_the_same_work_each_time() -> No
     assert 0 < machine_speed.fixed_work_ms(repeats=2) < 1_000
 
 
-
 def test_the_yardstick_sampler_gives_each_window_the_median_of_its_probes() -> None:
     from longrun.machine_speed import YardstickSampler
 

@@ -13,10 +13,8 @@ Invariants (tested exactly in tests/integration/tenancy/test_admission.py):
 
 from __future__ import annotations
 
-import itertools
 import logging
 import math
-import secrets
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from importlib import resources
@@ -27,6 +25,7 @@ from tessera.redis_wire import RedisWire, run_script
 from tessera.tenancy.periods import PERIODS, USAGE_RETENTION_S, check_period, period_window
 from tessera.tenancy.policy import TenantPolicy
 from tessera.tenancy.settlement import Charge, SettleKind, Ticket, parse_ticket, ticket_member
+from tessera.unique_ids import UniqueIds
 
 logger = logging.getLogger(__name__)
 
@@ -44,9 +43,6 @@ OPEN_TICKETS_KEY = "tessera:billing:open"
 TICKETS_KEY = "tessera:billing:tickets"
 
 
-# Lease ids: a random prefix per Admission and a counter, unique across gateway processes without an
-# os.urandom call (a syscall) per request.
-_ID_BYTES = 8
 # Period windows cached per (period, whole second): the budget TTL is whole seconds rounded up, so every
 # instant of one second has the same window. Bounded: cleared past this many entries.
 MAX_CACHED_WINDOWS = 64
@@ -150,8 +146,7 @@ class Admission:
         self._admit = redis.register_script(_lua("admission.lua"))
         self._finish = redis.register_script(_lua("finish.lua"))
         self._renew = redis.register_script(_lua("renew.lua"))
-        self._id_prefix = secrets.token_hex(_ID_BYTES)
-        self._id_counter = itertools.count()
+        self._lease_ids = UniqueIds()  # a random prefix per Admission and a counter
         self._windows: dict[tuple[str, int], tuple[str, int]] = {}
 
     def _window(self, period: str, when: datetime) -> tuple[str, int]:
@@ -165,7 +160,7 @@ class Admission:
         return window
 
     def _lease_id(self) -> str:
-        return f"{self._id_prefix}{next(self._id_counter):x}"
+        return self._lease_ids.next()
 
     async def admit(self, tenant: str, policy: TenantPolicy, reserve_tokens: int, prompt_tokens: int = 0,
                     engine_request_id: str = "") -> Lease | Rejection:

@@ -6,8 +6,6 @@ while it runs."""
 from __future__ import annotations
 
 import functools
-import itertools
-import secrets
 import time
 from typing import TYPE_CHECKING
 
@@ -15,6 +13,7 @@ from tessera.gateway.request.context import ResponseHead
 from tessera.gateway.request.respond_full import respond_full
 from tessera.gateway.request.respond_stream import respond_stream
 from tessera.tenancy.policy import DEMOTION_STEP
+from tessera.unique_ids import UniqueIds
 
 if TYPE_CHECKING:
     from tessera.engine.protocol import GenerateBody
@@ -22,15 +21,13 @@ if TYPE_CHECKING:
     from tessera.gateway.request.context import RequestContext
     from tessera.routing.router import Router
 
-# Ids the gateway makes (response ids, and request ids where the client sent none): a random prefix per process
-# and a counter (unique across processes and pods without an os.urandom syscall per request).
-_ID_PREFIX = secrets.token_hex(8)
-_ids = itertools.count()
+# The ids this gateway process makes: response ids, and request ids where the client sent none.
+_ids = UniqueIds()
 
 
 def process_unique_id(prefix: str) -> str:
     """``prefix``, this process's random part and the next count: unique across processes, never a secret."""
-    return f"{prefix}{_ID_PREFIX}{next(_ids):x}"
+    return _ids.next(prefix)
 
 
 def engine_request_id(tenant: str, response_id: str) -> str:
