@@ -13,7 +13,19 @@ import yaml
 REPO = Path(__file__).resolve().parents[2]
 CHART_DIR = REPO / "helm" / "tessera"
 CI_VALUES = sorted((CHART_DIR / "ci").glob("*-values.yaml"))
-RAY_SERVICE_CRD = REPO.parent / "shared" / "crds" / "ray.io_rayservices.yaml"
+# KubeRay's RayService CRD, which the project does not copy in: the workspace's shared/ folder, beside the
+# checkout (a workspace) or inside it (a device run's copy).
+RAY_SERVICE_CRD_CANDIDATES = tuple(base / "shared" / "crds" / "ray.io_rayservices.yaml" for base in (REPO.parent, REPO))
+
+
+def ray_service_crd() -> Path:
+    """The first of ``RAY_SERVICE_CRD_CANDIDATES`` that exists; a missing one is an error that says where to put
+    it (the schema check of every rendered RayService cannot run without it)."""
+    for path in RAY_SERVICE_CRD_CANDIDATES:
+        if path.is_file():
+            return path
+    raise FileNotFoundError("KubeRay's RayService CRD (ray.io_rayservices.yaml) is not in shared/crds/ beside or "
+                            "inside the checkout; looked at: " + ", ".join(map(str, RAY_SERVICE_CRD_CANDIDATES)))
 KUBE_VERSION = "1.30.0"
 RELEASE = "tessera"
 NAMESPACE = "llm"

@@ -19,12 +19,12 @@ from tests.support.chart import (
     CI_VALUES,
     KUBE_VERSION,
     NAMESPACE,
-    RAY_SERVICE_CRD,
     REPO,
     chart,
     find,
     load_values,
     pod_templates,
+    ray_service_crd,
     render,
     render_files,
     serve_config,
@@ -37,7 +37,7 @@ VALUES_IDS = [p.name.removesuffix("-values.yaml") for p in CI_VALUES]
 
 @pytest.fixture(scope="module")
 def ray_service_validator() -> jsonschema.Draft202012Validator:
-    crd = yaml.safe_load(RAY_SERVICE_CRD.read_text())
+    crd = yaml.safe_load(ray_service_crd().read_text())
     return jsonschema.Draft202012Validator(validation_schema(crd, "v1"))
 
 
