@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import redis.asyncio as aioredis
 
+from tessera.gateway.fast_bpe import tiktoken_pieces
 from tessera.gateway.segment_tokens import SegmentTokenizer
 from tessera.redis_wire import RedisWire
 from tessera.refresher import UsageRefresher
@@ -37,6 +41,11 @@ MAX_CACHED_TOKENS = 65_536
 MAX_CACHED_PROMPT_CHARS = 16_384
 # One prompt may take at most this share of the token budget, so a long one does not flush every short one.
 MAX_CACHED_PROMPT_SHARE = 0.25
+# How long loading a model waits for the tiktoken path's check (ServedModel.speed_up) before it serves on the
+# tokenizer's own path and lets the check finish in its thread.
+FAST_PATH_WAIT_S = 0.5
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -53,10 +62,51 @@ class ServedModel:
     # A rendered conversation's pieces between special tokens, each tokenized once (None: the tokenizer's cut
     # is not one the gateway can repeat exactly; see segment_tokens.py).
     segments: SegmentTokenizer | None = field(default=None, repr=False)
+    # A whole text's ids, computed each time: the tokenizer's own, or, once ``speed_up`` has shown it gives the same
+    # ids, added tokens cut out and the pieces between them by tiktoken's merge loop (fast_bpe.py).
+    _encode_text: Callable[[str], list[int]] | None = field(default=None, repr=False)
+    fast_path: bool = field(default=False, repr=False)  # True once the tiktoken path is in use
 
     def __post_init__(self) -> None:
+        reference = functools.partial(token_ids, self.tokenizer)
         if self.segments is None:
-            self.segments = SegmentTokenizer.of(self.tokenizer, functools.partial(token_ids, self.tokenizer))
+            self.segments = SegmentTokenizer.of(self.tokenizer, reference)
+        self._encode_text = reference
+
+    def speed_up(self, wait_s: float = FAST_PATH_WAIT_S) -> threading.Thread | None:
+        """Checks, in a thread, whether tiktoken gives this tokenizer's ids (~1 s of merges to walk for a 50,000-
+        token vocabulary, ~10 ms for the small model) and switches to it if so; waits up to ``wait_s`` for that,
+        so a small tokenizer is fast from the first request and a large one does not hold the event loop."""
+        if not hasattr(self.tokenizer, "to_str"):
+            return None
+        thread = threading.Thread(target=self._switch_to_fast_path, name=f"fast-bpe-{self.info.name}", daemon=True)
+        thread.start()
+        thread.join(wait_s)
+        return thread
+
+    def _switch_to_fast_path(self) -> None:
+        added = added_tokens(self.tokenizer)
+        try:
+            fast = tiktoken_pieces(json.loads(self.tokenizer.to_str()), functools.partial(token_ids, self.tokenizer),
+                                   added, self.info.name)
+        except Exception:  # never worth a request: the tokenizer's own path stays
+            logger.exception("model %s: the tiktoken path could not be built", self.info.name)
+            return
+        if fast is None:
+            return
+        if not added:
+            self._encode_text = fast
+        elif self.segments is not None:
+            self.segments.use_piece_encoder(fast)
+            self._encode_text = functools.partial(self.segments.encode, remember=False)
+        else:
+            return  # added tokens the gateway cannot cut as the tokenizer does (segment_tokens.py)
+        self.fast_path = True
+
+    def encode_text(self, text: str) -> list[int]:
+        """``text``'s ids, computed every time (no cache), as ``token_ids`` gives them."""
+        assert self._encode_text is not None
+        return self._encode_text(text)
 
     @property
     def vocab_size(self) -> int:
@@ -66,7 +116,7 @@ class ServedModel:
         """The token ids of ``text`` (the caller must not change the list: it may be the cached one)."""
         ids = self._encoded.get(text)
         if ids is None:
-            ids = token_ids(self.tokenizer, text)
+            ids = self.encode_text(text)
             self._remember(text, len(text), ids)
         return ids
 
@@ -99,8 +149,14 @@ class ServedModel:
         # A lone message has no history for a later turn to reuse (and no shared system prompt): its pieces
         # would only fill the cache with text sent once, so it is encoded whole.
         if self.segments is None or len(messages) < 2:
-            return token_ids(self.tokenizer, text)
+            return self.encode_text(text)
         return self.segments.encode(text)
+
+
+def added_tokens(tokenizer: Any) -> list[str]:
+    """The contents of ``tokenizer``'s added tokens (none for an object without them)."""
+    decoder = getattr(tokenizer, "get_added_tokens_decoder", None)
+    return [token.content for token in decoder().values()] if decoder is not None else []
 
 
 def token_ids(tokenizer: Any, text: str) -> list[int]:
@@ -154,9 +210,11 @@ def load_served_model(info: ModelInfo) -> ServedModel:
     def token_text(value: Any) -> str:
         return value.get("content", "") if isinstance(value, dict) else str(value or "")
 
-    return ServedModel(info, tokenizer, template, token_text(config.get("bos_token")),
-                       token_text(config.get("eos_token")),
-                       template_text if isinstance(template_text, str) else None)
+    served = ServedModel(info, tokenizer, template, token_text(config.get("bos_token")),
+                         token_text(config.get("eos_token")),
+                         template_text if isinstance(template_text, str) else None)
+    served.speed_up()
+    return served
 
 
 class ModelCatalog:

@@ -54,20 +54,26 @@ class SegmentTokenizer:
             added[token.content] = token_id
         return cls(added, encode_piece) if added else None
 
+    def use_piece_encoder(self, encode_piece: Callable[[str], list[int]]) -> None:
+        """Encodes pieces with ``encode_piece`` from now on (one giving the same ids: the cached pieces stay)."""
+        self._encode_piece = encode_piece
+
     @property
     def num_cached_tokens(self) -> int:
         return self._num_cached_tokens
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, remember: bool = True) -> list[int]:
+        """``text``'s ids; with ``remember`` False its pieces are neither looked up nor kept (text sent once)."""
+        piece = self._piece if remember else self._encode_piece
         ids: list[int] = []
         start = 0
         for match in self._split.finditer(text):
             if match.start() > start:
-                ids += self._piece(text[start:match.start()])
+                ids += piece(text[start:match.start()])
             ids.append(self._added[match.group()])
             start = match.end()
         if start < len(text):
-            ids += self._piece(text[start:])
+            ids += piece(text[start:])
         return ids
 
     def _piece(self, piece: str) -> list[int]:
