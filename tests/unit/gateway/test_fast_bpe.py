@@ -136,6 +136,21 @@ def test_merges_that_tiktokens_rule_would_not_take_keep_the_tokenizers_bpe() -> 
     assert fast is not None and fast("abc abcbc") == token_ids(consistent, "abc abcbc")
 
 
+def test_ignore_merges_is_taken_where_every_word_the_vocabulary_holds_is_a_rank() -> None:
+    # ignore_merges: a word that is in the vocabulary is one token, merges or not. tiktoken does the same for its
+    # ranks, so a vocabulary entry no merge makes (here "xyz") would be a word only the tokenizer keeps whole.
+    tokenizer = handmade_bpe([("a", "b"), ("ab", "c")])
+    spec = json.loads(tokenizer.to_str())
+    spec["model"]["ignore_merges"] = True
+    assert merge_ranks(spec["model"]) is not None
+    spec["model"]["vocab"]["xyz"] = len(spec["model"]["vocab"])
+    assert merge_ranks(spec["model"]) is None
+    odd = Tokenizer.from_str(json.dumps(spec))
+    assert token_ids(odd, "xyz") == [spec["model"]["vocab"]["xyz"]]  # whole, where tiktoken would give x, y, z
+    # An added token's text is cut out before any word reaches the model: it does not count.
+    assert merge_ranks(spec["model"], added=["xyz"]) is not None
+
+
 def test_a_merge_whose_token_id_is_lower_than_an_earlier_ones_is_refused() -> None:
     tokenizer = handmade_bpe([("a", "b"), ("c", "d")])
     model = json.loads(tokenizer.to_str())["model"]

@@ -87,9 +87,10 @@ def normalizer_form(spec: dict[str, Any] | None) -> str | None:
     return "NFC" if spec.get("type") == "NFC" else None
 
 
-def merge_ranks(model: dict[str, Any]) -> dict[bytes, int] | None:
+def merge_ranks(model: dict[str, Any], added: Collection[str] = ()) -> dict[bytes, int] | None:
     """The tiktoken ranks of a byte-level BPE model (its 256 bytes and every merge's token, by id), or None where
-    tiktoken's rule would not reproduce the merges (see the module docstring)."""
+    tiktoken's rule would not reproduce the merges (see the module docstring). ``added``: the tokenizer's added
+    tokens, cut out of the text before any word reaches the model."""
     if (model.get("type") != "BPE" or model.get("dropout") or model.get("continuing_subword_prefix")
             or model.get("end_of_word_suffix") or model.get("byte_fallback")):
         return None
@@ -120,8 +121,10 @@ def merge_ranks(model: dict[str, Any]) -> dict[bytes, int] | None:
             return None
         ranks[whole] = last_rank = merged
     # ``ignore_merges``: the whole word first, where it is in the vocabulary. tiktoken does that too, but looks in
-    # its ranks only, so every token of the vocabulary must be one.
-    if model.get("ignore_merges") and any((raw := to_bytes(t)) is not None and raw not in ranks for t in vocab):
+    # its ranks only, so every token of the vocabulary a word can be must be one (an added token's text never
+    # reaches the model: it was cut out before).
+    if model.get("ignore_merges") and any(t not in added and (raw := to_bytes(t)) is not None and raw not in ranks
+                                          for t in vocab):
         return None
     return ranks
 
@@ -151,7 +154,8 @@ def tiktoken_pieces(tokenizer_json: dict[str, Any], reference: Callable[[str], l
         return None
     pattern = pretokenizer_pattern(tokenizer_json.get("pre_tokenizer"))
     form = normalizer_form(tokenizer_json.get("normalizer"))
-    ranks = merge_ranks(tokenizer_json.get("model", {})) if pattern is not None and form is not None else None
+    ranks = (merge_ranks(tokenizer_json.get("model", {}), added) if pattern is not None and form is not None
+             else None)
     if ranks is None or pattern is None:
         logger.info("model %s: tokenized by its own BPE (its shape is not one tiktoken repeats)", name)
         return None
