@@ -156,6 +156,9 @@ def test_a_merge_whose_token_id_is_lower_than_an_earlier_ones_is_refused() -> No
     model = json.loads(tokenizer.to_str())["model"]
     model["vocab"]["ab"], model["vocab"]["cd"] = model["vocab"]["cd"], model["vocab"]["ab"]
     assert merge_ranks(model) is None
+    model = json.loads(tokenizer.to_str())["model"]
+    model["vocab"]["a"] = model["vocab"]["b"]  # two tokens under one id
+    assert merge_ranks(model) is None
 
 
 @pytest.mark.parametrize("change", ["lowercase", "prefix_space", "whitespace", "dropout"])

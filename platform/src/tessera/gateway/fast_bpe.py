@@ -126,7 +126,8 @@ def merge_ranks(model: dict[str, Any], added: Collection[str] = ()) -> dict[byte
     if model.get("ignore_merges") and any(t not in added and (raw := to_bytes(t)) is not None and raw not in ranks
                                           for t in vocab):
         return None
-    return ranks
+    # Two tokens under one id (a hand-edited vocabulary): tiktoken could not decode, and would not load, them.
+    return ranks if len(set(ranks.values())) == len(ranks) else None
 
 
 def _ends_in(word: bytes, ranks: dict[bytes, int], left: bytes, right: bytes) -> bool:
@@ -162,7 +163,7 @@ def tiktoken_pieces(tokenizer_json: dict[str, Any], reference: Callable[[str], l
     try:
         encoding = tiktoken.Encoding(f"tessera-{name}", pat_str=pattern, mergeable_ranks=ranks, special_tokens={})
     except ValueError as exc:
-        logger.debug("model %s: tiktoken refused its ranks (%s)", name, exc)
+        logger.info("model %s: tiktoken refused its ranks (%s); tokenizing with its own BPE", name, exc)
         return None
     encode_ordinary = encoding.encode_ordinary
     encode: Callable[[str], list[int]]
