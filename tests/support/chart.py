@@ -26,6 +26,8 @@ def ray_service_crd() -> Path:
             return path
     raise FileNotFoundError("KubeRay's RayService CRD (ray.io_rayservices.yaml) is not in shared/crds/ beside or "
                             "inside the checkout; looked at: " + ", ".join(map(str, RAY_SERVICE_CRD_CANDIDATES)))
+
+
 KUBE_VERSION = "1.30.0"
 RELEASE = "tessera"
 NAMESPACE = "llm"

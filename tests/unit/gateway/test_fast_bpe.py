@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
+from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, trainers
 
 from tessera.gateway.fast_bpe import byte_alphabet, merge_ranks, tiktoken_pieces
 from tessera.gateway.models import ServedModel, added_tokens, load_served_model, token_ids
@@ -86,19 +86,13 @@ def split_tokenizer() -> Tokenizer:
     """A BPE behind a Split regex and a bytes-only ByteLevel, the shape of Llama 3's and Qwen's tokenizers."""
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(pattern=_regex(SPLIT_PATTERN), behavior="isolated", invert=False),
+        pre_tokenizers.Split(pattern=Regex(SPLIT_PATTERN), behavior="isolated", invert=False),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
     ])
     trainer = trainers.BpeTrainer(vocab_size=500, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     rng = random.Random(1)
     tokenizer.train_from_iterator([random_text(rng, [], 60) for _ in range(400)], trainer)
     return tokenizer
-
-
-def _regex(pattern: str) -> Any:
-    from tokenizers import Regex
-
-    return Regex(pattern)
 
 
 def test_a_split_regex_pre_tokenizer_gets_its_own_ids() -> None:
