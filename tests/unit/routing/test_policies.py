@@ -7,6 +7,7 @@ import os
 import random
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 
@@ -300,7 +301,8 @@ def test_approx_prefix_forgets_dead_engines() -> None:
 def _reference_prefix_affinity(snap: RouteSnapshot, request: RouteRequest,
                                placed: dict[int, str]) -> list[tuple[str, tuple[object, ...]]]:
     """prefix_affinity's ranking of the whole fleet, the plain way (sort every engine by its full key; then a
-    prefix nobody holds and not in ``placed`` moves the least loaded of its first open homes to the front, and
+    prefix nobody holds and not in ``placed``, or one whose holders are all closed, moves the open engine of
+    the first MAX_RANKED_ENGINES with the shortest prefill backlog, then the fewest requests, to the front, and
     one ``placed`` on an engine not yet seen holding it (not ``SETTLED``) moves that engine to the front while
     it is open)."""
     engines = snap.engines
@@ -325,17 +327,25 @@ def _reference_prefix_affinity(snap: RouteSnapshot, request: RouteRequest,
         return engines[i].under_pressure, over, -credit, price
 
     order = sorted(range(len(engines)), key=lambda i: (*score(i), home_rank[engines[i].engine_id]))
+
+    def place_by_backlog() -> None:
+        choices = [i for i in order[:policies.MAX_RANKED_ENGINES] if not engines[i].under_pressure and loads[i] < bound]
+        if len(choices) > 1:
+            backlog = {i: max(engines[i].pending_prefill_tokens,
+                              snap.local_pending_prefill_tokens.get(engines[i].engine_id, 0)) for i in choices}
+            best = min(choices, key=lambda i: (backlog[i] // policies.PENDING_PREFILL_STEP,
+                                               loads[i] + engines[i].num_waiting))
+            order.remove(best)
+            order.insert(0, best)
+
     key = request.block_hashes[0]
     state = placed.get(key)
     if any(snap.cached_prefix_blocks.get(e.engine_id, 0) > 0 for e in engines):
         placed[key] = policies.SETTLED
+        if not score(order[0])[2] and any(cached):  # every holder closed: placed as a new prefix is
+            place_by_backlog()
     elif state is None:
-        choices = [i for i in order[:policies.NEW_PREFIX_CHOICES]
-                   if not engines[i].under_pressure and loads[i] < bound]
-        if len(choices) > 1:
-            best = min(choices, key=lambda i: loads[i] + engines[i].num_waiting)
-            order.remove(best)
-            order.insert(0, best)
+        place_by_backlog()
         placed[key] = engines[order[0]].engine_id
     elif state != policies.SETTLED:
         i = by_id.get(state)
@@ -358,8 +368,10 @@ def test_prefix_affinity_ranks_a_large_fleets_first_engines_exactly_as_a_full_so
         # fourth fleet most are (fewer open engines than that: the full sort).
         pressured = 0.6 if trial % 4 == 0 else 0.05
         size = rng.choice((17, 40, 120))
-        fleet = tuple(engine(f"e{i:03d}", running=rng.randrange(4), waiting=rng.choice((0, 0, 0, 1)),
-                             pressure=rng.random() < pressured, block_size=16) for i in range(size))
+        fleet = tuple(replace(engine(f"e{i:03d}", running=rng.randrange(4), waiting=rng.choice((0, 0, 0, 1)),
+                                     pressure=rng.random() < pressured, block_size=16),
+                              pending_prefill_tokens=rng.choice((0, 0, 0, 700, 1500, 3000)))
+                      for i in range(size))
         ids = [e.engine_id for e in fleet]
         keys = [rng.getrandbits(64) for _ in range(2)]
         placed: dict[int, str] = {}  # the prefixes the policy has routed (new ones are placed by load)
@@ -369,7 +381,8 @@ def test_prefix_affinity_ranks_a_large_fleets_first_engines_exactly_as_a_full_so
             cached = {e: rng.randrange(1, 64) for e in rng.sample(ids, rng.choice((0, 1, 1, 2, 3)))}
             in_flight = {e: rng.randrange(1, 8) for e in rng.sample(ids, rng.choice((0, 0, 1, 3)))}
             request = RouteRequest("t", "m", 16 * 64 + 1, (rng.choice(keys), trial))
-            snap = RouteSnapshot(fleet, cached, in_flight)
+            pending = {e: rng.choice((0, 900, 2500)) for e in in_flight}
+            snap = RouteSnapshot(fleet, cached, in_flight, pending)
             got = policy(snap, request).ranked
             want = _reference_prefix_affinity(snap, request, placed)
             assert len(got) == policies.MAX_RANKED_ENGINES

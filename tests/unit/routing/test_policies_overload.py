@@ -1,7 +1,7 @@
 """prefix_affinity when the fleet is busy and caches are small (issue #17): load does not outweigh a cache
-under the bound, a known prefix nobody holds goes to its home on the ring (a new one to the least loaded of
-its first homes), a holder over the bound spills to the prefix's next home, and the homes are consistent
-hashing's (even spread, minimal movement).
+under the bound, a known prefix nobody holds goes to its home on the ring (a new one to the open home with
+the shortest prefill backlog, then the fewest requests), a holder over the bound spills the same way, and the
+homes are consistent hashing's (even spread, minimal movement).
 
 The last two tests run the policies over the simulated engine in virtual time (bench/routing_sim.py) in the
 regime the issue reported, overloaded with small caches, where prefix_affinity used to lose to approx_prefix:
@@ -51,43 +51,48 @@ def test_a_known_prefix_nobody_holds_goes_to_its_home_whatever_the_loads_under_t
         assert "miss: home" in decision.reason
 
 
-def test_a_new_prefix_goes_to_the_least_loaded_of_its_first_homes_and_stays_there() -> None:
-    """A prefix nobody holds and the policy has never routed takes the least loaded of its first
-    NEW_PREFIX_CHOICES open homes (waiting requests counted twice), not an idle engine further round the
-    ring; its next request follows its blocks there, and once evicted it goes back to its first home."""
+def test_a_new_prefix_goes_to_the_least_loaded_of_its_open_homes_and_stays_there() -> None:
+    """A prefix nobody holds and the policy has never routed takes the least loaded of its open homes (up to
+    MAX_RANKED_ENGINES, waiting requests counted twice; ties in ring order), an idle engine further round the
+    ring before a busy first home; its next request follows its blocks there, and once evicted it goes back to
+    its first home."""
     ids = tuple(f"n{i}" for i in range(6))
     key = 31337
     homes = prefix_homes(ids, key)
-    assert policies.NEW_PREFIX_CHOICES == 4
-    # homes[4] and homes[5] are idle but beyond the first four; homes[2] is the least loaded of those four,
-    # homes[1] has as many requests but one of them waits. Loads 4, 2, 2, 3, 0, 0: bound 4.7, all under it.
+    # homes[4] and homes[5] are idle; homes[1] has as few requests as homes[2] but one of them waits. Loads
+    # 4, 2, 2, 3, 0, 0: bound 4.7, all under it.
     running = {homes[0]: 4, homes[1]: 1, homes[2]: 2, homes[3]: 3, homes[4]: 0, homes[5]: 0}
     waiting = {homes[1]: 1}
     snap = RouteSnapshot(tuple(engine(e, running=running[e], waiting=waiting.get(e, 0)) for e in ids))
     policy = make_policy("prefix_affinity")
     first = policy(snap, request(key))
-    assert first.ranked[0] == homes[2] and "miss: new prefix" in first.reason
+    assert first.ranked[0] == homes[4] and "miss: new prefix" in first.reason  # the first of the two idle ones
     # The blocks are there now: a hit, whatever the loads under the bound.
-    assert policy(RouteSnapshot(snap.engines, {homes[2]: 31}), request(key)).ranked[0] == homes[2]
+    assert policy(RouteSnapshot(snap.engines, {homes[4]: 31}), request(key)).ranked[0] == homes[4]
     # Evicted everywhere: a known prefix, back to its first home.
     again = policy(snap, request(key))
     assert again.ranked[0] == homes[0] and "miss: home" in again.reason
-    # Another policy instance (another gateway worker) has not seen it: it places it by load too.
+    # Another policy instance (another gateway worker) has not seen it: it places it by load too. With the
+    # idle two busy, the least loaded of the rest, homes[2] (homes[1]'s waiting request counts twice).
+    assert make_policy("prefix_affinity")(snap, request(key)).ranked[0] == homes[4]
+    busy = {**running, homes[4]: 4, homes[5]: 4}
+    snap = RouteSnapshot(tuple(engine(e, running=busy[e], waiting=waiting.get(e, 0)) for e in ids))
     assert make_policy("prefix_affinity")(snap, request(key)).ranked[0] == homes[2]
 
 
 def test_a_new_prefix_goes_to_the_first_home_with_the_shortest_prefill_backlog() -> None:
     """Requests count decodes and prefills alike; what a long cold prompt waits behind is the prompt tokens
-    queued for prefill there. Of the first homes, the one with the shortest backlog (the replicas' heartbeat
+    queued for prefill there. Of the open homes, the one with the shortest backlog (the replicas' heartbeat
     or this gateway's own count, the larger; in steps of PENDING_PREFILL_STEP) takes a new prefix, even with
     more requests; within one step, the request counts decide as before."""
     ids = tuple(f"n{i}" for i in range(6))
     key = 4242
     homes = prefix_homes(ids, key)
     step = policies.PENDING_PREFILL_STEP
-    running = {homes[0]: 1, homes[1]: 1, homes[2]: 3, homes[3]: 3, homes[4]: 0, homes[5]: 0}
-    # homes[0] and homes[1] have one request each, each a long prompt still prefilling; homes[2] three in decode.
-    pending = {homes[0]: 4 * step, homes[1]: 3 * step, homes[3]: step}
+    running = {homes[0]: 1, homes[1]: 1, homes[2]: 3, homes[3]: 3, homes[4]: 1, homes[5]: 1}
+    # homes[0], [1], [4] and [5] have one request each, each a long prompt still prefilling; homes[2] three in
+    # decode.
+    pending = {homes[0]: 4 * step, homes[1]: 3 * step, homes[3]: step, homes[4]: 2 * step, homes[5]: 2 * step}
 
     def view(engine_id: str, heartbeat_pending: int) -> EngineView:
         return replace(engine(engine_id, running=running[engine_id]), pending_prefill_tokens=heartbeat_pending)
@@ -98,7 +103,7 @@ def test_a_new_prefix_goes_to_the_first_home_with_the_shortest_prefill_backlog()
     # The heartbeat has not seen it yet, this gateway has: its own count of the tokens it sent there.
     local = RouteSnapshot(tuple(view(e, 0) for e in ids), local_pending_prefill_tokens=pending)
     assert make_policy("prefix_affinity")(local, request(key)).ranked[0] == homes[2]
-    # Backlogs within one step of each other: the fewest requests (homes[0] and homes[1]: ring order).
+    # Backlogs within one step of each other: the fewest requests (homes[0], [1], [4] and [5]: ring order).
     small = RouteSnapshot(tuple(view(e, step - 1 if e in pending else 0) for e in ids))
     assert make_policy("prefix_affinity")(small, request(key)).ranked[0] == homes[0]
 
@@ -111,7 +116,7 @@ def test_until_an_engine_is_seen_holding_it_a_prefix_follows_it_to_where_it_was_
     key = 31337
     homes = prefix_homes(ids, key)
     policy = make_policy("prefix_affinity")
-    # New: the least loaded of its first four homes, homes[2] (loads 3, 3, 1, 3, 3, 3: bound 6.7).
+    # New: the least loaded of its homes, homes[2] (loads 3, 3, 1, 3, 3, 3: bound 6.7).
     first_loads = {e: 3 for e in ids} | {homes[2]: 1}
     snap = RouteSnapshot(tuple(engine(e, running=first_loads[e]) for e in ids))
     assert policy(snap, request(key)).ranked[0] == homes[2]
@@ -139,14 +144,14 @@ def test_a_prefix_sent_to_an_engine_follows_it_there_rather_than_to_its_first_ho
     key = 4242
     homes = prefix_homes(ids, key)
     policy = make_policy("prefix_affinity")
-    # New: the least loaded of its first four homes is homes[3].
+    # New: the least loaded of its homes is homes[3].
     loads = {e: 2 for e in ids} | {homes[3]: 0}
     assert policy(RouteSnapshot(tuple(engine(e, running=loads[e]) for e in ids)), request(key)).ranked[0] == homes[3]
     # Not in the index yet; homes[3] has taken the request and two more, its first home is idle.
     loads = {e: 2 for e in ids} | {homes[3]: 3, homes[0]: 0}  # mean 2.17, bound 5.3
     decision = policy(RouteSnapshot(tuple(engine(e, running=loads[e]) for e in ids)), request(key))
     assert decision.ranked[0] == homes[3] and "pending where it was sent" in decision.reason
-    # Another policy instance (another gateway worker) never sent it: the least loaded of its first homes.
+    # Another policy instance (another gateway worker) never sent it: the least loaded of its homes.
     other = make_policy("prefix_affinity")(RouteSnapshot(tuple(engine(e, running=loads[e]) for e in ids)),
                                            request(key))
     assert other.ranked[0] == homes[0]
@@ -180,17 +185,28 @@ def test_a_holder_with_the_longest_queue_keeps_its_prefix_while_under_the_bound(
     assert decision.ranked[0] == holder and decision.expected_cached_tokens == 992
 
 
-def test_a_holder_over_the_bound_spills_to_the_prefixs_next_home_not_the_least_loaded() -> None:
-    """The spill lands where the prefix's next request will spill too (and where its copy then lives), not
-    on whichever engine is least loaded now."""
+def test_a_holder_over_the_bound_spills_where_the_least_prefill_waits() -> None:
+    """A spill prefills its whole prompt wherever it goes, as a new prefix does, and is placed the same way:
+    the open home with the shortest prefill backlog, then the fewest requests, ties in ring order. Placed at the
+    prefix's next home whatever that one had queued, the spills queued behind cold prefills there and made the
+    slowest requests of a 16-engine fleet (docs/routing.md "Cold prompts placed fleet-wide")."""
     key = 12345
     homes = prefix_homes(IDS, key)
+    step = policies.PENDING_PREFILL_STEP
     # home 0 holds the prefix and is over the bound; home 1 is the busiest of the rest, still under it.
     loads = {homes[0]: 12, homes[1]: 4, homes[2]: 1, homes[3]: 1}  # mean 4.5, bound 10
     snap = RouteSnapshot(tuple(engine(e, running=loads[e]) for e in IDS), {homes[0]: 31})
     decision = make_policy("prefix_affinity")(snap, request(key))
-    assert decision.ranked[0] == homes[1] and "bounded_load" in decision.reason
+    assert decision.ranked[0] == homes[2] and "bounded_load" in decision.reason
     assert decision.ranked[-1] == homes[0]
+    # homes[2] is prefilling a long prompt: homes[3], with as many requests and nothing to prefill.
+    fleet = tuple(replace(engine(e, running=loads[e]), pending_prefill_tokens=3 * step if e == homes[2] else 0)
+                  for e in IDS)
+    decision = make_policy("prefix_affinity")(RouteSnapshot(fleet, {homes[0]: 31}), request(key))
+    assert decision.ranked[0] == homes[3] and "bounded_load" in decision.reason
+    # A holder under the bound keeps its hit, whatever its backlog.
+    under = tuple(replace(e, num_running=5) if e.engine_id == homes[0] else e for e in fleet)
+    assert make_policy("prefix_affinity")(RouteSnapshot(under, {homes[0]: 31}), request(key)).ranked[0] == homes[0]
 
 
 def test_this_gateways_in_flight_requests_push_a_home_over_the_bound() -> None:

@@ -324,18 +324,19 @@ def prefix_homes(engine_ids: tuple[str, ...], key: int) -> list[str]:
     return [engine_ids[i] for i in _ring(engine_ids).walk(key, len(engine_ids))]
 
 
-# A prefix nobody holds and this policy instance has never routed goes to the least loaded of its first
-# NEW_PREFIX_CHOICES open homes (waiting requests counted twice: they delay a first token, running ones share
-# steps), ties in ring order. Why (issue #17, docs/routing.md "Where prefix_affinity's p99 goes"): at 64
+# A prefix nobody holds and this policy instance has never routed goes to the open engine of its ranking (its
+# first MAX_RANKED_ENGINES open homes, in ring order) with the shortest prefill backlog, then the fewest
+# requests (waiting ones counted twice: they delay a first token, running ones share steps), ties in ring
+# order; so does a request whose holders are all over the bound (a spill prefills its whole prompt too). Why
+# (issue #17, docs/routing.md "Where prefix_affinity's p99 goes" and "Cold prompts placed fleet-wide"): at 64
 # overloaded engines the slowest 1 % were long unique prompts sent to a first home that also served a hot
-# prefix at twice the mean load, and the hits queued behind their prefill. Four: near its home, enough choice
-# to miss the one busy engine.
+# prefix at twice the mean load, and the hits queued behind their prefill; at 16, with the choice among the
+# first four homes, all four were prefilling in one placement of five and the prompt queued behind another.
 # Until an engine is seen holding it, the prefix's next requests follow it to the engine it was sent to (its
 # blocks are on their way: a prefill, then the KV events' lag; sending them to the first home instead made a
 # second copy there, which under overload is a second prefill and an eviction). Once seen held, an evicted
 # prefix goes back to its first home, which every gateway worker computes alike: placing evicted prefixes by
 # load (or by each worker's own memory) moves them among caches, the failure with scarce caches.
-NEW_PREFIX_CHOICES = 4
 # Rule 6 compares the homes' prefill backlogs (prompt tokens waiting for their first token) in steps of this
 # many tokens, so a few tokens' difference leaves the choice to the request counts. The backlog, not the count,
 # is what a long cold prompt waits behind: one engine holding a 4,000-token prefill and another with three
@@ -444,9 +445,10 @@ def _prefix_affinity() -> PolicyFn:
     so with small caches every engine ends up cycling every prefix. Under overload both feed themselves.
     The bound alone keeps any engine under twice the mean load (+1).
 
-    A prefix nobody holds that this policy has never routed is the exception: it goes to the least loaded
-    of its first ``NEW_PREFIX_CHOICES`` open homes (one busy home does not queue a long cold prefill in front
-    of its hot prefix's hits). Until the index shows an engine holding it, its later requests go where it was
+    A prefix nobody holds that this policy has never routed is the exception: it goes to the open home with
+    the shortest prefill backlog, then the fewest requests (a long cold prefill does not queue behind another,
+    nor in front of a hot prefix's hits, while an engine has none); so does a request whose holders are all
+    over the bound. Until the index shows an engine holding a new prefix, its later requests go where it was
     sent (while that engine is open); then they follow its blocks, and once evicted it goes to its first home.
 
     Cost: O(engines holding the prefix + engines with this gateway's requests in flight + the ring walk to
@@ -548,23 +550,42 @@ def _prefix_affinity() -> PolicyFn:
                 return under, over, credit, price, walked[i]
 
             ranked = sorted({*walked, *loads, *cached}, key=full_key)[:MAX_RANKED_ENGINES]
+        def place_by_backlog() -> bool:
+            """Moves the open engine of the ranking with the shortest prefill backlog, then the fewest requests,
+            to its front (the first of equals: ring order, after the second-home swap, breaks ties); False where
+            there was nothing to choose between. A scan, not a sort: it stops at an idle engine with nothing
+            to prefill once a second open one was met (nothing ranks before it), the usual case off peak."""
+            local_pending, ids = snapshot.local_pending_prefill_tokens, fleet.ids
+            best, best_key, num_open = -1, (0, 0), 0
+            for i in ranked:
+                load = loads.get(i, fleet_loads[i])
+                if i in closed or load >= bound:
+                    continue
+                num_open += 1
+                if best >= 0 and best_key == (0, 0):
+                    break
+                pending_tokens = engines[i].pending_prefill_tokens
+                if local_pending:
+                    pending_tokens = max(pending_tokens, local_pending.get(ids[i], 0))
+                engine_key = (pending_tokens // PENDING_PREFILL_STEP, load + engines[i].num_waiting)
+                if best < 0 or engine_key < best_key:
+                    best, best_key = i, engine_key
+            if num_open < 2:
+                return False
+            _to_front(ranked, best)
+            return True
+
         placed_by_load = pending = False
         state = placements.get(key)
         if cached:
             if state != SETTLED:
                 placements.set(key, SETTLED)
+            if not cached.get(ranked[0]) and any(cached.values()):
+                # Every holder is over the bound (or under pressure): the request prefills its whole prompt
+                # wherever it goes, so it goes where the least prefill is queued, as a new prefix does.
+                place_by_backlog()
         elif state is None:
-            choices = [i for i in ranked[:NEW_PREFIX_CHOICES]
-                       if i not in closed and loads.get(i, fleet_loads[i]) < bound]
-            if len(choices) > 1:
-                # The shortest prefill backlog first, then the fewest requests; min keeps the first of equals:
-                # ring order (after the second-home swap) breaks ties.
-                local_pending, ids = snapshot.local_pending_prefill_tokens, fleet.ids
-                best = min(choices, key=lambda i: (
-                    max(engines[i].pending_prefill_tokens, local_pending.get(ids[i], 0)) // PENDING_PREFILL_STEP,
-                    loads.get(i, fleet_loads[i]) + engines[i].num_waiting))
-                _to_front(ranked, best)
-                placed_by_load = True
+            placed_by_load = place_by_backlog()
             placements.set(key, fleet.ids[ranked[0]])
         elif state != SETTLED:
             # Sent before and no engine seen holding it since: its blocks are on their way to that engine
@@ -580,7 +601,7 @@ def _prefix_affinity() -> PolicyFn:
         if pending:
             reason = f"prefix_affinity miss: pending where it was sent, load={top_load}"
         elif placed_by_load:
-            reason = f"prefix_affinity miss: new prefix, least loaded of its first homes load={top_load}"
+            reason = f"prefix_affinity miss: new prefix, shortest backlog of its homes load={top_load}"
         elif top_cached > 0:
             reason = f"prefix_affinity cached_tokens={top_cached} load={top_load}"
         elif not cached:
