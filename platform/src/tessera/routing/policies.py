@@ -550,6 +550,7 @@ def _prefix_affinity() -> PolicyFn:
                 return under, over, credit, price, walked[i]
 
             ranked = sorted({*walked, *loads, *cached}, key=full_key)[:MAX_RANKED_ENGINES]
+
         def place_by_backlog() -> bool:
             """Moves the open engine of the ranking with the shortest prefill backlog, then the fewest requests,
             to its front (the first of equals: ring order, after the second-home swap, breaks ties); False where
