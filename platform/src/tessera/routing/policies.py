@@ -435,9 +435,9 @@ def _prefix_affinity() -> PolicyFn:
 
     Engines at or over the load bound (``BOUND_FACTOR`` x mean load + 1) rank after every engine under it.
     Under the bound, the engine that would reuse the most cached tokens (from the KV-event index) wins;
-    between equal caches the less busy one (load priced in tokens); and where nobody holds the prefix (or
-    the holders are over the bound), the prefix's *home*: the first engine under the bound on the ring,
-    walking clockwise from the prefix's first block hash. Every gateway process computes the same homes.
+    between equal caches the less busy one (load priced in tokens); and where nobody holds the prefix, the
+    prefix's *home*: the first engine under the bound on the ring, walking clockwise from the prefix's first
+    block hash (holders all over the bound: see below). Every gateway process computes the same homes.
 
     Why load does not outweigh a cache under the bound (issue #17, docs/routing.md): a request moved off
     the engine that holds its prefix prefills the whole prefix elsewhere and evicts another prefix there;
