@@ -28,8 +28,11 @@ async def store(redis_server: EmbeddedRedis) -> AsyncIterator[TenantStore]:
     await redis.aclose()
 
 
-def _no_inline_reads(store: TenantStore, monkeypatch: pytest.MonkeyPatch) -> None:
+def _no_inline_reads(store: TenantStore, monkeypatch: pytest.MonkeyPatch, attempts: list[float] | None = None) -> None:
+    """Any read of Redis on the request path fails the request's check; ``attempts`` gets each one's time."""
     async def inline(*_: Any) -> None:
+        if attempts is not None:
+            attempts.append(time.monotonic())
         raise AssertionError("the request path read Redis itself")
     monkeypatch.setattr(store, "authenticate", inline)
     monkeypatch.setattr(store, "get_tenant", inline)
@@ -53,13 +56,8 @@ async def test_a_key_in_use_stays_fresh_and_a_revoked_one_stops_at_the_next_refr
         refreshes.append(time.monotonic())
         return await real_read_keys(keys, tenant_names)
 
-    async def inline(*_: Any) -> None:
-        inline_reads.append(time.monotonic())
-        raise AssertionError("the request path read Redis itself")
-
     monkeypatch.setattr(store, "read_keys", timed_read_keys)
-    monkeypatch.setattr(store, "authenticate", inline)
-    monkeypatch.setattr(store, "get_tenant", inline)
+    _no_inline_reads(store, monkeypatch, inline_reads)
     for _ in range(8):  # 1.2 s, three TTLs
         await asyncio.sleep(TTL_S / 2.5)
         try:

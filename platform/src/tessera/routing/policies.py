@@ -13,7 +13,7 @@ import math
 import random
 from bisect import bisect_left
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -429,6 +429,32 @@ def _to_front(ranked: list[int], i: int) -> None:
     ranked.insert(0, i)
 
 
+def _least_backlogged(ranked: list[int], closed: frozenset[int], loads: dict[int, int], fleet: _Fleet,
+                      bound: float, local_pending: Mapping[str, int]) -> int | None:
+    """The open engine of ``ranked`` (under the bound, not closed) with the shortest prefill backlog (the larger
+    of its heartbeat's and the pod's count, in steps of PENDING_PREFILL_STEP), then the fewest requests (waiting
+    ones counted twice), the first of equals (ranking order: ring order after the second-home swap); None where
+    fewer than two are open (nothing to choose between). A scan, not a sort: it stops at an idle engine with
+    nothing to prefill once a second open one was met (nothing ranks before it), the usual case off peak.
+    ``loads`` holds this pod's counts where they exceed the heartbeat's (``fleet.loads``)."""
+    engines, ids, fleet_loads = fleet.engines, fleet.ids, fleet.loads
+    best, best_key, num_open = -1, (0, 0), 0
+    for i in ranked:
+        load = loads.get(i, fleet_loads[i])
+        if i in closed or load >= bound:
+            continue
+        num_open += 1
+        if best >= 0 and best_key == (0, 0):
+            break
+        pending_tokens = engines[i].pending_prefill_tokens
+        if local_pending:
+            pending_tokens = max(pending_tokens, local_pending.get(ids[i], 0))
+        engine_key = (pending_tokens // PENDING_PREFILL_STEP, load + engines[i].num_waiting)
+        if best < 0 or engine_key < best_key:
+            best, best_key = i, engine_key
+    return best if num_open >= 2 else None
+
+
 @register("prefix_affinity")
 def _prefix_affinity() -> PolicyFn:
     """Consistent hashing with bounded loads, where the index's cached tokens come first.
@@ -551,31 +577,6 @@ def _prefix_affinity() -> PolicyFn:
 
             ranked = sorted({*walked, *loads, *cached}, key=full_key)[:MAX_RANKED_ENGINES]
 
-        def place_by_backlog() -> bool:
-            """Moves the open engine of the ranking with the shortest prefill backlog, then the fewest requests,
-            to its front (the first of equals: ring order, after the second-home swap, breaks ties); False where
-            there was nothing to choose between. A scan, not a sort: it stops at an idle engine with nothing
-            to prefill once a second open one was met (nothing ranks before it), the usual case off peak."""
-            local_pending, ids = snapshot.local_pending_prefill_tokens, fleet.ids
-            best, best_key, num_open = -1, (0, 0), 0
-            for i in ranked:
-                load = loads.get(i, fleet_loads[i])
-                if i in closed or load >= bound:
-                    continue
-                num_open += 1
-                if best >= 0 and best_key == (0, 0):
-                    break
-                pending_tokens = engines[i].pending_prefill_tokens
-                if local_pending:
-                    pending_tokens = max(pending_tokens, local_pending.get(ids[i], 0))
-                engine_key = (pending_tokens // PENDING_PREFILL_STEP, load + engines[i].num_waiting)
-                if best < 0 or engine_key < best_key:
-                    best, best_key = i, engine_key
-            if num_open < 2:
-                return False
-            _to_front(ranked, best)
-            return True
-
         placed_by_load = pending = False
         state = placements.get(key)
         if cached:
@@ -584,9 +585,14 @@ def _prefix_affinity() -> PolicyFn:
             if not cached.get(ranked[0]) and any(cached.values()):
                 # Every holder is over the bound (or under pressure): the request prefills its whole prompt
                 # wherever it goes, so it goes where the least prefill is queued, as a new prefix does.
-                place_by_backlog()
+                best = _least_backlogged(ranked, closed, loads, fleet, bound, snapshot.local_pending_prefill_tokens)
+                if best is not None:
+                    _to_front(ranked, best)
         elif state is None:
-            placed_by_load = place_by_backlog()
+            best = _least_backlogged(ranked, closed, loads, fleet, bound, snapshot.local_pending_prefill_tokens)
+            if best is not None:
+                _to_front(ranked, best)
+                placed_by_load = True
             placements.set(key, fleet.ids[ranked[0]])
         elif state != SETTLED:
             # Sent before and no engine seen holding it since: its blocks are on their way to that engine
