@@ -5,6 +5,7 @@ Redis that lost its scripts (NOSCRIPT) still admits exactly once."""
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -169,3 +170,37 @@ async def test_the_trip_is_one_write_whose_replies_parse_to_the_standalone_answe
     bare = build_trip(gateway.admission, tenant.name, tenant.policy, 100)
     assert len(bare.commands) == 2 and not bare.carries_extra
     assert (await parse_trip(gateway.admission, bare, await gateway.wire.execute(bare.commands))).extra is None
+
+
+async def test_on_the_local_index_the_engines_events_ride_in_admission_and_the_route_sees_them(
+        redis_server: EmbeddedRedis, monkeypatch: pytest.MonkeyPatch) -> None:
+    # With the gateway's local index no lookup rides along: the index feed's stream read does, so the route
+    # right after admission sees every batch published before it without a read of the feed's own.
+    gw = Gateway(TesseraSettings(redis_url=redis_server.url, trace_exporter="none", prefix_index="local"))
+    try:
+        flow = _admitter(gw)
+        tenant, request, chain = await _setup(gw, TenantPolicy())
+        # One token past the three blocks, so that all three count (the engine computes at least one token).
+        request = request._replace(num_prompt_tokens=request.num_prompt_tokens + 1)
+        await gw.router.start_local_index()
+        feed = gw.router.local_feed
+        assert feed is not None
+        feed.stop()  # from here on only the rides read the stream (a stopped feed still takes them)
+        await asyncio.sleep(0.05)
+        holder = request.model.replace("rt-model", "rt") + "-b"  # new to the index: its first blocks
+        await PrefixIndex(gw.redis).apply(holder, [("store", h) for h in chain])  # after the warm start
+        plan = await gw.router.plan(request)
+        assert plan.lookup is None and plan.live_mask is not None
+        await flow.admit(tenant, 100, plan)  # loads the admission script (its NOSCRIPT path) ...
+        _forbid(gw.admission, "admit", monkeypatch)
+        reads, rides = feed.num_reads, feed.num_rides
+        decision, cached, _ = await flow.admit(tenant, 100, plan)  # ... so this one is the one round trip
+        assert isinstance(decision, Lease) and cached == {}
+        assert feed.num_rides == rides + 1 and feed.num_reads == reads
+        route, _ = gw.router.decide(plan, cached)
+        assert route.ranked[0] == holder  # its three blocks against -a's two
+    finally:
+        await gw.router.close()
+        await gw.wire.close()
+        await gw.feed_wire.close()
+        await gw.redis.aclose()

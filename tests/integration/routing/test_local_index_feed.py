@@ -14,7 +14,7 @@ import redis.asyncio as aioredis
 from tessera.redis_conn import EmbeddedRedis, connect
 from tessera.redis_wire import RedisWire
 from tessera.registry import EngineRecord, EngineRegistry
-from tessera.routing.local_feed import FORGET_GRACE_S, LocalIndexFeed
+from tessera.routing.local_feed import FORGET_GRACE_S, RIDE_COUNT, LocalIndexFeed
 from tessera.routing.local_index import LocalPrefixIndex
 from tessera.routing.prefix_index import EVENTS_STREAM, PrefixIndex
 from tessera.routing.router import Router
@@ -280,3 +280,116 @@ async def test_stop_ends_a_blocking_read_at_once_and_leaves_no_reply_behind(
         await store.apply(names[0], [("store", h) for h in chain(2)])
         assert await feed_wire.execute([("GET", key)]) == [b"value"]
     await client.aclose()
+
+
+async def ride(feed: LocalIndexFeed, wire: RedisWire) -> None:
+    """One admission's round trip as far as the feed is concerned: its ride's read, applied."""
+    command = feed.ride()
+    assert command is not None
+    (reply,) = await wire.execute([command])
+    feed.take_ride(reply)
+
+
+async def test_while_admissions_ride_the_feed_reads_on_its_own_only_a_gap_apart(
+        redis_server: EmbeddedRedis, names: list[str]) -> None:
+    # Each engine batch used to end the feed's blocking read: one wake-up and round trip per batch in every
+    # busy worker. While rides bring the stream, the feed's own read waits ride_gap_s and does not block.
+    client = connect(redis_server.url, timeout_s=5.0)
+    wire = RedisWire(redis_server.url, 5.0)
+    store = PrefixIndex(client)
+    feed = LocalIndexFeed(client, LocalPrefixIndex(10_000), store, idle_after_s=60.0, ride_gap_s=30.0)
+    task = asyncio.get_running_loop().create_task(feed.run())
+    try:
+        while not feed.ready:
+            await asyncio.sleep(0.01)
+        reads = feed.num_reads
+        batches = [chain(3) for _ in range(20)]
+        for hashes in batches:
+            await store.apply(names[0], [("store", h) for h in hashes])
+            await asyncio.sleep(0.02)  # the feed's blocking read, had it one outstanding, returns here
+            await ride(feed, wire)
+            live = feed.index.live_mask([names[0]])
+            assert feed.index.longest_prefixes(hashes, live) == {names[0]: 3}  # seen by the route after it
+        assert feed.num_reads - reads <= 2  # one per batch (20) when the feed reads back to back
+        assert feed.num_entries == len(batches)  # an entry read by both a ride and the feed counts once
+        assert feed.num_rides == len(batches)
+    finally:
+        feed.stop()
+        await asyncio.wait_for(task, 1.0)
+        await wire.close()
+        await client.aclose()
+
+
+async def test_the_feed_reads_what_no_ride_brought_a_gap_later(redis_server: EmbeddedRedis, names: list[str]) -> None:
+    # The batches published after the last admission (traffic pauses) reach the index by the feed's own read.
+    client = connect(redis_server.url, timeout_s=5.0)
+    wire = RedisWire(redis_server.url, 5.0)
+    store = PrefixIndex(client)
+    feed = LocalIndexFeed(client, LocalPrefixIndex(10_000), store, idle_after_s=60.0, ride_gap_s=0.3)
+    task = asyncio.get_running_loop().create_task(feed.run())
+    try:
+        while not feed.ready:
+            await asyncio.sleep(0.01)
+        await ride(feed, wire)
+        hashes = chain(4)
+        await store.apply(names[0], [("store", h) for h in hashes])
+        assert await wait_for_prefix(feed, names[0], hashes, timeout_s=3.0) < 3.0
+    finally:
+        feed.stop()
+        await asyncio.wait_for(task, 1.0)
+        await wire.close()
+        await client.aclose()
+
+
+async def test_a_ride_stops_at_a_gap_and_the_feed_resyncs_from_that_entry(
+        redis: aioredis.Redis, redis_server: EmbeddedRedis, names: list[str]) -> None:
+    # A ride runs on the request path and never calls Redis: an engine's entry whose predecessor it never saw
+    # stops it there, so the feed's own read (which resyncs) starts at that entry, and no later entry of
+    # another engine is skipped on the way.
+    store = PrefixIndex(redis)
+    a, b, _ = names
+    feed = LocalIndexFeed(redis, LocalPrefixIndex(10_000), store)
+    await feed.warm_start()
+    lost, kept, later = chain(2), chain(2), chain(2)
+    await store.apply(a, [("store", h) for h in lost])
+    await store.apply(a, [("store", h) for h in kept])
+    await store.apply(b, [("store", h) for h in later])
+    entries = await redis.xrange(EVENTS_STREAM, "-", "+")
+    first_of_a = next(entry_id for entry_id, fields in entries if fields[b"e"] == a.encode())
+    await redis.xdel(EVENTS_STREAM, first_of_a)  # engine a's first batch never reaches this reader
+    wire = RedisWire(redis_server.url, 5.0)
+    await ride(feed, wire)
+    await wire.close()
+    assert feed.index.blocks_of(a) == set() and feed.index.blocks_of(b) == set()  # stopped at a's entry
+    await drain(feed)  # the feed's own read: a resyncs from Redis, b's batch follows
+    assert feed.index.blocks_of(a) == set(lost + kept) and feed.index.blocks_of(b) == set(later)
+    assert feed.num_resyncs == 1
+
+
+async def test_a_full_ride_leaves_the_backlog_to_the_feed_at_once(redis_server: EmbeddedRedis,
+                                                                 names: list[str]) -> None:
+    # A ride reads at most RIDE_COUNT entries (it runs before the route); a full one wakes the feed, which takes
+    # the rest in its own slices instead of waiting out its gap.
+    client = connect(redis_server.url, timeout_s=5.0)
+    wire = RedisWire(redis_server.url, 5.0)
+    store = PrefixIndex(client)
+    feed = LocalIndexFeed(client, LocalPrefixIndex(10_000), store, idle_after_s=60.0, ride_gap_s=30.0)
+    task = asyncio.get_running_loop().create_task(feed.run())
+    try:
+        while not feed.ready:
+            await asyncio.sleep(0.01)
+        for _ in range(2):  # the first batch ends the read the feed had outstanding; it then waits its gap
+            await store.apply(names[1], [("store", h) for h in chain(1)])
+            await asyncio.sleep(0.05)
+            await ride(feed, wire)  # reached the stream's end
+        hashes = chain(RIDE_COUNT + 40)
+        for h in hashes:
+            await store.apply(names[0], [("store", h)])
+        await ride(feed, wire)
+        assert feed.index.blocks_of(names[0]) == set(hashes[:RIDE_COUNT])
+        assert await wait_for_prefix(feed, names[0], hashes, timeout_s=3.0) < 3.0  # not the 30 s gap
+    finally:
+        feed.stop()
+        await asyncio.wait_for(task, 1.0)
+        await wire.close()
+        await client.aclose()

@@ -14,6 +14,15 @@ Exactness rests on the per-engine sequence number ``n`` that each batch (and eac
   one absent for ``FORGET_GRACE_S`` is forgotten, and comes back by a resync if it publishes again.
 Between those, the local index trails the engines by the engine-host feeder's write plus one stream read
 (``lag_p99_s``). A stale entry costs hit rate only: lookups count only the live engines the router passes.
+
+Reads that ride in admission's round trip (``ride``/``take_ride``): while requests come, each admission's one
+Redis round trip also reads the stream from where the feed stands (gateway/request/admit.py), so the route
+right after it sees every batch published before its admission, and the feed's own reads pause
+(``RIDE_GAP_S`` apart, not blocking). Without them a busy worker paid one more wake-up and round trip per
+engine batch (~0.2 ms of CPU a request: docs/performance.md, "The index feed's reads ride in admission").
+A ride applies entries in place and never calls Redis on the request path: an entry that needs a resync, or
+a ride that comes back full (a backlog), stops there and wakes the feed's own loop, which reads on from it.
+Rides and the feed's reads may bring the same entries: an entry at or before the feed's position is skipped.
 """
 
 from __future__ import annotations
@@ -28,11 +37,11 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from tessera.redis_wire import RedisWire
+from tessera.redis_wire import Command, RedisWire
 from tessera.refresher import REFRESHER_IDLE_S
 from tessera.routing.local_index import LocalPrefixIndex
 from tessera.routing.prefix_index import EVENTS_STREAM, SWEEP_GRACE_S, PrefixIndex, unpack_hashes
-from tessera.routing.stream_read import read_stream
+from tessera.routing.stream_read import read_stream, stream_entries
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +68,13 @@ LAG_SAMPLES = 4096
 # is trimmed), so it slows down instead.
 IDLE_AFTER_S = REFRESHER_IDLE_S
 IDLE_READ_S = 2.0
+# Entries one ride reads (it runs on the request path before the route): more waiting means a backlog, which
+# the feed's own reads take in READ_COUNT slices.
+RIDE_COUNT = 128
+# While reads ride in admissions, the feed's own read comes this long after the last one, without blocking:
+# it catches the batches published after the last admission (a pause in traffic) and keeps ahead of the
+# stream's trim; it does not wait on the stream, so an engine batch wakes no one until the next admission.
+RIDE_GAP_S = 0.5
 
 
 class LocalIndexFeed:
@@ -66,7 +82,8 @@ class LocalIndexFeed:
 
     def __init__(self, redis: aioredis.Redis, index: LocalPrefixIndex, store: PrefixIndex, *,
                  idle_after_s: float = IDLE_AFTER_S, idle_read_s: float = IDLE_READ_S,
-                 read_block_ms: int = READ_BLOCK_MS, wire: RedisWire | None = None) -> None:
+                 read_block_ms: int = READ_BLOCK_MS, ride_gap_s: float = RIDE_GAP_S,
+                 wire: RedisWire | None = None) -> None:
         """``wire``: a lean connection of the feed's own for its blocking reads (stream_read.py; the gateway
         gives one); None: they take a connection from ``redis``'s pool."""
         self._redis = redis
@@ -74,13 +91,18 @@ class LocalIndexFeed:
         self.read_block_ms = read_block_ms
         self.idle_after_s = idle_after_s
         self.idle_read_s = idle_read_s
+        self.ride_gap_s = ride_gap_s
         self._used = False  # a route read the index since the feed last looked (``used``)
-        self._wake: asyncio.Event | None = None  # set while the feed waits between idle reads
+        self._rode = False  # a ride applied the stream up to its end since the feed last looked (``take_ride``)
+        self._wake: asyncio.Event | None = None  # set while the feed waits between its own reads
+        self._wake_on_use = False  # ...and a route ends that wait (idle), else only a backlog, a gap or stop
         self.index = index
         self._store = store
         self._seq: dict[str, int] = {}  # engine_id -> last sequence number applied (or snapshot)
         self._absent_since: dict[str, float] = {}  # engine_id -> when a registry read first missed it
         self._last_id: bytes | str = "0-0"
+        self._last_position = (0, 0)  # ``_last_id`` as numbers, for ordering entries read twice
+        self._resyncing: set[str] = set()  # engines whose snapshot is being read (a ride leaves them alone)
         self.ready = False
         self._stopping = False
         self._task: asyncio.Task[None] | None = None  # the task in ``run`` (``stop`` cancels its read)
@@ -89,25 +111,63 @@ class LocalIndexFeed:
         self.num_ops = 0
         self.num_resyncs = 0
         self.num_reads = 0
+        self.num_rides = 0
 
     def used(self) -> None:
         """A route read the index (the router calls this on every plan): the feed follows the stream back to
         back again, at once if it is waiting between idle reads. A flag and a check: the request path's cost."""
         self._used = True
+        if self._wake is not None and self._wake_on_use:
+            self._wake.set()
+
+    def ride(self) -> Command | None:
+        """The stream read for admission's round trip (``take_ride`` applies its reply); None until the warm
+        start has loaded."""
+        if not self.ready:
+            return None
+        return ("XREAD", "COUNT", RIDE_COUNT, "STREAMS", EVENTS_STREAM, self._last_id)
+
+    def take_ride(self, reply: Any) -> None:
+        """Applies a ride's reply on the request path, without a Redis call: an entry that needs a resync stops
+        it and wakes the feed's loop (which reads on from that entry), as does a full ride (a backlog) or an
+        error reply. A ride that reached the stream's end lets the feed's loop pause its own reads."""
+        if isinstance(reply, Exception):
+            self._wake_now()
+            return
+        entries = stream_entries(reply)
+        self.num_rides += 1
+        for entry_id, fields in entries:
+            position = _position(entry_id)
+            if position <= self._last_position:
+                continue  # the feed's own read applied it meanwhile
+            if not self._apply_now(fields):
+                self._wake_now()
+                return
+            self._last_id, self._last_position = entry_id, position
+        if len(entries) >= RIDE_COUNT:
+            self._wake_now()
+        else:
+            self._rode = True
+
+    def _wake_now(self) -> None:
         if self._wake is not None:
             self._wake.set()
 
     async def warm_start(self) -> None:
         """Loads every indexed engine's snapshot; the stream is read from just before them."""
         newest: Any = await self._redis.xrevrange(EVENTS_STREAM, "+", "-", count=1)
-        self._last_id = newest[0][0] if newest else "0-0"
+        self._advance(newest[0][0] if newest else "0-0")
         for engine_id in await self._store.indexed_engines():
             await self._resync(engine_id)
         self.num_resyncs = 0
         self.ready = True
 
     async def _resync(self, engine_id: str) -> None:
-        seq, hashes = await self._store.snapshot(engine_id)
+        self._resyncing.add(engine_id)
+        try:
+            seq, hashes = await self._store.snapshot(engine_id)
+        finally:
+            self._resyncing.discard(engine_id)
         self.index.load_engine(engine_id, hashes)
         self._seq[engine_id] = seq
         self.num_resyncs += 1
@@ -119,27 +179,39 @@ class LocalIndexFeed:
         entries = await read_stream(self._reader, EVENTS_STREAM, self._last_id, READ_COUNT, block_ms)
         self.num_reads += 1
         for entry_id, fields in entries:
-            await self._apply_entry(fields)
-            self._last_id = entry_id
+            if _position(entry_id) <= self._last_position:
+                continue  # a ride applied it meanwhile
+            if not self._apply_now(fields):
+                engine_id = _text(fields[b"e"])
+                logger.info("prefix index: engine %s's events before %s not seen here; re-reading it",
+                            engine_id, int(fields[b"n"]))
+                await self._resync(engine_id)  # the snapshot includes this entry (its n >= seq)
+            self._advance(entry_id)
         return len(entries)
 
-    async def _apply_entry(self, fields: dict[Any, Any]) -> None:
+    def _advance(self, entry_id: bytes | str) -> None:
+        """Moves the feed's position to ``entry_id`` unless a ride took it further while a resync waited."""
+        position = _position(entry_id)
+        if position > self._last_position:
+            self._last_id, self._last_position = entry_id, position
+
+    def _apply_now(self, fields: dict[Any, Any]) -> bool:
+        """Applies one entry, or skips it when the engine's snapshot covers it; False, having changed nothing,
+        when it needs the engine's snapshot first (a gap in its sequence, or a resync under way)."""
         engine_id = _text(fields[b"e"])
         seq = int(fields[b"n"])
         last = self._seq.get(engine_id)
         if last is not None and seq <= last:
-            return  # already in the engine's snapshot
-        if seq != (last or 0) + 1:
-            logger.info("prefix index: engine %s's events %s..%s not seen here; re-reading it",
-                        engine_id, (last or 0) + 1, seq - 1)
-            await self._resync(engine_id)  # the snapshot includes this entry (its n >= seq)
-            return
+            return True  # already in the engine's snapshot
+        if seq != (last or 0) + 1 or engine_id in self._resyncing:
+            return False
         ops = _text(fields[b"o"])
         self.index.apply(engine_id, ops, unpack_hashes(fields[b"h"]) if ops != "c" else (0,))
         self._seq[engine_id] = seq
         self.num_entries += 1
         self.num_ops += len(ops)
         self.lags_s.append(time.time() - float(fields[b"t"]))
+        return True
 
     def retain(self, live_engine_ids: Iterable[str], now: float | None = None) -> list[str]:
         """Forgets engines absent from the registry for ``FORGET_GRACE_S`` (and their sequence numbers: they
@@ -195,8 +267,13 @@ class LocalIndexFeed:
         last_used = time.monotonic()
         while not self._stopping:
             num_read = 0
+            block_ms = None
+            if self._rode:  # admissions read the stream: this read comes a gap later and does not block
+                self._rode = False
+                await self._wait(self.ride_gap_s, wake_on_use=False)
+                block_ms = 0
             try:
-                num_read = await self.poll()
+                num_read = await self.poll(block_ms)
             except (RedisError, OSError) as exc:
                 logger.warning("prefix index stream read failed, retrying: %s", exc)
                 await asyncio.sleep(RETRY_S)
@@ -207,17 +284,25 @@ class LocalIndexFeed:
                 self._used = False
                 last_used = time.monotonic()
             elif num_read < READ_COUNT and time.monotonic() - last_used >= self.idle_after_s:
-                await self._idle_wait()
+                await self._wait(self.idle_read_s, wake_on_use=True)
 
-    async def _idle_wait(self) -> None:
-        """Waits ``idle_read_s`` before the next read, or less if a route (``used``) or ``stop`` comes first."""
-        self._wake = asyncio.Event()
+    async def _wait(self, seconds: float, *, wake_on_use: bool) -> None:
+        """Waits ``seconds`` before the next read, or less if a ride asks for one (a backlog, a gap) or, with
+        ``wake_on_use`` (idle), a route comes first."""
+        self._wake, self._wake_on_use = asyncio.Event(), wake_on_use
         try:
-            await asyncio.wait_for(self._wake.wait(), self.idle_read_s)
+            await asyncio.wait_for(self._wake.wait(), seconds)
         except TimeoutError:
             pass
         finally:
             self._wake = None
+
+
+def _position(entry_id: bytes | str) -> tuple[int, int]:
+    """A stream entry id (``<ms>-<seq>``) as numbers, in the stream's order."""
+    text = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+    ms, _, seq = text.partition("-")
+    return int(ms), int(seq or 0)
 
 
 def _text(raw: object) -> str:

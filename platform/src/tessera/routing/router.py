@@ -15,7 +15,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
@@ -277,6 +277,17 @@ class Router:
 
     parse_lookup = staticmethod(PrefixIndex.parse_lookup)
 
+    def feed_ride(self, plan: RoutePlan | None) -> Command | None:
+        """For a plan answered by the local index, the feed's stream read to send with admission's round trip
+        (``LocalIndexFeed.ride``; its reply goes to ``take_feed_ride``); else None."""
+        if plan is None or plan.live_mask is None or self._feed is None:
+            return None
+        return self._feed.ride()
+
+    def take_feed_ride(self, reply: Any) -> None:
+        if self._feed is not None:
+            self._feed.take_ride(reply)
+
     async def lookup(self, plan: RoutePlan) -> dict[str, int]:
         """The plan's prefix lookup in a round trip of its own (it loads the script when Redis lost it)."""
         if self._prefix_index is None or plan.lookup_args is None:
@@ -285,13 +296,18 @@ class Router:
 
     def decide(self, plan: RoutePlan, cached: dict[str, int]) -> Routed:
         """The policy's ranking. A plan answered by the local index looks its prefix up here (``cached``,
-        then empty, is ignored)."""
-        if plan.live_mask is not None and self._feed is not None:
-            cached = self._feed.index.longest_prefixes(plan.request.block_hashes, plan.live_mask)
-        view = self._models.get(plan.request.model)
-        if view is None or view.records is not plan.records:  # a plan made before the last registry read
+        then empty, is ignored), with the live engines' mask as of now: admission's ride, after the plan, may
+        have brought an engine's first blocks (a new slot in the index)."""
+        model = plan.request.model
+        view = self._models.get(model)
+        current = view is not None and view.records is plan.records
+        if view is None or not current:  # a plan made before the last registry read
             view = _ModelView(plan.records, tuple(engine_view(r) for r in plan.records),
                               {r.engine_id: r for r in plan.records})
+        if plan.live_mask is not None and self._feed is not None:
+            index = self._feed.index
+            mask = self._live_mask(index, model, view) if current else index.live_mask(view.by_id)
+            cached = index.longest_prefixes(plan.request.block_hashes, mask)
         if self._pod is not None:
             in_flight, pending = self._pod.totals(self._engine_keys)
         else:

@@ -2,7 +2,9 @@
 is reached) that also brings the tenant's demotion flag and the route's prefix lookup.
 
 Routing waits for admission's verdict. With the gateway's local prefix index (``TESSERA_PREFIX_INDEX=local``)
-the plan carries no lookup and the round trip is admission and the demotion flag only; with the Redis index
+the plan carries no lookup and the round trip is admission, the demotion flag and the local index's read of the
+engines' KV events since its last (``LocalIndexFeed.ride``: the route then sees every batch published before
+this admission, with no wake-up of the feed's own per batch); with the Redis index
 the prefix lookup rides in admission's round trip (``tenancy/admission_trip.py``): a rejected request costs no
 routing work beyond that, an admitted one saves a round trip. So the route's plan (the cached registry, no
 Redis call as a rule) is made here, before the trip. The lookup is left out for a tenant this process rejected
@@ -106,8 +108,10 @@ class Admitter:
         admission it may have made is voided. ``prompt_tokens`` and the engine ``request_id`` go on the ticket."""
         recently_rejected = time.monotonic() - self._rejected_at.get(tenant.name, -1e9) < REJECTED_HINT_S
         lookup = None if plan is None or recently_rejected else plan.lookup
-        trip = build_trip(self.admission, tenant.name, tenant.policy, reserve_tokens, lookup, prompt_tokens,
-                          request_id)
+        # On the local index the prefix index's event stream is read here instead (routing/local_feed.py).
+        ride = self._router.feed_ride(plan) if lookup is None and plan is not None else None
+        trip = build_trip(self.admission, tenant.name, tenant.policy, reserve_tokens,
+                          lookup if ride is None else ride, prompt_tokens, request_id)
         try:
             reply = await parse_trip(self.admission, trip, await self._wire.execute(trip.commands))
         except STORE_ERRORS as exc:
@@ -117,6 +121,8 @@ class Admitter:
             self._fail_open.admit_without_store(exc)
             self._metrics.fail_open(tenant.name)
             return Admitted(self.admission.detached_lease(tenant.name, tenant.policy), None, False)
+        if ride is not None:
+            self._router.take_feed_ride(reply.extra)
         if plan is not None and plan.lookup is None:
             cached: dict[str, int] | None = {}  # nothing to look up: the route needs no lookup either
         elif lookup is None or isinstance(reply.extra, Exception):
