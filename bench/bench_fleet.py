@@ -90,6 +90,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="where prefix_affinity's lookup is answered")
     p.add_argument("--vllm-router-log-level", default="warning", help="its --log-level (its log: the work dir)")
     p.add_argument("--gateway-workers", type=int, default=2, help="router instances standing for gateway workers")
+    p.add_argument("--long-prefill-token-threshold", type=int, default=0,
+                   help="the replicas' cap on a prefill's tokens a step while others run or wait (vLLM's; 0: none)")
     return p.parse_args(argv)
 
 
@@ -145,7 +147,7 @@ async def run_size(num_engines: int, args: argparse.Namespace, redis_url: str, w
         tag = f"{num_engines}-{name.replace(':', '-')}"
         started = time.monotonic()
         sim_config = {"time_scale": time_scale, "feed_index": not via_vllm_router, "served_model_name": MODEL,
-                      "block_size": BLOCK_SIZE}
+                      "block_size": BLOCK_SIZE, "long_prefill_token_threshold": args.long_prefill_token_threshold}
         fleet = procs.start_fleet(num_engines, sim_config, redis_url, work, tag)
         router: procs.VllmRouter | None = None
         try:

@@ -56,6 +56,26 @@ def test_chunked_prefill_splits_a_prompt_over_the_token_budget_and_samples_only_
     assert sched.requests["long"].output_token_ids == [7]
 
 
+def test_a_long_prefill_takes_at_most_the_threshold_a_step_while_others_run_or_wait() -> None:
+    # vLLM's long_prefill_token_threshold: a short prompt that arrives behind a long one is computed beside its
+    # chunks instead of after the whole prefill; a long prompt alone takes the budget.
+    sched = SimScheduler(BlockPool(64, BLOCK), max_num_seqs=8, max_num_batched_tokens=16,
+                         long_prefill_token_threshold=4)
+    sched.add_request(request("long", 30))
+    assert step(sched) == {"long": 16}  # alone: nobody to hold up
+    sched.add_request(request("short", 3, first_token=5000))
+    assert step(sched) == {"long": 4, "short": 3}
+    assert sched.requests["short"].output_token_ids == [7]  # its first token, while "long" still prefills
+    assert step(sched) == {"long": 4, "short": 1}
+    uncapped = scheduler(budget=16)
+    uncapped.add_request(request("long", 30))
+    step(uncapped)
+    uncapped.add_request(request("short", 3, first_token=5000))
+    assert step(uncapped) == {"long": 14, "short": 2}  # the long prompt's rest first, the short one's chunk after
+    with pytest.raises(ValueError, match="long_prefill_token_threshold"):
+        SimScheduler(BlockPool(8, BLOCK), max_num_seqs=1, max_num_batched_tokens=4, long_prefill_token_threshold=-1)
+
+
 def test_without_chunked_prefill_a_prompt_over_the_budget_waits_and_blocks_the_queue() -> None:
     sched = scheduler(budget=4, chunked=False)
     sched.add_request(request("long", 10))

@@ -28,6 +28,9 @@ class SimEngineConfig(BaseModel):
     max_num_seqs: int = Field(default=256, ge=1, description="Sequences per step (vLLM's max_num_seqs).")
     max_num_batched_tokens: int = Field(default=8192, ge=1, description="Tokens per step (the token budget).")
     enable_chunked_prefill: bool = Field(default=True, description="Split prompts over the token budget.")
+    long_prefill_token_threshold: int = Field(default=0, ge=0, description=(
+        "vLLM's cap on the tokens one prefill takes a step while other requests run or wait (0: none, vLLM's "
+        "default)."))
     enable_prefix_caching: bool = Field(default=True, description="Reuse cached full blocks (and announce them).")
     scheduling_policy: Literal["fcfs", "priority"] = Field(default="fcfs", description="vLLM's scheduling policy.")
     step_time: StepTimeConfig = Field(default_factory=RooflineStepTime,

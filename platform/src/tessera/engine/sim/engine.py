@@ -83,7 +83,8 @@ class SimEngine:
         self.scheduler = SimScheduler(self.pool, max_num_seqs=config.max_num_seqs,
                                       max_num_batched_tokens=config.max_num_batched_tokens,
                                       enable_chunked_prefill=config.enable_chunked_prefill,
-                                      policy=config.scheduling_policy)
+                                      policy=config.scheduling_policy,
+                                      long_prefill_token_threshold=config.long_prefill_token_threshold)
         self._step_time = step_time or step_time_fn(config.step_time)
         self._publish = publish
         self._streams: dict[str, RequestStream] = {}

@@ -102,9 +102,12 @@ class StepOutput:
 
 class SimScheduler:
     def __init__(self, pool: BlockPool, *, max_num_seqs: int, max_num_batched_tokens: int,
-                 enable_chunked_prefill: bool = True, policy: SchedulingPolicy = "fcfs") -> None:
+                 enable_chunked_prefill: bool = True, policy: SchedulingPolicy = "fcfs",
+                 long_prefill_token_threshold: int = 0) -> None:
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if long_prefill_token_threshold < 0:
+            raise ValueError("long_prefill_token_threshold must be >= 0 (0: no cap)")
         if policy not in ("fcfs", "priority"):
             raise ValueError(f"unknown scheduling policy {policy!r}; valid: fcfs, priority")
         self.pool = pool
@@ -112,6 +115,7 @@ class SimScheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
         self.policy = policy
+        self.long_prefill_token_threshold = long_prefill_token_threshold
         self.running: list[SimRequest] = []
         self._fcfs: deque[SimRequest] = deque()
         self._heap: list[tuple[int, float, int, SimRequest]] = []
@@ -234,11 +238,18 @@ class SimScheduler:
         scheduled: dict[str, int] = {}
         contexts: dict[str, int] = {}
         preempted: list[str] = []
+        # vLLM's long_prefill_token_threshold: a prefill takes at most this many tokens a step while any other
+        # request runs or waits, so a long prompt does not hold the whole budget (and every request that
+        # arrives behind it) for the length of its prefill; alone, it takes the budget.
+        cap = self.long_prefill_token_threshold if len(self.running) + self.num_waiting > 1 else 0
 
         for request in list(self.running):
             if request.status != Status.RUNNING or budget == 0:
                 continue  # preempted earlier in this loop, or no budget left for anyone
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = request.num_tokens - request.num_computed_tokens
+            if 0 < cap < num_new:
+                num_new = cap
+            num_new = min(num_new, budget)
             if num_new <= 0:
                 continue
             while not self._allocate(request, num_new, []):
@@ -266,6 +277,8 @@ class SimScheduler:
             num_new = request.num_tokens - num_computed
             if not self.enable_chunked_prefill and num_new > budget:
                 break
+            if 0 < cap < num_new:
+                num_new = cap
             num_new = min(num_new, budget)
             if not self._allocate(request, num_new, hit):
                 break
