@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 import redis.asyncio as aioredis
+from redis.exceptions import ResponseError
 
 from tessera.redis_conn import EmbeddedRedis, connect
 from tessera.redis_wire import RedisWire
@@ -357,6 +358,7 @@ async def test_a_ride_stops_at_a_gap_and_the_feed_resyncs_from_that_entry(
     entries = await redis.xrange(EVENTS_STREAM, "-", "+")
     first_of_a = next(entry_id for entry_id, fields in entries if fields[b"e"] == a.encode())
     await redis.xdel(EVENTS_STREAM, first_of_a)  # engine a's first batch never reaches this reader
+    feed.take_ride(ResponseError("WRONGTYPE"))  # a ride that failed in the trip changes nothing
     wire = RedisWire(redis_server.url, 5.0)
     await ride(feed, wire)
     await wire.close()
