@@ -45,8 +45,8 @@ Command = tuple[str | bytes | int | float, ...]
 
 def pack_commands(commands: list[Command]) -> bytes:
     """RESP arrays of bulk strings, as every Redis command is sent: by hiredis's packer, in C (the admission
-    trip's two dozen arguments in ~7 against ~18 us), or by ``pack_commands_in_python`` where an argument is of
-    a type hiredis refuses (a bool: Python's ``str`` of it, as redis-py would not send either)."""
+    trip's two dozen arguments in ~7 against ~18 us), or by ``pack_commands_in_python``, byte for byte the same,
+    where an argument is of a type hiredis refuses (a bool, written as Python's ``str`` writes it)."""
     try:
         # hiredis's stub types the argument as a 1-tuple; it takes a command of any length.
         return b"".join([hiredis.pack_command(command) for command in commands])  # type: ignore[arg-type]
@@ -55,6 +55,7 @@ def pack_commands(commands: list[Command]) -> bytes:
 
 
 def pack_commands_in_python(commands: list[Command]) -> bytes:
+    """``pack_commands`` for any argument ``str`` can write."""
     parts: list[bytes] = []
     for command in commands:
         parts.append(b"*%d\r\n" % len(command))

@@ -285,6 +285,7 @@ class Router:
         return self._feed.ride()
 
     def take_feed_ride(self, reply: Any) -> None:
+        """The reply of ``feed_ride``'s command (an exception object if it failed), for the feed to apply."""
         if self._feed is not None:
             self._feed.take_ride(reply)
 
