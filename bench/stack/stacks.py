@@ -68,11 +68,12 @@ def env_setting(text: str) -> tuple[str, str]:
 
 
 def free_port() -> int:
-    import socket
+    """Below the kernel's ephemeral range: a stack binds it after its start-up (Ray's, vLLM's), whose outgoing
+    connections take source ports from that range (a Tessera run lost its gateway port so, 2026-12-05)."""
+    from tessera.engine.ports import below_ephemeral_range
+    from tessera.engine.ports import free_port as pick
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    return pick("127.0.0.1", below_ephemeral_range())
 
 
 def _popen(cmd: list[str], log: Path, env: dict[str, str] | None = None,

@@ -2,20 +2,21 @@
 
 The one copy for ``tests/`` and ``bench/`` (``bench/_support.py`` re-exports it). ``tessera.engine.ports``
 is the product's own port picker (ranges, the ephemeral range) and is tested as such; a test that only needs
-somewhere to listen uses ``free_port`` here.
+somewhere to listen uses ``free_port`` here, which picks with it below the ephemeral range.
 """
 
 from __future__ import annotations
 
 import os
-import socket
+
+from tessera.engine import ports
 
 
 def free_port() -> int:
-    """A port on 127.0.0.1 that nothing listened on a moment ago (the kernel's pick)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A port on 127.0.0.1 that nothing listened on a moment ago, below the kernel's ephemeral range: a server
+    started on it later (a gateway, after Ray came up) cannot meanwhile lose it to an outgoing connection's
+    source port (tessera/local/platform.py ``_free_port``)."""
+    return ports.free_port("127.0.0.1", ports.below_ephemeral_range())
 
 
 def pinned(command: list[str], cpus: str | None) -> list[str]:

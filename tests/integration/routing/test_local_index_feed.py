@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 import pytest
 import redis.asyncio as aioredis
@@ -291,18 +292,34 @@ async def ride(feed: LocalIndexFeed, wire: RedisWire) -> None:
     feed.take_ride(reply)
 
 
-async def test_while_admissions_ride_the_feed_reads_on_its_own_only_a_gap_apart(
-        redis_server: EmbeddedRedis, names: list[str]) -> None:
-    # Each engine batch used to end the feed's blocking read: one wake-up and round trip per batch in every
-    # busy worker. While rides bring the stream, the feed's own read waits ride_gap_s and does not block.
+RunningFeed = tuple[LocalIndexFeed, PrefixIndex, RedisWire]
+
+
+@asynccontextmanager
+async def running_feed(redis_server: EmbeddedRedis, ride_gap_s: float) -> AsyncIterator[RunningFeed]:
+    """A feed following the stream (warm-started, its loop running, never idle) with the store that publishes
+    to it and a wire for its rides; stopped and closed on the way out."""
     client = connect(redis_server.url, timeout_s=5.0)
     wire = RedisWire(redis_server.url, 5.0)
     store = PrefixIndex(client)
-    feed = LocalIndexFeed(client, LocalPrefixIndex(10_000), store, idle_after_s=60.0, ride_gap_s=30.0)
+    feed = LocalIndexFeed(client, LocalPrefixIndex(10_000), store, idle_after_s=60.0, ride_gap_s=ride_gap_s)
     task = asyncio.get_running_loop().create_task(feed.run())
     try:
         while not feed.ready:
             await asyncio.sleep(0.01)
+        yield feed, store, wire
+    finally:
+        feed.stop()
+        await asyncio.wait_for(task, 1.0)
+        await wire.close()
+        await client.aclose()
+
+
+async def test_while_admissions_ride_the_feed_reads_on_its_own_only_a_gap_apart(
+        redis_server: EmbeddedRedis, names: list[str]) -> None:
+    # Each engine batch used to end the feed's blocking read: one wake-up and round trip per batch in every
+    # busy worker. While rides bring the stream, the feed's own read waits ride_gap_s and does not block.
+    async with running_feed(redis_server, ride_gap_s=30.0) as (feed, store, wire):
         reads = feed.num_reads
         batches = [chain(3) for _ in range(20)]
         for hashes in batches:
@@ -314,32 +331,15 @@ async def test_while_admissions_ride_the_feed_reads_on_its_own_only_a_gap_apart(
         assert feed.num_reads - reads <= 2  # one per batch (20) when the feed reads back to back
         assert feed.num_entries == len(batches)  # an entry read by both a ride and the feed counts once
         assert feed.num_rides == len(batches)
-    finally:
-        feed.stop()
-        await asyncio.wait_for(task, 1.0)
-        await wire.close()
-        await client.aclose()
 
 
 async def test_the_feed_reads_what_no_ride_brought_a_gap_later(redis_server: EmbeddedRedis, names: list[str]) -> None:
     # The batches published after the last admission (traffic pauses) reach the index by the feed's own read.
-    client = connect(redis_server.url, timeout_s=5.0)
-    wire = RedisWire(redis_server.url, 5.0)
-    store = PrefixIndex(client)
-    feed = LocalIndexFeed(client, LocalPrefixIndex(10_000), store, idle_after_s=60.0, ride_gap_s=0.3)
-    task = asyncio.get_running_loop().create_task(feed.run())
-    try:
-        while not feed.ready:
-            await asyncio.sleep(0.01)
+    async with running_feed(redis_server, ride_gap_s=0.3) as (feed, store, wire):
         await ride(feed, wire)
         hashes = chain(4)
         await store.apply(names[0], [("store", h) for h in hashes])
         assert await wait_for_prefix(feed, names[0], hashes, timeout_s=3.0) < 3.0
-    finally:
-        feed.stop()
-        await asyncio.wait_for(task, 1.0)
-        await wire.close()
-        await client.aclose()
 
 
 async def test_a_ride_stops_at_a_gap_and_the_feed_resyncs_from_that_entry(
@@ -372,14 +372,7 @@ async def test_a_full_ride_leaves_the_backlog_to_the_feed_at_once(redis_server: 
                                                                  names: list[str]) -> None:
     # A ride reads at most RIDE_COUNT entries (it runs before the route); a full one wakes the feed, which takes
     # the rest in its own slices instead of waiting out its gap.
-    client = connect(redis_server.url, timeout_s=5.0)
-    wire = RedisWire(redis_server.url, 5.0)
-    store = PrefixIndex(client)
-    feed = LocalIndexFeed(client, LocalPrefixIndex(10_000), store, idle_after_s=60.0, ride_gap_s=30.0)
-    task = asyncio.get_running_loop().create_task(feed.run())
-    try:
-        while not feed.ready:
-            await asyncio.sleep(0.01)
+    async with running_feed(redis_server, ride_gap_s=30.0) as (feed, store, wire):
         for _ in range(2):  # the first batch ends the read the feed had outstanding; it then waits its gap
             await store.apply(names[1], [("store", h) for h in chain(1)])
             await asyncio.sleep(0.05)
@@ -390,8 +383,3 @@ async def test_a_full_ride_leaves_the_backlog_to_the_feed_at_once(redis_server: 
         await ride(feed, wire)
         assert feed.index.blocks_of(names[0]) == set(hashes[:RIDE_COUNT])
         assert await wait_for_prefix(feed, names[0], hashes, timeout_s=3.0) < 3.0  # not the 30 s gap
-    finally:
-        feed.stop()
-        await asyncio.wait_for(task, 1.0)
-        await wire.close()
-        await client.aclose()

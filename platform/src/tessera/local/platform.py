@@ -25,6 +25,7 @@ import httpx
 from tessera.cpu_info import read_cpu_flags
 from tessera.data_plane_auth import ensure_key_file
 from tessera.engine.config import EngineConfig, default_small_model_dir
+from tessera.engine.ports import below_ephemeral_range, free_port
 from tessera.engine.small_model import is_small_model_dir, make_small_model
 from tessera.gateway.launch import GatewayLaunch
 from tessera.local.engine_failure import engine_failure_cause
@@ -96,11 +97,10 @@ class LocalPlatformOptions:
 
 
 def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A free port for a process started later (its metrics endpoint), picked below the kernel's ephemeral
+    range: while Ray starts, its processes open many outgoing connections, whose source ports come from that
+    range, and one of them can take a port picked there before the process binds it (EADDRINUSE)."""
+    return free_port("127.0.0.1", below_ephemeral_range())
 
 
 class LocalPlatform:
@@ -271,11 +271,7 @@ class LocalPlatform:
     def _start_kvcontrol(self, env: dict[str, str], deadline: float) -> None:
         """``tessera-kvcontrol`` for every engine in the registry, started after them (it finds engines that
         come later by itself); ready once its metrics endpoint answers."""
-        import socket
-
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = int(sock.getsockname()[1])
+        port = _free_port()
         kv_env = {**os.environ, **env, "TESSERA_KVCONTROL_METRICS_PORT": str(port)}
         if self.options.kvcontrol_policy is not None:
             kv_env["TESSERA_KVCONTROL_POLICY"] = json.dumps(self.options.kvcontrol_policy)
