@@ -15,6 +15,8 @@ Per step, as vLLM does:
    which must be computed to sample), then as much of the rest as the budget allows (chunked prefill) —
    or, without chunked prefill, waits until the whole rest fits. A request whose blocks do not fit stops
    the admission of waiting requests for this step.
+With ``long_prefill_token_threshold`` (vLLM's, 0 by default: no cap), a prefill in either loop takes at most
+that many tokens a step while more than one request runs or waits at the step's start.
 Blocks become cached as soon as they are scheduled full, and are announced in that step's KV events.
 """
 
