@@ -8,6 +8,7 @@ import asyncio
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
@@ -18,7 +19,7 @@ from tessera.redis_wire import RedisWire
 from tessera.registry import EngineRecord, EngineRegistry
 from tessera.routing.local_feed import FORGET_GRACE_S, RIDE_COUNT, LocalIndexFeed
 from tessera.routing.local_index import LocalPrefixIndex
-from tessera.routing.prefix_index import EVENTS_STREAM, PrefixIndex
+from tessera.routing.prefix_index import ENGINE_BLOCKS_PREFIX, EVENTS_STREAM, SEQ_KEY, PrefixIndex
 from tessera.routing.router import Router
 from tessera.routing.snapshot import RouteRequest
 
@@ -106,6 +107,26 @@ async def test_a_gap_in_an_engines_events_resyncs_it_from_redis(redis: aioredis.
     assert feed.num_resyncs == 1
     assert feed.index.blocks_of(a) == set((await store.blocks_of(a)).keys())
     assert feed.index.longest_prefixes(hashes, feed.index.live_mask([a])) == {a: 2}
+
+
+async def test_an_engine_whose_numbering_began_again_is_read_again(redis: aioredis.Redis, names: list[str]) -> None:
+    # A Redis restarted without its data numbers every engine's batches from 1 again: this reader must not take
+    # them for batches it applied (the engine's state here would then stay the one Redis lost).
+    store = PrefixIndex(redis)
+    a = names[0]
+    feed = LocalIndexFeed(redis, LocalPrefixIndex(10_000), store)
+    await feed.warm_start()
+    old = chain(3)
+    for h in old:
+        await store.apply(a, [("store", h)])  # batches 1, 2, 3
+    await drain(feed)
+    assert feed.index.blocks_of(a) == set(old)
+    await redis.hdel(SEQ_KEY, a)  # what Redis lost of the engine: its numbering and its claims
+    await redis.delete(ENGINE_BLOCKS_PREFIX + a)
+    new = chain(2)
+    await store.apply(a, [("store", h) for h in new])  # batch 1 again
+    await drain(feed)
+    assert feed.index.blocks_of(a) == set(new) and feed.num_resyncs == 1
 
 
 async def test_a_router_on_the_local_index_routes_without_a_redis_lookup(
@@ -355,7 +376,7 @@ async def test_a_ride_stops_at_a_gap_and_the_feed_resyncs_from_that_entry(
     await store.apply(a, [("store", h) for h in lost])
     await store.apply(a, [("store", h) for h in kept])
     await store.apply(b, [("store", h) for h in later])
-    entries = await redis.xrange(EVENTS_STREAM, "-", "+")
+    entries: Any = await redis.xrange(EVENTS_STREAM, "-", "+")
     first_of_a = next(entry_id for entry_id, fields in entries if fields[b"e"] == a.encode())
     await redis.xdel(EVENTS_STREAM, first_of_a)  # engine a's first batch never reaches this reader
     feed.take_ride(ResponseError("WRONGTYPE"))  # a ride that failed in the trip changes nothing

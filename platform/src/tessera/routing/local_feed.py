@@ -9,7 +9,10 @@ Exactness rests on the per-engine sequence number ``n`` that each batch (and eac
   covers is skipped, so every batch counts exactly once.
 - Gap: an entry whose ``n`` is not the engine's previous one plus 1 (the stream was trimmed past this
   reader, Redis restarted, or the engine is new to this reader mid-life) makes the feed snapshot that
-  engine again — a *resync* — instead of applying events on top of a state it cannot vouch for.
+  engine again — a *resync* — instead of applying events on top of a state it cannot vouch for. A Redis that
+  restarted without its data numbers each engine's batches from 1 again: a batch 1 after batch 2 or later
+  resyncs the engine too (right after a warm start, a batch 1 the snapshot already covers may cost one
+  resync more).
 - Departed engines: the router hands the registry's live engines to ``retain`` on every registry read;
   one absent for ``FORGET_GRACE_S`` is forgotten, and comes back by a resync if it publishes again.
 Between those, the local index trails the engines by the engine-host feeder's write plus one stream read
@@ -183,8 +186,8 @@ class LocalIndexFeed:
                 continue  # a ride applied it meanwhile
             if not self._apply_now(fields):
                 engine_id = _text(fields[b"e"])
-                logger.info("prefix index: engine %s's events before %s not seen here; re-reading it",
-                            engine_id, int(fields[b"n"]))
+                logger.info("prefix index: engine %s's batch %s does not follow batch %s here; re-reading it",
+                            engine_id, int(fields[b"n"]), self._seq.get(engine_id))
                 await self._resync(engine_id)  # the snapshot includes this entry (its n >= seq)
             self._advance(entry_id)
         return len(entries)
@@ -202,7 +205,9 @@ class LocalIndexFeed:
         seq = int(fields[b"n"])
         last = self._seq.get(engine_id)
         if last is not None and seq <= last:
-            return True  # already in the engine's snapshot
+            # Already in the engine's snapshot; but a first batch after several is the engine's numbering begun
+            # again (a Redis that restarted without its data): its state here is no longer Redis's.
+            return not (seq == 1 and last > 1)
         if seq != (last or 0) + 1 or engine_id in self._resyncing:
             return False
         ops = _text(fields[b"o"])
