@@ -32,6 +32,8 @@ from typing import Any
 
 import httpx
 
+from tessera.engine.ports import free_port
+
 from .workload import Target
 
 REPO = Path(__file__).resolve().parents[2]
@@ -65,15 +67,6 @@ def env_setting(text: str) -> tuple[str, str]:
     if not sep or not name:
         raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {text!r}")
     return name, value
-
-
-def free_port() -> int:
-    """Below the kernel's ephemeral range: a stack binds it after its start-up (Ray's, vLLM's), whose outgoing
-    connections take source ports from that range (a Tessera run lost its gateway port so, 2026-12-05)."""
-    from tessera.engine.ports import below_ephemeral_range
-    from tessera.engine.ports import free_port as pick
-
-    return pick("127.0.0.1", below_ephemeral_range())
 
 
 def _popen(cmd: list[str], log: Path, env: dict[str, str] | None = None,

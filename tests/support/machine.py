@@ -15,8 +15,8 @@ from tessera.engine import ports
 def free_port() -> int:
     """A port on 127.0.0.1 that nothing listened on a moment ago, below the kernel's ephemeral range: a server
     started on it later (a gateway, after Ray came up) cannot meanwhile lose it to an outgoing connection's
-    source port (tessera/local/platform.py ``_free_port``)."""
-    return ports.free_port("127.0.0.1", ports.below_ephemeral_range())
+    source port (``tessera.engine.ports.free_port``)."""
+    return ports.free_port("127.0.0.1")
 
 
 def pinned(command: list[str], cpus: str | None) -> list[str]:

@@ -178,12 +178,14 @@ def test_layer_rules(importer: str, forbidden: tuple[str, ...]) -> None:
 # What each package may import from the others (docs/architecture.md draws the same table). The base
 # modules import nothing of Tessera's; a new arrow is a design decision: add it here and to the doc.
 BASE = ("tessera.asgi", "tessera.cpu_info", "tessera.redis_conn", "tessera.redis_wire", "tessera.redis_tls",
-        "tessera.redis_sentinel", "tessera.refresher", "tessera.registry", "tessera.settings",
+        "tessera.redis_sentinel", "tessera.refresher", "tessera.registry", "tessera.resp", "tessera.settings",
         "tessera.engine.protocol", "tessera.unique_ids")
 MAY_IMPORT: dict[str, tuple[str, ...]] = {
     **{base: () for base in BASE},
-    # a rediss:// URL's TLS options, as redis-py reads them; a redis+sentinel:// URL and its primary
-    "tessera.redis_wire": ("tessera.redis_tls", "tessera.redis_sentinel"),
+    # a rediss:// URL's TLS options, as redis-py reads them; a redis+sentinel:// URL and its primary; the
+    # commands' bytes (resp: the one packer, which the Sentinel resolver writes with too)
+    "tessera.redis_wire": ("tessera.redis_tls", "tessera.redis_sentinel", "tessera.resp"),
+    "tessera.redis_sentinel": ("tessera.resp",),
     "tessera.redis_conn": ("tessera.redis_sentinel",),  # a redis+sentinel:// URL
     "tessera.registry": ("tessera.redis_wire",),  # gateways read the registry over the lean connection
     # The data-plane signature: its ASGI check (asgi) and where its key file is configured (settings).

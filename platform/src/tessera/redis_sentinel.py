@@ -23,6 +23,8 @@ import hiredis
 from pydantic import BaseModel, ConfigDict, Field
 from redis.exceptions import ConnectionError as RedisConnectionError
 
+from tessera.resp import pack_commands
+
 SENTINEL_SCHEME = "redis+sentinel"
 DEFAULT_SENTINEL_PORT = 26379
 
@@ -106,12 +108,7 @@ def _redacted(url: str) -> str:
 
 
 def _pack(*args: str | int) -> bytes:
-    """One command as a RESP array, as ``redis_wire.pack_commands`` writes them (that module imports this one)."""
-    parts = [b"*%d\r\n" % len(args)]
-    for arg in args:
-        data = str(arg).encode()
-        parts.append(b"$%d\r\n%s\r\n" % (len(data), data))
-    return b"".join(parts)
+    return pack_commands([args])
 
 
 class SentinelResolver:

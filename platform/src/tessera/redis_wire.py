@@ -39,31 +39,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from tessera.redis_sentinel import SentinelResolver, is_sentinel_url, parse_sentinel_url
 from tessera.redis_tls import tls_context
-
-Command = tuple[str | bytes | int | float, ...]
-
-
-def pack_commands(commands: list[Command]) -> bytes:
-    """RESP arrays of bulk strings, as every Redis command is sent: by hiredis's packer, in C (the admission
-    trip's two dozen arguments in ~7 against ~18 us), or by ``pack_commands_in_python``, byte for byte the same,
-    where an argument is of a type hiredis refuses (a bool, written as Python's ``str`` writes it)."""
-    try:
-        # hiredis's stub types the argument as a 1-tuple; it takes a command of any length.
-        return b"".join([hiredis.pack_command(command) for command in commands])  # type: ignore[arg-type]
-    except TypeError:
-        return pack_commands_in_python(commands)
-
-
-def pack_commands_in_python(commands: list[Command]) -> bytes:
-    """``pack_commands`` for any argument ``str`` can write."""
-    parts: list[bytes] = []
-    for command in commands:
-        parts.append(b"*%d\r\n" % len(command))
-        for arg in command:
-            data = arg if isinstance(arg, bytes) else str(arg).encode()
-            parts.append(b"$%d\r\n%s\r\n" % (len(data), data))
-    return b"".join(parts)
-
+from tessera.resp import Command, pack_commands
 
 # Replies from a server that is up but cannot run commands yet: loading its append-only file or snapshot
 # (a restarted Redis accepts connections before its data is back), or blocked in a long script. redis-py

@@ -190,7 +190,7 @@ async def test_on_the_local_index_the_engines_events_ride_in_admission_and_the_r
         holder = request.model.replace("rt-model", "rt") + "-b"  # new to the index: its first blocks
         await PrefixIndex(gw.redis).apply(holder, [("store", h) for h in chain])  # after the warm start
         plan = await gw.router.plan(request)
-        assert plan.lookup is None and plan.live_mask is not None
+        assert plan.lookup is None and plan.local
         await flow.admit(tenant, 100, plan)  # loads the admission script (its NOSCRIPT path) ...
         _forbid(gw.admission, "admit", monkeypatch)
         reads, rides = feed.num_reads, feed.num_rides

@@ -147,7 +147,7 @@ async def test_a_router_on_the_local_index_routes_without_a_redis_lookup(
     monkeypatch.setattr(store, "lookup", no_lookup)
     request = RouteRequest(tenant="t", model=model, num_prompt_tokens=16 * 6 + 3, block_hashes=tuple(hashes))
     plan = await router.plan(request)
-    assert plan.lookup is None and plan.live_mask is not None  # admission's round trip carries no lookup
+    assert plan.lookup is None and plan.local  # admission's round trip carries no lookup
     decision, _ = router.decide(plan, {})
     assert decision.ranked[0] == names[1] and decision.expected_cached_tokens == 80
     assert set(decision.ranked) == set(names)

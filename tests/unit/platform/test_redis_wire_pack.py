@@ -1,6 +1,6 @@
-"""The request path's RESP packer (redis_wire.pack_commands): hiredis's C packer writes the very bytes the
-Python packer writes, for every argument type a command carries, and an argument hiredis refuses (a bool)
-falls back to the Python packer instead of failing the request."""
+"""The RESP packer (tessera/resp.py; the gateway's lean connection and the Sentinel resolver write with it):
+hiredis's C packer writes the very bytes the Python packer writes, for every argument type a command carries,
+and an argument hiredis refuses (a bool) falls back to the Python packer instead of failing the request."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from tessera.redis_wire import Command, pack_commands, pack_commands_in_python
+from tessera.resp import Command, pack_commands, pack_commands_in_python
 
 
 def random_argument(rng: random.Random) -> str | bytes | int | float:

@@ -33,7 +33,7 @@ from tessera.engine.endpoints import EngineEndpoints
 from tessera.engine.heartbeat import heartbeat_loop
 from tessera.engine.in_flight import InFlight, InFlightRequests
 from tessera.engine.index_feed import index_feed_loop
-from tessera.engine.ports import below_ephemeral_range, free_port, kv_events_bind_endpoint
+from tessera.engine.ports import free_port, kv_events_bind_endpoint
 from tessera.engine.replica_lifecycle import ThreadedReplicaHost
 from tessera.engine.root_cause import EngineErrorLog, start_failure_line
 from tessera.engine.speculation_control import SpeculationControl, speculation_control_for, speculation_loop
@@ -69,8 +69,7 @@ class EngineHost(ThreadedReplicaHost):
         # ``self.config`` is the config as requested; ``resolution.config`` is what runs.
         self._ask_platform = ask_platform
         self.resolution = Resolution(config)
-        self.kv_events_port = (free_port(self.bind_host, os.environ.get("TESSERA_KV_EVENTS_PORT_RANGE")
-                                         or below_ephemeral_range())
+        self.kv_events_port = (free_port(self.bind_host, os.environ.get("TESSERA_KV_EVENTS_PORT_RANGE"))
                                if config.kv_events.enabled else 0)
         self.tracker = LoadTracker()
         self.vllm_metrics = VllmMetrics()  # vLLM's own vllm:* series of this replica, on /metrics

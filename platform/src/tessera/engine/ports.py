@@ -45,7 +45,11 @@ def reserve_port(host: str, port_range: str | None = None) -> socket.socket:
 
 
 def free_port(host: str = "127.0.0.1", port_range: str | None = None) -> int:
-    """A port that was free a moment ago; for a port someone else binds later (use reserve_port otherwise)."""
+    """A port that was free a moment ago; for a port someone else binds later (use reserve_port otherwise).
+    From ``port_range``, else from just below the kernel's ephemeral range (``below_ephemeral_range``): until
+    its server binds it, a port picked there cannot become an outgoing connection's source port (a bench's
+    gateway lost its port so to a connection of Ray's while Ray started, 2026-12-05)."""
+    port_range = port_range or below_ephemeral_range()
     # A port from a range must be free on every interface: whoever takes it may bind 0.0.0.0.
     with reserve_port("0.0.0.0" if port_range else host, port_range) as sock:
         return int(sock.getsockname()[1])

@@ -25,7 +25,7 @@ import httpx
 from tessera.cpu_info import read_cpu_flags
 from tessera.data_plane_auth import ensure_key_file
 from tessera.engine.config import EngineConfig, default_small_model_dir
-from tessera.engine.ports import below_ephemeral_range, free_port
+from tessera.engine.ports import free_port
 from tessera.engine.small_model import is_small_model_dir, make_small_model
 from tessera.gateway.launch import GatewayLaunch
 from tessera.local.engine_failure import engine_failure_cause
@@ -94,13 +94,6 @@ class LocalPlatformOptions:
     # the last one (needs 2 cores or more; docs/performance.md has what it measured). Off here, so a caller
     # that embeds the platform (the end-to-end tests) keeps its own placement; `tessera up` turns it on.
     cpu_split: bool = False
-
-
-def _free_port() -> int:
-    """A free port for a process started later (its metrics endpoint), picked below the kernel's ephemeral
-    range: while Ray starts, its processes open many outgoing connections, whose source ports come from that
-    range, and one of them can take a port picked there before the process binds it (EADDRINUSE)."""
-    return free_port("127.0.0.1", below_ephemeral_range())
 
 
 class LocalPlatform:
@@ -245,7 +238,7 @@ class LocalPlatform:
 
     def _start_gateway(self, env: dict[str, str]) -> None:
         opts = self.options
-        metrics_port = _free_port()
+        metrics_port = free_port()
         # The gateway's /metrics is on a port apart from the API (it names tenants; gateway/metrics.py).
         self.gateway_metrics_url = f"http://{opts.gateway_host}:{metrics_port}/metrics"
         cmd = GatewayLaunch(host=opts.gateway_host, port=opts.gateway_port, workers=opts.gateway_workers,
@@ -271,7 +264,7 @@ class LocalPlatform:
     def _start_kvcontrol(self, env: dict[str, str], deadline: float) -> None:
         """``tessera-kvcontrol`` for every engine in the registry, started after them (it finds engines that
         come later by itself); ready once its metrics endpoint answers."""
-        port = _free_port()
+        port = free_port()
         kv_env = {**os.environ, **env, "TESSERA_KVCONTROL_METRICS_PORT": str(port)}
         if self.options.kvcontrol_policy is not None:
             kv_env["TESSERA_KVCONTROL_POLICY"] = json.dumps(self.options.kvcontrol_policy)

@@ -159,7 +159,8 @@ class LocalIndexFeed:
     async def warm_start(self) -> None:
         """Loads every indexed engine's snapshot; the stream is read from just before them."""
         newest: Any = await self._redis.xrevrange(EVENTS_STREAM, "+", "-", count=1)
-        self._advance(newest[0][0] if newest else "0-0")
+        self._last_id = newest[0][0] if newest else "0-0"
+        self._last_position = _position(self._last_id)
         for engine_id in await self._store.indexed_engines():
             await self._resync(engine_id)
         self.num_resyncs = 0
@@ -182,21 +183,17 @@ class LocalIndexFeed:
         entries = await read_stream(self._reader, EVENTS_STREAM, self._last_id, READ_COUNT, block_ms)
         self.num_reads += 1
         for entry_id, fields in entries:
-            if _position(entry_id) <= self._last_position:
+            position = _position(entry_id)
+            if position <= self._last_position:
                 continue  # a ride applied it meanwhile
             if not self._apply_now(fields):
                 engine_id = _text(fields[b"e"])
                 logger.info("prefix index: engine %s's batch %s does not follow batch %s here; re-reading it",
                             engine_id, int(fields[b"n"]), self._seq.get(engine_id))
                 await self._resync(engine_id)  # the snapshot includes this entry (its n >= seq)
-            self._advance(entry_id)
+            if position > self._last_position:  # unless a ride took it further while the resync waited
+                self._last_id, self._last_position = entry_id, position
         return len(entries)
-
-    def _advance(self, entry_id: bytes | str) -> None:
-        """Moves the feed's position to ``entry_id`` unless a ride took it further while a resync waited."""
-        position = _position(entry_id)
-        if position > self._last_position:
-            self._last_id, self._last_position = entry_id, position
 
     def _apply_now(self, fields: dict[Any, Any]) -> bool:
         """Applies one entry, or skips it when the engine's snapshot covers it; False, having changed nothing,

@@ -68,8 +68,8 @@ class RoutePlan(NamedTuple):
     records: list[EngineRecord]
     lookup_args: list[str | int] | None
     lookup: Command | None
-    # The live engines' mask in the local index when the lookup is answered there (at ``decide``).
-    live_mask: int | None = None
+    # The lookup is answered by the local index, at ``decide`` (which takes the live engines' mask then).
+    local: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -271,7 +271,7 @@ class Router:
             if self._feed_task is None:
                 self._ensure_feed()
             if feed.ready:  # until the warm start has loaded, the lookup goes to Redis
-                return RoutePlan(request, records, None, None, self._live_mask(feed.index, request.model, view))
+                return RoutePlan(request, records, None, None, local=True)
         args = PrefixIndex.lookup_args(request.block_hashes, [r.engine_id for r in records])
         return RoutePlan(request, records, args, ("EVALSHA", self._prefix_index.lookup_sha, 0, *args))
 
@@ -280,7 +280,7 @@ class Router:
     def feed_ride(self, plan: RoutePlan | None) -> Command | None:
         """For a plan answered by the local index, the feed's stream read to send with admission's round trip
         (``LocalIndexFeed.ride``; its reply goes to ``take_feed_ride``); else None."""
-        if plan is None or plan.live_mask is None or self._feed is None:
+        if plan is None or not plan.local or self._feed is None:
             return None
         return self._feed.ride()
 
@@ -305,7 +305,7 @@ class Router:
         if view is None or not current:  # a plan made before the last registry read
             view = _ModelView(plan.records, tuple(engine_view(r) for r in plan.records),
                               {r.engine_id: r for r in plan.records})
-        if plan.live_mask is not None and self._feed is not None:
+        if plan.local and self._feed is not None:
             index = self._feed.index
             mask = self._live_mask(index, model, view) if current else index.live_mask(view.by_id)
             cached = index.longest_prefixes(plan.request.block_hashes, mask)
