@@ -33,6 +33,12 @@ question fills no block and stores nothing either way.
 Beside them, the floor (``relay_floor.py``): a bare uvloop relay's CPU per line on this machine, times the
 events of a request.
 
+``--tokens N`` streams N tokens a request instead of 16: a run at 1 beside one at 16 parts a request's fixed CPU
+from its CPU per streamed chunk (the goal is set at 16 only). ``--phases`` has the last revision's gateway count
+its main thread's CPU clock by pipeline phase and socket callback (``gateway_phases/sitecustomize.py``, loaded
+first on its ``PYTHONPATH``) and prints it per request: a profiler's share of each phase is inflated by its
+per-call cost, these are the clock's.
+
 ``SPY=path`` records a py-spy profile (raw format) of the gateway (the last revision named) during its
 requests; ``SPY_NATIVE=1`` with it adds the native frames (uvloop, the interpreter, the kernel calls' wrappers).
 """
@@ -45,6 +51,7 @@ import functools
 import itertools
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import time
@@ -73,6 +80,7 @@ from tessera.routing.hashing import block_hash_chain
 from tessera.routing.prefix_index import PrefixIndex
 
 TOKENS = 16
+PHASES_PROBE = Path(__file__).resolve().parent / "gateway_phases"
 LINE_GAP_S = 0.002
 NUM_WARMUP = 30
 NUM_REWARM = 5
@@ -110,6 +118,45 @@ async def fake_engine(reader: asyncio.StreamReader, writer: asyncio.StreamWriter
         writer.close()
     except asyncio.CancelledError:
         writer.close()  # the run is over: asyncio.run cancels the handler of the idle keep-alive connection
+
+
+async def read_phases(path: Path, num_requests: int) -> dict[str, dict[str, float]]:
+    """What the phase probe wrote on SIGUSR2: per name, calls and microseconds of CPU per request."""
+    for _ in range(50):
+        await asyncio.sleep(0.1)
+        if path.exists():
+            try:
+                counted = orjson.loads(path.read_bytes())
+            except orjson.JSONDecodeError:
+                continue  # still being written
+            path.unlink()
+            return {name: {"calls": row["calls"] / num_requests, "us": row["ns"] / num_requests / 1e3}
+                    for name, row in counted.items()}
+    raise RuntimeError(f"the gateway's phase probe wrote nothing to {path}")
+
+
+# The phase probe's rows in the order a request meets them, indented under what contains them.
+PHASE_ROWS = (("request", "the request (Gateway.__call__), all below"), ("read", "  read the body"),
+              ("authenticate", "  authenticate"), ("parse", "  parse"),
+              ("prepare_prompt", "  prompt: template, tokens"), ("admit", "  admit: plan, hashes, Redis trip"),
+              ("redis reads", "    Redis replies (also in settle)"), ("route", "  route"),
+              ("call_engine", "  call the engine, stream to the client"),
+              ("engine reads", "    engine chunks read and relayed"), ("settle", "  settle: metrics, spans, billing"),
+              ("client reads", "client request bytes parsed (uvicorn)"), ("process", "the process, all threads"))
+
+
+def phase_table(runs: list[dict[str, dict[str, Any]]], rev: str) -> list[list[str]]:
+    """Rows (what, calls per request, us per request by run, median) of the runs' phase counts."""
+    rows = []
+    width = max(len(label) for _, label in PHASE_ROWS)
+    for name, label in PHASE_ROWS:
+        values = [r[rev]["phases_us"][name] for r in runs if name in r[rev].get("phases_us", {})]
+        if values:
+            us = [v["us"] for v in values]
+            calls = "-" if name == "process" else f"{values[-1]['calls']:.1f}"
+            rows.append([label.ljust(width), calls, *(f"{u:.0f}" for u in us),
+                         f"{statistics.median(us):.0f}"])
+    return rows
 
 
 @dataclass
@@ -150,9 +197,11 @@ def conversation(prompts: list[str], request: int, turns: int) -> list[dict[str,
 
 
 async def one_run(num_requests: int, work: Path, revs: list[tuple[str, Path | None]], first: int,
-                  prompts: list[str], kv_events: bool, turns: int = 1) -> dict[str, Any]:
+                  prompts: list[str], kv_events: bool, turns: int = 1, tokens: int = TOKENS,
+                  phases: bool = False) -> dict[str, Any]:
     """Every revision's gateway at once behind one Redis and one fake engine; measured one after the other,
-    from ``revs[first]`` on (each run starts with the next, so drift falls on all alike), then idle together."""
+    from ``revs[first]`` on (each run starts with the next, so drift falls on all alike), then idle together.
+    ``phases``: the last revision's gateway also counts its CPU by phase (``phase_table``)."""
     from tessera.redis_conn import EmbeddedRedis, connect
     from tessera.registry import EngineRecord, EngineRegistry, ModelInfo, register_model
     from tessera.tenancy.store import TenantStore
@@ -183,8 +232,12 @@ async def one_run(num_requests: int, work: Path, revs: list[tuple[str, Path | No
     procs: list[subprocess.Popen[bytes]] = []
     figures: dict[str, dict[str, Any]] = {}
     try:
+        phases_out = work / "phases.json"
         for gw in gateways:
             gw_env = {**env, "PYTHONPATH": str(gw.source)} if gw.source is not None else env
+            if phases and gw is gateways[-1]:
+                gw_env = {**gw_env, "TESSERA_BENCH_PHASES_OUT": str(phases_out),
+                          "PYTHONPATH": os.pathsep.join([str(PHASES_PROBE), *filter(None, [gw_env.get("PYTHONPATH")])])}
             proc, gw.url = await asyncio.to_thread(start_gateway, gw_env, work / f"gateway-{len(procs)}.log")
             procs.append(proc)
             gw.pid = proc.pid
@@ -194,7 +247,7 @@ async def one_run(num_requests: int, work: Path, revs: list[tuple[str, Path | No
 
             async def one(url: str) -> int:
                 chunks = 0
-                body = {"model": "tessera-small", "stream": True, "max_tokens": TOKENS, "ignore_eos": True,
+                body = {"model": "tessera-small", "stream": True, "max_tokens": tokens, "ignore_eos": True,
                         "messages": conversation(prompts, next(sent), turns)}
                 async with client.stream("POST", f"{url}/v1/chat/completions", json=body, headers=headers) as r:
                     assert r.status_code == 200, await r.aread()
@@ -216,11 +269,18 @@ async def one_run(num_requests: int, work: Path, revs: list[tuple[str, Path | No
                                             *(["--native"] if os.environ.get("SPY_NATIVE") else ["--nonblocking"])],
                                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                     await asyncio.sleep(1.0)
+                probed = phases and gw is gateways[-1]
+                if probed:
+                    os.kill(gw.pid, signal.SIGUSR1)  # the count starts now
+                    await asyncio.sleep(0.2)
                 c0 = cpu_seconds(gw.pid)
                 for _ in range(num_requests):
                     num_chunks = await one(gw.url)
                 figures[gw.name] = {"chunks_per_request": num_chunks,
                                     "per_request_ms": (cpu_seconds(gw.pid) - c0) / num_requests * 1e3}
+                if probed:
+                    os.kill(gw.pid, signal.SIGUSR2)
+                    figures[gw.name]["phases_us"] = await read_phases(phases_out, num_requests)
                 if spy is not None:
                     spy.send_signal(2)
                     spy.wait(20)
@@ -256,6 +316,13 @@ def main() -> None:
     parser.add_argument("--kv-events", action=argparse.BooleanOptionalAction, default=True,
                         help="The fake engine stores each prompt's blocks in the prefix index, as a replica's "
                              "KV-event feeder does, so the gateways' local indexes follow the stream (default: on).")
+    parser.add_argument("--tokens", type=int, default=TOKENS,
+                        help=f"Tokens each request streams (default {TOKENS}, the goal's): a run at 1 and one at "
+                             f"{TOKENS} part a request's fixed CPU from its CPU per streamed chunk.")
+    parser.add_argument("--phases", action="store_true",
+                        help="Also count the last revision's CPU by phase and socket callback (its main thread's "
+                             "CPU clock, gateway_phases/sitecustomize.py) and print it per request; the wrappers "
+                             "add a few per cent to that gateway's figures.")
     parser.add_argument("--turns", type=int, default=1,
                         help="1 (default): one message a request. N: multi-turn chats of N turns, each request "
                              "the whole history so far and a new question (the model's context is 2,048 tokens: "
@@ -274,7 +341,7 @@ def main() -> None:
         for i in range(args.runs):
             work = Path(tempfile.mkdtemp(prefix="bench-gateway-cpu-"))
             runs.append(asyncio.run(one_run(args.requests, work, revs, i % len(revs), prompts, args.kv_events,
-                                            args.turns)))
+                                            args.turns, args.tokens, args.phases)))
             print(f"run {i + 1}/{args.runs}: {runs[-1]}", flush=True)
     finally:
         for name, source in sources.items():
@@ -291,16 +358,22 @@ def main() -> None:
     floor_us = relay_floor_us()
     chunks = runs[-1][revs[-1][0]]["chunks_per_request"]
     single = len(revs) == 1
-    path = write_results("gateway_cpu", {"tokens": TOKENS, "line_gap_s": LINE_GAP_S, "requests": args.requests,
+    if args.tokens != TOKENS:
+        goals["per_request_ms"] = float("nan")  # the goal is set at TOKENS tokens a request
+    path = write_results("gateway_cpu", {"tokens": args.tokens, "line_gap_s": LINE_GAP_S, "requests": args.requests,
                                          "prompt_tokens": args.prompt_tokens or "short question",
                                          "turns": args.turns,
                                          "kv_events": args.kv_events,
                                          "revisions": [rev for rev, _ in revs],
                                          "runs": [r[revs[0][0]] for r in runs] if single else runs,
                                          "median": medians[revs[0][0]] if single else medians, "goals": goals,
-                                         "relay_floor_us_per_line": floor_us})
+                                         "relay_floor_us_per_line": floor_us, "phases": args.phases})
     print_table(["revision", "measure", *(f"run {i + 1}" for i in range(len(runs))), "median", "goal"],
                 [[rev, k, *(r[rev][k] for r in runs), medians[rev][k], goals[k]] for rev, _ in revs for k in keys])
+    if args.phases:
+        print(f"{revs[-1][0]}, CPU per request by phase (main thread's clock, us; the probe's wrappers included):")
+        print_table(["what", "calls", *(f"run {i + 1}" for i in range(len(runs))), "median"],
+                    phase_table(runs, revs[-1][0]))
     print(f"floor: a bare uvloop relay spends {floor_us:.1f} us of CPU per line here; the {chunks} SSE events of a "
           f"request at that cost: {floor_us * chunks / 1e3:.2f} ms of the per-request figure")
     print(f"wrote {path}")
