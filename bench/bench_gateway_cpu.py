@@ -124,11 +124,8 @@ async def read_phases(path: Path, num_requests: int) -> dict[str, dict[str, floa
     """What the phase probe wrote on SIGUSR2: per name, calls and microseconds of CPU per request."""
     for _ in range(50):
         await asyncio.sleep(0.1)
-        if path.exists():
-            try:
-                counted = orjson.loads(path.read_bytes())
-            except orjson.JSONDecodeError:
-                continue  # still being written
+        if path.exists():  # written whole (renamed into place)
+            counted = orjson.loads(path.read_bytes())
             path.unlink()
             return {name: {"calls": row["calls"] / num_requests, "us": row["ns"] / num_requests / 1e3}
                     for name, row in counted.items()}
