@@ -319,7 +319,7 @@ def main() -> None:
     parser.add_argument("--phases", action="store_true",
                         help="Also count the last revision's CPU by phase and socket callback (its main thread's "
                              "CPU clock, gateway_phases/sitecustomize.py) and print it per request; the wrappers "
-                             "add a few per cent to that gateway's figures.")
+                             "add up to ~15 %% to that gateway's figures.")
     parser.add_argument("--turns", type=int, default=1,
                         help="1 (default): one message a request. N: multi-turn chats of N turns, each request "
                              "the whole history so far and a new question (the model's context is 2,048 tokens: "
