@@ -9,10 +9,12 @@ are fed to the connection's ``data_received`` one at a time, timed with the thre
 - *cold*: each after an 8 MiB sweep of memory and a 2 ms sleep, standing for what runs between two tokens
   in a deployment (the engine, the client, Redis, other requests: they evict the relay's code and data).
 
-Three paths: ``per-token`` (``_Attempt.line_received`` + ``SSEOut.text_now`` + ``direct_body``, what the
-gateway runs), ``batched`` (the same response with no per-token path: every line through
-``lines_received``, ``parse_line``, ``SSEOut.deltas`` and ASGI's ``send``), and ``floor`` (a protocol whose
-``data_received`` only frames and writes). Both gateway paths must write the same bytes (checked).
+Four paths: ``per-token`` (``_Attempt.chunk_received``, the C ``split_delta_chunk``, ``SSEOut.write_now``
+and ``direct_body``, what the gateway runs where the C step is built), ``per-token-py`` (the same with the
+Python step, what runs where it is not), ``batched`` (the same response with no per-token path: every line
+through the parser, ``lines_received``, ``parse_line``, ``SSEOut.deltas`` and ASGI's ``send``), and ``floor``
+(a protocol whose ``data_received`` only frames and writes). The gateway paths must write the same bytes
+(checked).
 Run: ``python bench/relay_cold.py`` (~20 s). In-process medians over 600 chunks: far steadier than
 ``make bench-gateway-cpu``, which measures the whole gateway (and where this cost sits inside ~60-130 us of
 CPU per chunk, the kernel's and uvloop's share included).
@@ -31,6 +33,8 @@ from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 
 from tessera.engine.protocol import delta_line
+from tessera.gateway import engine_client
+from tessera.gateway.delta_chunk import NATIVE_SPLIT, split_delta_chunk_py
 from tessera.gateway.engine_client import StreamResult, _Attempt
 from tessera.gateway.http_wire import StreamResponse, _Connection
 from tessera.gateway.openai_format import ChunkWriter
@@ -68,8 +72,10 @@ def _evict() -> None:
     _SWEEP[::64] = bytes(len(_SWEEP) // 64)
 
 
-def gateway_relay(per_token: bool) -> tuple[Callable[[bytes], None], CountingTransport]:
-    """The engine connection's ``data_received`` of one streamed chat, and the client's transport."""
+def gateway_relay(per_token: bool, native: bool = True) -> tuple[Callable[[bytes], None], CountingTransport]:
+    """The engine connection's ``data_received`` of one streamed chat, and the client's transport; ``native``:
+    the C step, else the Python one (until the next call)."""
+    engine_client.split_delta_chunk = NATIVE_SPLIT if native and NATIVE_SPLIT else split_delta_chunk_py
     client = CountingTransport()
     scope = {"type": "http", "method": "POST", "http_version": "1.1"}
     cycle = RequestResponseCycle(scope, client, FlowControl(client), logging.getLogger("relay_cold"),  # type: ignore[arg-type]
@@ -80,7 +86,7 @@ def gateway_relay(per_token: bool) -> tuple[Callable[[bytes], None], CountingTra
     conn.connection_made(CountingTransport())  # type: ignore[arg-type]
     conn.data_received(ENGINE_HEAD)
     response = StreamResponse(conn)
-    response.relay(_Attempt(response, StreamResult(), [], out.deltas, out.text_sink if per_token else None))
+    response.relay(_Attempt(response, StreamResult(), [], out.deltas, out.chunk_sink if per_token else None))
     return conn.data_received, client
 
 
@@ -113,8 +119,9 @@ async def measure() -> dict[str, dict[str, float]]:
     figures: dict[str, dict[str, float]] = {}
     written: dict[str, bytes] = {}
     for round_ in range(2):  # twice, interleaved: the machine's drift falls on all alike
-        for name, make in (("per-token", lambda: gateway_relay(True)), ("batched", lambda: gateway_relay(False)),
-                           ("floor", floor_relay)):
+        for name, make in (("per-token", lambda: gateway_relay(True)),
+                           ("per-token-py", lambda: gateway_relay(True, native=False)),
+                           ("batched", lambda: gateway_relay(False)), ("floor", floor_relay)):
             for cold in (False, True):
                 feed, client = make()
                 us = per_chunk_us(feed, chunks, cold)
@@ -122,12 +129,14 @@ async def measure() -> dict[str, dict[str, float]]:
                 figures[name]["cold" if cold else "hot"] += us / 2
                 if round_ == 0 and not cold:
                     written[name] = bytes(client.written)
-    if written["per-token"] != written["batched"]:
-        raise AssertionError("the per-token path wrote other bytes than the batched one")
+    if not written["per-token"] == written["per-token-py"] == written["batched"]:
+        raise AssertionError("the per-token paths wrote other bytes than the batched one")
     return figures
 
 
 def main() -> None:
+    if NATIVE_SPLIT is None:
+        print("the C step is not built here (make install): per-token runs the Python step")
     figures = uvloop.run(measure())
     print(f"{'path':>10} | {'hot us/chunk':>12} | {'cold us/chunk':>13}")
     for name, row in figures.items():

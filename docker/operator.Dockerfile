@@ -13,6 +13,7 @@ RUN python -m venv /opt/venv
 WORKDIR /src
 COPY requirements.txt ./requirements.txt
 COPY platform/pyproject.toml platform/pyproject.toml
+COPY platform/setup.py platform/setup.py
 COPY platform/src platform/src
 COPY operators/pyproject.toml operators/pyproject.toml
 COPY operators/src operators/src

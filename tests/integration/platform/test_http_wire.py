@@ -6,6 +6,7 @@ timeouts: a hung head, a stalled stream (but not a relay paused for its consumer
 from __future__ import annotations
 
 import asyncio
+import re
 import socket
 from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
@@ -216,18 +217,22 @@ async def test_relay_hands_every_line_in_order_then_the_end(server: tuple[Stream
     await http.close()
 
 
-class LineRecorder(Recorder):
-    """A Recorder also offered lone lines (``line_received``): it takes the odd ones, declines the rest."""
+class ChunkRecorder(Recorder):
+    """A Recorder also offered reads between chunks (``chunk_received``): it takes those that are one whole
+    chunk of one line with an odd ``i``, declines the rest."""
 
     def __init__(self, pause_first: bool = False) -> None:
         super().__init__(pause_first)
         self.offered: list[bytes] = []
         self.taken = 0
 
-    def line_received(self, line: bytes) -> bool:
-        assert not self.ended.done(), "a line after the end"
-        self.offered.append(line)
-        message = orjson.loads(line)
+    def chunk_received(self, data: bytes) -> bool:
+        assert not self.ended.done(), "a read after the end"
+        self.offered.append(data)
+        size, crlf, rest = data.partition(b"\r\n")
+        if not crlf or len(rest) != int(size, 16) + 2 or not rest.endswith(b"\n\r\n") or rest.count(b"\n") != 2:
+            return False
+        message = orjson.loads(rest)
         if message.get("i", 0) % 2 == 0:
             return False
         self.lines.append(message)
@@ -235,22 +240,61 @@ class LineRecorder(Recorder):
         return True
 
 
-async def test_a_sink_offered_lone_lines_gets_every_line_once_in_order(server: tuple[StreamingApp, str]) -> None:
-    """Lines it declines reach lines_received in their place; a line offered is one whole line with nothing
-    buffered before it (so taking it keeps the order), never one still waiting behind a paused relay."""
+async def test_a_sink_offered_reads_between_chunks_gets_every_line_once_in_order(
+        server: tuple[StreamingApp, str]) -> None:
+    """Reads it declines are parsed and reach lines_received in their place; a read offered starts where the
+    parser stands between two chunks (a chunk's size line) with nothing buffered before it (so taking it keeps
+    the order), and none is offered while the relay is paused."""
     _, base = server
     http = EngineHTTP()
-    paced = LineRecorder()
+    paced = ChunkRecorder()
     async with http.post(f"{base}/stream", orjson.dumps({"n": 20, "gap_s": 0.01}), {}) as resp:
         resp.relay(paced)
         assert await paced.ended is None
     assert paced.lines == [{"i": i} for i in range(20)]
-    assert paced.taken == 10 and all(line.endswith(b"\n") and line.count(b"\n") == 1 for line in paced.offered)
-    paused = LineRecorder(pause_first=True)
+    assert paced.taken == 10 and all(re.match(rb"[0-9a-fA-F]+\r\n", data) for data in paced.offered)
+    paused = ChunkRecorder(pause_first=True)
     held = await _paused_then_resumed(http, base, paused, lambda: len(paused.offered))
     assert paused.lines == [{"i": i} for i in range(40)]
     assert held <= 2 and paused.taken < 20  # the lines that waited were delivered together, not offered
     await http.close()
+
+
+async def test_reads_that_split_chunks_anywhere_are_offered_only_between_chunks() -> None:
+    """The parser is skipped only for a read that starts between two chunks: a read that ended after a chunk
+    and the first digits of the next one's size line, or inside a chunk's data, leaves the next read to the
+    parser (without the size-line check, the read after "...\\r\\n1b" is offered and a sink that takes it
+    breaks the stream)."""
+    lines = [orjson.dumps({"i": i, "pad": "x" * 10}) + b"\n" for i in range(8)]  # each chunk's size: 2 digits
+    chunks = [b"%x\r\n%b\r\n" % (len(line), line) for line in lines]
+    reads = [chunks[0], chunks[1],  # the second is offered (whole, between chunks)
+             chunks[2] + chunks[3][:2], chunks[3][2:],  # a size line split after its digits
+             chunks[4][:10], chunks[4][10:],  # a chunk's data split
+             chunks[5], chunks[6] + chunks[7] + b"0\r\n\r\n"]
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        await reader.readexactly(2)
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+        for read in reads:
+            await asyncio.sleep(0.05)  # apart: each its own read at the client
+            writer.write(read)
+            await writer.drain()
+        writer.close()
+
+    engine = await asyncio.start_server(answer, "127.0.0.1", 0)
+    http = EngineHTTP()
+    sink = ChunkRecorder()
+    try:
+        async with http.post(f"http://127.0.0.1:{engine.sockets[0].getsockname()[1]}/generate", b"{}", {}) as resp:
+            resp.relay(sink)
+            assert await sink.ended is None
+    finally:
+        await http.close()
+        engine.close()
+    assert sink.lines == [orjson.loads(line) for line in lines]
+    assert all(re.match(rb"[0-9a-fA-F]+\r\n", data) for data in sink.offered), sink.offered
+    assert sink.taken >= 1  # the first odd chunk, at least, came alone and whole
 
 
 async def _paused_then_resumed(http: EngineHTTP, base: str, sink: Recorder, at_hold: Callable[[], T]) -> T:

@@ -1,8 +1,9 @@
 """SSEOut, the client side of the gateway's streamed responses, behind a real uvicorn server (httptools, as
 the gateway runs): deltas written from synchronous code in order, the role chunk first, the last deltas in
 the tail's write when the engine's closing line came with them, and a client that reads slowly holding later
-chunks back (the relay is told to wait) without losing or reordering any. The per-token path (``text_now``,
-straight to uvicorn's transport) the same, and it declines while the client's transport is paused."""
+chunks back (the relay is told to wait) without losing or reordering any. The per-token path (``write_now``
+of the chunk ``split_delta_chunk`` made, straight to uvicorn's transport) the same, and it declines while the
+client's transport is paused."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ import orjson
 import pytest
 import uvicorn
 
-from tessera.engine.protocol import Delta
+from tessera.engine.protocol import Delta, delta_line
+from tessera.gateway.delta_chunk import split_delta_chunk
 from tessera.gateway.direct_body import direct_body_writer
 from tessera.gateway.openai_format import ChunkWriter
 from tessera.gateway.sse_out import SSEOut
@@ -33,9 +35,9 @@ class DeltaApp:
         self.times_behind = 0
         self.last_batch_ends = False  # the last batch came with the engine's closing line
         self.body_writes = 0
-        self.per_token = False  # after the first batch, each delta is offered to text_now first (uvicorn's send)
-        self.written_now = 0  # deltas text_now wrote
-        self.declined = 0  # deltas text_now declined while the response streamed
+        self.per_token = False  # after the first batch, each delta is offered to write_now first (uvicorn's send)
+        self.written_now = 0  # deltas write_now wrote
+        self.declined = 0  # deltas write_now declined while the response streamed
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -48,7 +50,11 @@ class DeltaApp:
         out = SSEOut(send if self.per_token else counting_send, writer, self.role_choices, [(b"x-request-id", b"r1")])
         for i, batch in enumerate(self.batches):
             if self.per_token and i > 0 and len(batch) == 1:
-                if out.text_now(batch[0].index, batch[0].text):
+                # The engine's chunk of this delta, made into the client's as the relay makes it.
+                line = delta_line(batch[0].index, batch[0].text, batch[0].token_ids) + b"\n"
+                split = split_delta_chunk(b"%x\r\n%b\r\n" % (len(line), line), *out.text_frame)
+                assert split is not None
+                if out.write_now(split[0]):
                     self.written_now += 1
                     continue
                 self.declined += 1
@@ -173,7 +179,7 @@ async def test_lone_deltas_written_at_once_arrive_as_the_batched_ones(server: tu
     assert app.written_now == 4 and app.declined == 0
 
 
-async def test_text_now_declines_while_a_slow_clients_transport_is_paused_and_order_is_kept(
+async def test_write_now_declines_while_a_slow_clients_transport_is_paused_and_order_is_kept(
         server: tuple[DeltaApp, int]) -> None:
     """Written past ASGI, a chunk would go into the transport's buffer whatever the client reads: without
     the paused-transport check every delta is taken and the gateway buffers the whole answer."""
@@ -194,6 +200,6 @@ def test_no_direct_writer_for_a_send_that_is_not_uvicorns_own() -> None:
 
     assert direct_body_writer(wrapped) is None
     out = SSEOut(wrapped, ChunkWriter(True, "chatcmpl-test", "m", 0), 1, [])
-    assert out.text_sink is None, "the relay would parse every line only to be declined"
+    assert out.chunk_sink is None, "the relay would build every chunk only to be declined"
     out.started = True
-    assert not out.text_now(0, "x"), "nothing but uvicorn's own send may be written past"
+    assert not out.write_now(b"1\r\nx\r\n"), "nothing but uvicorn's own send may be written past"

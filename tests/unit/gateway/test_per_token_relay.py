@@ -1,17 +1,20 @@
-"""The relay's per-token path (``_Attempt.line_received``): once a response streams, each delta that comes
-alone is parsed and handed to the text sink in the parser's callback, counted for billing and kept for a
-continuation elsewhere, exactly as the batched path would; the first delta, lines it cannot take and deltas
-the sink declines go the batched way, and between the two the client sees every token once, in order.
-The engines here are socket servers writing the protocol's lines one chunk at a time."""
+"""The relay's per-token path (``_Attempt.chunk_received``): once a response streams, each read that is one
+chunk of one delta becomes the client's chunk and goes to the chunk sink before the parser sees it, counted
+for billing and kept for a continuation elsewhere, exactly as the batched path would; the first delta, reads
+it cannot take and chunks the sink declines go the batched way, and between the two the client sees every
+token once, in order. The engines here are socket servers writing the protocol's lines one chunk at a time."""
 
 from __future__ import annotations
 
 import asyncio
+import re
 
 import orjson
 import pytest
 
 from tessera.engine.protocol import Delta, RequestStats, delta_line, done_line
+from tessera.gateway import engine_client
+from tessera.gateway.delta_chunk import NATIVE_SPLIT, split_delta_chunk_py
 from tessera.gateway.engine_client import EngineClient, StreamResult, _Attempt
 from tests.support.machine import free_port
 
@@ -45,16 +48,20 @@ def _url(server: asyncio.AbstractServer) -> str:
 
 
 @pytest.mark.asyncio
-async def test_lone_deltas_go_to_the_text_sink_are_billed_and_continued_elsewhere_once(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    offered: list[bytes] = []  # what the per-token path was offered: single lines only (http_wire.on_body)
-    real_line_received = _Attempt.line_received
+@pytest.mark.parametrize("step", ["c", "python"])
+async def test_lone_deltas_go_to_the_chunk_sink_are_billed_and_continued_elsewhere_once(
+        monkeypatch: pytest.MonkeyPatch, step: str) -> None:
+    if step == "c" and NATIVE_SPLIT is None:
+        pytest.skip("the C step is not built here")
+    monkeypatch.setattr(engine_client, "split_delta_chunk", NATIVE_SPLIT if step == "c" else split_delta_chunk_py)
+    offered: list[bytes] = []  # what the per-token path was offered: reads between chunks only (http_wire)
+    real_chunk_received = _Attempt.chunk_received
 
-    def line_received(self: _Attempt, line: bytes) -> bool:
-        offered.append(line)
-        return real_line_received(self, line)
+    def chunk_received(self: _Attempt, data: bytes) -> bool:
+        offered.append(data)
+        return real_chunk_received(self, data)
 
-    monkeypatch.setattr(_Attempt, "line_received", line_received)
+    monkeypatch.setattr(_Attempt, "chunk_received", chunk_received)
     first_requests: list[dict[str, object]] = []
     second_requests: list[dict[str, object]] = []
     # The first replica streams four deltas (one of them with two ids), then dies; the second finishes.
@@ -70,19 +77,24 @@ async def test_lone_deltas_go_to_the_text_sink_are_billed_and_continued_elsewher
     def on_deltas(deltas: list[Delta], last: bool) -> None:
         seen.extend(("batched", d.text) for d in deltas)
 
-    def on_text(index: int, text: str) -> bool:
-        assert index == 0
-        if text in declines:
-            return False
-        seen.append(("per-token", text))
-        return True
+    class ClientSide:  # a ChunkSink whose chunks hold the text as a JSON array: [<text>]
+        text_frame = (b"[", b"]")
+
+        def write_now(self, framed: bytes) -> bool:
+            size, _, chunk = framed.partition(b"\r\n")
+            assert len(chunk) == int(size, 16) + 2 and chunk.endswith(b"\r\n")
+            text = orjson.loads(chunk[:-2])[0]
+            if text in declines:
+                return False
+            seen.append(("per-token", text))
+            return True
 
     result = StreamResult()
     client = EngineClient()
     try:
         await client.relay([("e0", _url(first)), ("e1", _url(second))],
                            {"request_id": "t/r1", "prompt_token_ids": [1, 2], "max_tokens": 7}, {}, result,
-                           on_deltas, on_text)
+                           on_deltas, ClientSide())
     finally:
         await client.close()
         first.close()
@@ -95,8 +107,8 @@ async def test_lone_deltas_go_to_the_text_sink_are_billed_and_continued_elsewher
     # The continuation carries every id the first replica made, those the per-token path took included.
     assert second_requests[0]["prompt_token_ids"] == [1, 2, 5, 6, 7, 8, 9]
     assert second_requests[0]["max_tokens"] == 2
-    # The chunk with "f" and the closing line was never offered whole (a JSON parse that could only fail).
-    assert offered and all(line.count(b"\n") == 1 and line.endswith(b"\n") for line in offered)
+    # Each read offered started where the parser stood between two chunks (a chunk's size line).
+    assert offered and all(re.match(rb"[0-9a-f]+\r\n", data) for data in offered)
 
 
 @pytest.mark.asyncio

@@ -17,9 +17,7 @@ import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
-
-import orjson
+from typing import Any, Protocol
 
 from tessera.data_plane_auth import Signer
 from tessera.engine.protocol import (
@@ -31,6 +29,7 @@ from tessera.engine.protocol import (
     encode_request,
     parse_line,
 )
+from tessera.gateway.delta_chunk import split_delta_chunk
 from tessera.gateway.errors import APIError
 from tessera.gateway.http_wire import (
     HEAD_TIMEOUT_S,
@@ -69,9 +68,18 @@ class StreamResult:
 # (deltas, last): ``last`` when the engine's closing line came in the same read, so that the sink may hold
 # these deltas back and send them with the response's tail in one write.
 DeltaSink = Callable[[list[Delta], bool], "asyncio.Future[None] | None"]
-# The per-token path beside it (``_Attempt.line_received``): (choice index, text) of one delta, written to the
-# client at once; False, having written nothing, when it cannot be now (the delta then goes to the DeltaSink).
-TextSink = Callable[[int, str], bool]
+
+
+class ChunkSink(Protocol):
+    """The per-token path's client side (``_Attempt.chunk_received``; sse_out.SSEOut): a lone delta of choice
+    0, its client chunk made by gateway/delta_chunk.py, written at once."""
+
+    # The client's chunk bytes before and after a choice-0 delta's JSON text (``ChunkWriter.text_frame``).
+    text_frame: tuple[bytes, bytes]
+
+    def write_now(self, framed: bytes) -> bool:
+        """Writes one HTTP chunk of the client's body as it is (b"": nothing to write); False, having written
+        nothing, when it cannot be now (the delta then goes to the DeltaSink)."""
 
 
 class _Attempt:
@@ -79,36 +87,34 @@ class _Attempt:
     ``ended`` resolves once the response is over: its value is None when it completed, else the failure."""
 
     def __init__(self, response: StreamResponse, result: StreamResult, generated: list[int] | None,
-                 on_deltas: DeltaSink, on_text: TextSink | None = None) -> None:
+                 on_deltas: DeltaSink, on_chunk: ChunkSink | None = None) -> None:
         self.response = response
         self.result = result
         self.generated = generated  # ids so far, for a continuation elsewhere (one sequence only)
         self.on_deltas = on_deltas
-        self.on_text = on_text
+        self.on_chunk = on_chunk
+        self._text_head, self._text_tail = on_chunk.text_frame if on_chunk is not None else (b"", b"")
         self.done = False  # the engine's closing line came
         self.error: str | None = None  # the engine's error line, if one came
         self.retryable = False
         self.ended: asyncio.Future[BaseException | None] = asyncio.get_running_loop().create_future()
 
-    def line_received(self, line: bytes) -> bool:
-        """The per-token path (http_wire's ``LineSink``): a line that is one delta of a response already
-        streaming is parsed and its text written to the client here, with no batch, ``Delta`` or ASGI message
-        made. A relayed chunk's steps run from cold caches (a pause of an inter-token latency comes before
-        each), and each step costs a refill: ~24 against ~39 us a chunk in process (``bench/relay_cold.py``).
-        False, having changed nothing, for any other line (the first delta, the closing line, an error, a
-        line of another shape) or when the client is behind: ``lines_received`` then takes it."""
-        on_text = self.on_text
-        if on_text is None or self.result.first_delta_ns is None or self.ended.done():
+    def chunk_received(self, data: bytes) -> bool:
+        """The per-token path (http_wire's ``LineSink``): a socket read that is exactly one chunk holding one
+        delta of choice 0, once the response streams, becomes the client's chunk in one call
+        (``split_delta_chunk``) and is written at once, with no parse into a ``Delta``, batch or ASGI message;
+        its ids are billed and kept for a continuation as ``_take`` would. A relayed chunk's steps run from
+        cold caches (a pause of an inter-token latency comes before each), and each step costs a refill
+        (``bench/relay_cold.py``). False, having changed nothing, for any other read (the first delta, the
+        closing line, an error, two lines) or when the client is behind: the parser and ``lines_received``
+        then take it."""
+        on_chunk = self.on_chunk
+        if on_chunk is None or self.result.first_delta_ns is None or self.ended.done():
             return False
-        try:
-            message = orjson.loads(line)
-        except orjson.JSONDecodeError:
-            return False  # e.g. two lines in one chunk
-        if type(message) is not dict:
+        split = split_delta_chunk(data, self._text_head, self._text_tail)
+        if split is None or not on_chunk.write_now(split[0]):
             return False
-        index, text, ids = message.get("i"), message.get("t"), message.get("d")
-        if type(index) is not int or type(text) is not str or type(ids) is not list or not on_text(index, text):
-            return False
+        ids = split[1]
         self.result.completion_tokens += len(ids)
         if self.generated is not None:
             self.generated.extend(ids)
@@ -185,20 +191,20 @@ class EngineClient:
         await self.http.close()
 
     async def relay(self, urls: list[tuple[str, str]], body: GenerateBody, headers: dict[str, str],
-                    result: StreamResult, on_deltas: DeltaSink, on_text: TextSink | None = None) -> None:
+                    result: StreamResult, on_deltas: DeltaSink, on_chunk: ChunkSink | None = None) -> None:
         """Relays the deltas of the first engine that serves the request to ``on_deltas`` (and, once the
-        response streams, each lone delta to ``on_text`` first, when given); ``urls`` is [(engine_id, url)] in
-        the route's order. Returns once the engine's closing line came; 504 when that takes longer than
-        ``total_timeout_s`` (the engine connection then closes: the replica aborts)."""
+        response streams, each lone delta of choice 0 to ``on_chunk`` first, when given); ``urls`` is
+        [(engine_id, url)] in the route's order. Returns once the engine's closing line came; 504 when that
+        takes longer than ``total_timeout_s`` (the engine connection then closes: the replica aborts)."""
         try:
             async with asyncio.timeout(self.total_timeout_s):
-                await self._relay(urls, body, headers, result, on_deltas, on_text)
+                await self._relay(urls, body, headers, result, on_deltas, on_chunk)
         except TimeoutError:
             raise APIError(504, f"The request did not finish within the gateway's limit of "
                            f"{self.total_timeout_s:g} s; ask for fewer tokens or retry.", "engine_timeout") from None
 
     async def _relay(self, urls: list[tuple[str, str]], body: GenerateBody, headers: dict[str, str],
-                     result: StreamResult, on_deltas: DeltaSink, on_text: TextSink | None) -> None:
+                     result: StreamResult, on_deltas: DeltaSink, on_chunk: ChunkSink | None) -> None:
         generated: list[int] = []
         # What went wrong, twice: in full for the logs and the span (engine ids, addresses, the engine's own
         # words), and as the client may read it (neither addresses nor engine output: see public_reason).
@@ -226,7 +232,7 @@ class EngineClient:
                             continue
                         raise APIError(502, "The engine replica refused the request.", "engine_error",
                                        detail=last_error)
-                    answer = _Attempt(resp, result, generated if single else None, on_deltas, on_text)
+                    answer = _Attempt(resp, result, generated if single else None, on_deltas, on_chunk)
                     resp.relay(answer)
                     failure = await answer.ended
             except (EngineUnreachable, TimeoutError) as exc:

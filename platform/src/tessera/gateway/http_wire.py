@@ -11,9 +11,10 @@ every batch of complete lines to the sink from inside the protocol's ``data_rece
 is the gateway's per-token path: a line reaches the client in the same event-loop callback that read it
 from the engine, with no task wakeup, future or async-generator step between (measured in ``make
 bench-gateway``: the CPU per streamed chunk). A sink that cannot take more (its client reads slowly) pauses
-the response, which stops reading from the engine socket until it resumes. A sink with a ``line_received``
-is offered each body chunk that is one whole line, with nothing buffered before it, straight from the
-parser's callback, before any buffering: the per-token path with the fewest steps (``bench/relay_cold.py``).
+the response, which stops reading from the engine socket until it resumes. A sink with a ``chunk_received``
+is offered each socket read that comes where the response parser stands between two chunks, with nothing
+buffered, before the parser sees it: the per-token path with the fewest steps (gateway/delta_chunk.py). A read
+it takes must be exactly one whole chunk, so the parser, which never saw it, still stands between two.
 
 Closing a response before its end closes its connection: that is how the engine learns the caller went
 away and aborts the vLLM request. A finished response returns its connection to the pool. A request sent
@@ -66,9 +67,10 @@ class EngineTimeout(EngineUnreachable):
 class LineSink(Protocol):
     """Receives a relayed response body (see ``StreamResponse.relay``), on the event loop's callbacks.
 
-    It may also have ``line_received(line: bytes) -> bool``: offered a body chunk that is one whole line (its
-    newline included) when nothing is buffered before it and the relay is not paused; True when it took the
-    line, False (having done nothing) to have it delivered to ``lines_received`` as usual."""
+    It may also have ``chunk_received(data: bytes) -> bool``: offered a socket read of a chunked body when the
+    parser stands between two chunks, nothing is buffered and the relay is not paused; True when it took the
+    read, which it does only when the read is exactly one whole chunk, False (having done nothing) to have it
+    parsed and its lines delivered to ``lines_received`` as usual."""
 
     def lines_received(self, lines: list[bytes]) -> None:
         """The complete lines that arrived, in order, without their newlines (never empty)."""
@@ -96,8 +98,9 @@ class _Connection(asyncio.Protocol):
         self._wakeup: asyncio.Future[None] | None = None
         self._paused = False
         self.sink: LineSink | None = None
-        self._sink_line_received: Callable[[bytes], bool] | None = None  # the sink's line_received, if it has one
-        self._offer_line: Callable[[bytes], bool] | None = None  # the same while it may take a line now
+        self._sink_chunk_received: Callable[[bytes], bool] | None = None  # the sink's chunk_received, if any
+        self._offer_chunk: Callable[[bytes], bool] | None = None  # the same while it may take a read now
+        self._between_chunks = False  # the parser has just completed a chunk and seen nothing after it
         self._sink_ended = False
         self._sink_paused = False
         self._heard = False  # a byte came since the idle watch last looked
@@ -109,15 +112,20 @@ class _Connection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.got_bytes = self._heard = True
+        offer = self._offer_chunk
+        if offer is not None and self._between_chunks and not self.buffer and offer(data):
+            return
+        self._between_chunks = False
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
             self._fail(EngineUnreachable(f"the engine sent a malformed response: {exc}"))
             self.transport.abort()  # type: ignore[union-attr]
             return
-        if self.sink is not None:
-            if self.buffer or self.complete or self.failure is not None:  # else the line went to _offer_line
-                self.deliver()
+        if self._between_chunks and not data.endswith(b"\r\n"):
+            self._between_chunks = False  # the start of the next chunk's size line came after the last one
+        if self.sink is not None and (self.buffer or self.complete or self.failure is not None):
+            self.deliver()  # (a read of chunk framing only brings nothing to deliver)
         elif len(self.buffer) > MAX_BUFFER_BYTES and not self._paused and self.transport is not None:
             self.transport.pause_reading()
             self._paused = True
@@ -133,12 +141,13 @@ class _Connection(asyncio.Protocol):
         if not self.headers_done.done():
             self.headers_done.set_result(None)
 
+    def on_chunk_header(self) -> None:
+        self._between_chunks = False
+
+    def on_chunk_complete(self) -> None:
+        self._between_chunks = True
+
     def on_body(self, body: bytes) -> None:
-        offer = self._offer_line
-        # One whole line only: a read that holds two (the last delta and the closing line, say) goes to the
-        # buffer, not to a JSON parse that fails and raises on the way.
-        if offer is not None and not self.buffer and body.find(b"\n") == len(body) - 1 and offer(body):
-            return
         self.buffer += body
         self._wake()
 
@@ -150,7 +159,7 @@ class _Connection(asyncio.Protocol):
     # for the response
     def _fail(self, exc: BaseException) -> None:
         self.failure = exc
-        self._offer_line = None
+        self._offer_chunk = None
         if not self.headers_done.done():
             self.headers_done.set_exception(exc)
         self._wake()
@@ -194,16 +203,16 @@ class _Connection(asyncio.Protocol):
             return  # the end, if it came, waits for resume: it must follow the sink's last lines
         if self.complete or self.failure is not None:
             self._sink_ended = True
-            self._offer_line = None
+            self._offer_chunk = None
             sink.body_ended(None if self.complete else self.failure)
 
     def set_sink(self, sink: LineSink | None) -> None:
         self.sink = sink
-        self._sink_line_received = self._offer_line = getattr(sink, "line_received", None)
+        self._sink_chunk_received = self._offer_chunk = getattr(sink, "chunk_received", None)
 
     def pause_sink(self) -> None:
         self._sink_paused = True
-        self._offer_line = None
+        self._offer_chunk = None
         if self.transport is not None and not self.closed:
             self.transport.pause_reading()
 
@@ -212,7 +221,7 @@ class _Connection(asyncio.Protocol):
             return
         self._sink_paused = False
         if not self._sink_ended and self.failure is None:
-            self._offer_line = self._sink_line_received
+            self._offer_chunk = self._sink_chunk_received
         if self.transport is not None and not self.closed:
             self.transport.resume_reading()
         self.deliver()

@@ -43,6 +43,10 @@ class ChunkWriter:
             head = self._text_heads[index] = self._head + str(index).encode() + self._text_key
         return head + orjson.dumps(text) + self._tail
 
+    def text_frame(self, index: int) -> tuple[bytes, bytes]:
+        """What ``text`` writes before and after the JSON string of choice ``index``'s text."""
+        return self._head + str(index).encode() + self._text_key, self._tail
+
     def finish(self, index: int, reason: str) -> bytes:
         body = b',"delta":{}' if self.chat else b',"text":""'
         return (self._head + str(index).encode() + body + b',"logprobs":null,"finish_reason":'

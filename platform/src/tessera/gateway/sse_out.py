@@ -4,8 +4,9 @@ connection's callbacks (see ``engine_client``) with eager sends (see ``eager_sen
 Order is kept when the client reads slowly: a send that has to wait for the client's socket holds every
 later message in a backlog, and the engine relay stops reading until that wait is over.
 
-Once the response streams, a lone delta takes ``text_now``: its chunk written straight to the client's
-transport (``direct_body``) when nothing waits before it and the client keeps up; otherwise ``deltas``.
+Once the response streams, a lone delta of choice 0 takes ``write_now``: its client chunk, made by
+gateway/delta_chunk.py, written straight to the client's transport (``direct_body``) when nothing waits before
+it and the client keeps up; otherwise ``deltas``.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from tessera.gateway.eager_send import send_now
 if TYPE_CHECKING:
     from tessera.asgi import Send
     from tessera.engine.protocol import Delta
-    from tessera.gateway.engine_client import TextSink
+    from tessera.gateway.engine_client import ChunkSink
     from tessera.gateway.openai_format import ChunkWriter
 
 SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
@@ -40,6 +41,7 @@ class SSEOut:
         self._behind: asyncio.Future[None] | None = None  # a send waiting for the client, then the backlog
         self._backlog: list[dict[str, Any]] = []
         self._held = b""  # the last deltas' chunks, kept for the tail's write
+        self.text_frame = writer.text_frame(0)  # (ChunkSink) what a choice-0 delta's client chunk holds its text in
 
     def deltas(self, deltas: list[Delta], last: bool = False) -> asyncio.Future[None] | None:
         """``last``: the engine's closing line came with these deltas; their chunks then leave with the tail
@@ -57,18 +59,19 @@ class SSEOut:
         return self._behind
 
     @property
-    def text_sink(self) -> TextSink | None:
-        """``text_now`` where it can ever write (uvicorn's own send), else None: the relay then makes no
-        per-token attempt that could only decline after parsing the line."""
-        return self.text_now if self._direct is not None else None
+    def chunk_sink(self) -> ChunkSink | None:
+        """This response where ``write_now`` can ever write (uvicorn's own send), else None: the relay then
+        makes no per-token attempt that could only decline after building the chunk."""
+        return self if self._direct is not None else None
 
-    def text_now(self, index: int, text: str) -> bool:
-        """One delta's text, its chunk written at once (the engine relay's ``TextSink``). False, having written
-        nothing, when it cannot be: the response not started, messages waiting before it, the client's
-        transport paused, or a server other than uvicorn's (the delta then goes to ``deltas``)."""
+    def write_now(self, framed: bytes) -> bool:
+        """One delta's client chunk, HTTP framing included (``split_delta_chunk``), written at once (the engine
+        relay's ``ChunkSink``; b"": an empty text, nothing to write). False, having written nothing, when it
+        cannot be: the response not started, messages waiting before it, the client's transport paused, or a
+        server other than uvicorn's (the delta then goes to ``deltas``)."""
         if self._behind is not None or not self.started or self._direct is None:
             return False
-        return not text or self._direct(self._writer.text(index, text))
+        return not framed or self._direct(framed)
 
     async def end(self, tail: bytes) -> None:
         """The last bytes of the body (after the held deltas), after everything sent before them."""

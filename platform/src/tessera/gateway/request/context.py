@@ -15,7 +15,7 @@ from tessera.gateway.engine_client import StreamResult
 if TYPE_CHECKING:
     from tessera.asgi import Headers, Receive, Send
     from tessera.engine.protocol import GenerateBody
-    from tessera.gateway.engine_client import DeltaSink, TextSink
+    from tessera.gateway.engine_client import ChunkSink, DeltaSink
     from tessera.gateway.models import ServedModel
     from tessera.gateway.request.endpoint import Endpoint, OpenAIRequest
     from tessera.registry import EngineRecord
@@ -84,4 +84,4 @@ class ResponseHead:
 class Relay(Protocol):
     """The engine call with everything but where the deltas go (``EngineClient.relay``, partly applied)."""
 
-    def __call__(self, on_deltas: DeltaSink, on_text: TextSink | None = None, /) -> Awaitable[None]: ...
+    def __call__(self, on_deltas: DeltaSink, on_chunk: ChunkSink | None = None, /) -> Awaitable[None]: ...

@@ -31,7 +31,7 @@ async def respond_stream(ctx: RequestContext, relay: Relay, head: ResponseHead) 
     out = SSEOut(ctx.send, writer, ctx.endpoint.role_choices(body.n), head.headers)
     watch = ClientWatch(ctx.receive)
     try:
-        await relay(out.deltas, out.text_sink)
+        await relay(out.deltas, out.chunk_sink)
         tail = [writer.finish(i, finish_reason(result.finish.get(i))) for i in range(body.n)]
         if body.include_usage:
             cached = int(result.stats.get("num_cached_tokens", 0))
