@@ -124,8 +124,9 @@ class _Connection(asyncio.Protocol):
             return
         if self._between_chunks and not data.endswith(b"\r\n"):
             self._between_chunks = False  # the start of the next chunk's size line came after the last one
-        if self.sink is not None and (self.buffer or self.complete or self.failure is not None):
-            self.deliver()  # (a read of chunk framing only brings nothing to deliver)
+        if self.sink is not None:
+            if self.buffer or self.complete or self.failure is not None:  # (a read of framing only brings none)
+                self.deliver()
         elif len(self.buffer) > MAX_BUFFER_BYTES and not self._paused and self.transport is not None:
             self.transport.pause_reading()
             self._paused = True
