@@ -8,6 +8,7 @@ is vLLM's answer (``engine/capabilities.py``), the same one the engine host acts
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import os
 import shutil
 import socket
@@ -81,6 +82,19 @@ def package_findings() -> list[Finding]:
     findings.append(Finding("Ray", f"ray {ray}") if ray else
                     Finding("Ray", "not installed", "run `make install`"))
     return findings
+
+
+def relay_findings(native_built: bool, forced_off: bool) -> list[Finding]:
+    """Which per-token step the gateway runs here (gateway/delta_chunk.py): the C one built by ``make install``,
+    or its Python twin (about twice the CPU a streamed token). Never a problem: both serve the same bytes."""
+    if forced_off:
+        seen = "per-token step in Python (TESSERA_NATIVE_RELAY=0)"
+    elif native_built:
+        seen = "per-token step in C (tessera/gateway/_delta_chunk.c, built)"
+    else:
+        seen = ("per-token step in Python: the C one is not built here (install a C compiler and Python's "
+                "headers, then `make install`)")
+    return [Finding("gateway", seen)]
 
 
 def redis_findings(redis_url: str | None) -> list[Finding]:
@@ -178,6 +192,8 @@ def diagnose(redis_url: str | None, gateway_port: int, model_dir: Path | None,
     findings += memory_findings(_read("/proc/meminfo"))
     findings += gpu_findings()
     findings += package_findings()
+    findings += relay_findings(importlib.util.find_spec("tessera.gateway._delta_chunk") is not None,
+                               os.environ.get("TESSERA_NATIVE_RELAY") == "0")
     findings += redis_findings(redis_url)
     findings += port_findings(gateway_port)
     if not any(f.problem for f in findings if f.area == "vLLM"):

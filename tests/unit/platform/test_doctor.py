@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import socket
 
-from tessera.doctor import cpu_findings, memory_findings, port_findings, redis_findings
+from tessera.doctor import cpu_findings, memory_findings, port_findings, redis_findings, relay_findings
 
 AVX2_EPYC = """processor\t: 0
 model name\t: AMD EPYC 7B13
@@ -58,3 +58,12 @@ def test_a_busy_gateway_port_is_a_problem() -> None:
         gateway, ranges = port_findings(busy)
     assert gateway.problem is not None and "--port" in gateway.problem
     assert ranges.problem is None and "engine HTTP" in ranges.seen
+
+
+def test_the_gateways_per_token_step_is_named_and_never_a_problem() -> None:
+    (built,) = relay_findings(native_built=True, forced_off=False)
+    assert built.area == "gateway" and "in C" in built.seen and built.problem is None
+    (missing,) = relay_findings(native_built=False, forced_off=False)
+    assert "in Python" in missing.seen and "C compiler" in missing.seen and missing.problem is None
+    (off,) = relay_findings(native_built=True, forced_off=True)
+    assert "TESSERA_NATIVE_RELAY=0" in off.seen and off.problem is None
