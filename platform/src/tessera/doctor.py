@@ -8,7 +8,6 @@ is vLLM's answer (``engine/capabilities.py``), the same one the engine host acts
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import os
 import shutil
 import socket
@@ -192,13 +191,21 @@ def diagnose(redis_url: str | None, gateway_port: int, model_dir: Path | None,
     findings += memory_findings(_read("/proc/meminfo"))
     findings += gpu_findings()
     findings += package_findings()
-    findings += relay_findings(importlib.util.find_spec("tessera.gateway._delta_chunk") is not None,
-                               os.environ.get("TESSERA_NATIVE_RELAY") == "0")
+    findings += relay_findings(_native_step_loads(), os.environ.get("TESSERA_NATIVE_RELAY") == "0")
     findings += redis_findings(redis_url)
     findings += port_findings(gateway_port)
     if not any(f.problem for f in findings if f.area == "vLLM"):
         findings += engine_findings(model_dir, engine_overrides)
     return findings
+
+
+def _native_step_loads() -> bool:
+    """The C per-token step imports here (built, and for this interpreter), as the gateway would import it."""
+    try:
+        import tessera.gateway._delta_chunk  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def _version(dist: str) -> str | None:
