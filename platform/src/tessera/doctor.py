@@ -191,7 +191,9 @@ def diagnose(redis_url: str | None, gateway_port: int, model_dir: Path | None,
     findings += memory_findings(_read("/proc/meminfo"))
     findings += gpu_findings()
     findings += package_findings()
-    findings += relay_findings(_native_step_loads(), os.environ.get("TESSERA_NATIVE_RELAY") == "0")
+    from tessera.gateway.delta_chunk import native_relay_forced_off
+
+    findings += relay_findings(_native_step_loads(), native_relay_forced_off())
     findings += redis_findings(redis_url)
     findings += port_findings(gateway_port)
     if not any(f.problem for f in findings if f.area == "vLLM"):

@@ -28,6 +28,31 @@ static int hex_value(unsigned char c) {
 
 static int is_continuation(unsigned char c) { return (c & 0xC0) == 0x80; }
 
+/* Length of the well-formed UTF-8 sequence at s[0] (a byte >= 0x80; `avail` bytes readable), or -1. The second
+ * byte's range per lead byte rules out overlong forms, surrogates and code points past U+10FFFF. */
+static Py_ssize_t utf8_sequence(const unsigned char *s, Py_ssize_t avail) {
+    unsigned char c = s[0], low = 0x80, high = 0xBF;
+    Py_ssize_t length;
+    if (c >= 0xC2 && c <= 0xDF) {
+        length = 2;
+    } else if (c >= 0xE0 && c <= 0xEF) {
+        length = 3;
+        if (c == 0xE0) low = 0xA0;
+        if (c == 0xED) high = 0x9F;
+    } else if (c >= 0xF0 && c <= 0xF4) {
+        length = 4;
+        if (c == 0xF0) low = 0x90;
+        if (c == 0xF4) high = 0x8F;
+    } else {
+        return -1;
+    }
+    if (avail < length || s[1] < low || s[1] > high) return -1;
+    for (Py_ssize_t k = 2; k < length; k++) {
+        if (!is_continuation(s[k])) return -1;
+    }
+    return length;
+}
+
 /* Length of the canonical JSON string literal (its quotes included) at s[0] == '"', or -1. Canonical as
  * orjson writes: ", \ and the controls escaped (\b \t \n \f \r, else \u00xx in lower case), nothing else
  * escaped, UTF-8 well formed (no overlong forms, no surrogates, nothing above U+10FFFF). */
@@ -58,27 +83,9 @@ static Py_ssize_t canonical_string(const unsigned char *s, Py_ssize_t n) {
             i += 1;
             continue;
         }
-        /* UTF-8: the second byte's range rules out overlong forms, surrogates and code points past U+10FFFF. */
-        if (c >= 0xC2 && c <= 0xDF) {
-            if (i + 1 >= n || !is_continuation(s[i + 1])) return -1;
-            i += 2;
-        } else if (c >= 0xE0 && c <= 0xEF) {
-            if (i + 2 >= n) return -1;
-            unsigned char c1 = s[i + 1];
-            if (c == 0xE0 ? (c1 < 0xA0 || c1 > 0xBF) : c == 0xED ? (c1 < 0x80 || c1 > 0x9F) : !is_continuation(c1))
-                return -1;
-            if (!is_continuation(s[i + 2])) return -1;
-            i += 3;
-        } else if (c >= 0xF0 && c <= 0xF4) {
-            if (i + 3 >= n) return -1;
-            unsigned char c1 = s[i + 1];
-            if (c == 0xF0 ? (c1 < 0x90 || c1 > 0xBF) : c == 0xF4 ? (c1 < 0x80 || c1 > 0x8F) : !is_continuation(c1))
-                return -1;
-            if (!is_continuation(s[i + 2]) || !is_continuation(s[i + 3])) return -1;
-            i += 4;
-        } else {
-            return -1;
-        }
+        Py_ssize_t length = utf8_sequence(s + i, n - i);
+        if (length < 0) return -1;
+        i += length;
     }
     return -1;
 }

@@ -38,14 +38,15 @@ class ChunkWriter:
             b'"logprobs":null,"finish_reason":null}]}\n\n'
 
     def text(self, index: int, text: str) -> bytes:
-        head = self._text_heads.get(index)
-        if head is None:
-            head = self._text_heads[index] = self._head + str(index).encode() + self._text_key
-        return head + orjson.dumps(text) + self._tail
+        head, tail = self.text_frame(index)
+        return head + orjson.dumps(text) + tail
 
     def text_frame(self, index: int) -> tuple[bytes, bytes]:
         """What ``text`` writes before and after the JSON string of choice ``index``'s text."""
-        return self._head + str(index).encode() + self._text_key, self._tail
+        head = self._text_heads.get(index)
+        if head is None:
+            head = self._text_heads[index] = self._head + str(index).encode() + self._text_key
+        return head, self._tail
 
     def finish(self, index: int, reason: str) -> bytes:
         body = b',"delta":{}' if self.chat else b',"text":""'
