@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from tessera.gateway.loop_watchdog import LoopWatchdog, beat_to_judge, is_stalled
+from tessera.gateway.loop_watchdog import MAX_CHECK_PERIOD_S, LoopWatchdog, beat_to_judge, check_period_s, is_stalled
 
 
 @pytest.mark.parametrize(("last_beat", "now", "limit_s", "stalled"), [
@@ -92,3 +92,16 @@ def test_a_loop_blocked_past_the_limit_is_caught_from_the_watch_thread() -> None
 
     assert asyncio.run(serve()), "the stall was not reported while the loop was stuck"
     assert len(stalls) == 1 and stalls[0][1] == 0.5 and 0.5 < stalls[0][0] < 10
+
+
+@pytest.mark.parametrize(("limit_s", "period_s"), [(10.0, 2.5), (5.0, 1.25), (0.5, 0.125), (60.0, MAX_CHECK_PERIOD_S),
+                                                   (0.0, MAX_CHECK_PERIOD_S)])
+def test_checks_come_a_quarter_of_the_limit_apart_and_at_most_the_cap(limit_s: float, period_s: float) -> None:
+    assert check_period_s(limit_s) == period_s
+
+
+@pytest.mark.parametrize("limit_s", [0.2, 2.0, 5.0, 10.0, 30.0])
+def test_checks_come_well_within_half_the_limit(limit_s: float) -> None:
+    # beat_to_judge takes a check more than half a limit after the last for a starved process: a stall
+    # would then never be caught.
+    assert check_period_s(limit_s) < limit_s / 2

@@ -3,15 +3,15 @@
 Why: a worker whose loop is stuck (a deadlock on a lock its own thread holds, as the collector's pause
 callback once caused, docs/performance.md section 11; or code that never yields) neither answers nor closes
 its connections, and every connection the kernel hands it hangs. Nothing noticed it: uvicorn's supervisor
-pings each worker every 0.5 s, but the worker answers from a thread of its own, so a stuck loop still looks
-alive; and the pod's liveness probe reaches whichever worker accepts its connection, so it fails only now
-and then.
+pings each worker, but the worker answers from a thread of its own, so a stuck loop still looks alive; and
+the pod's liveness probe reaches whichever worker accepts its connection, so it fails only now and then.
 
 How: the worker's server tick (``lean_server``, once a second) notes the time (``beat``). A thread outside
 the loop compares it with the clock (``check``): with several workers, the thread that answers the
-supervisor's pings (``LeanWorker.pong``, every 0.5 s: no new wake-ups); with one worker, a thread of its
-own. When the last beat is older than ``TESSERA_LOOP_STALL_LIMIT_S``, it writes every thread's stack to
-stderr (where the loop is stuck: the log says what to fix) and ends the process with ``STALLED_EXIT_CODE``.
+supervisor's pings (``LeanWorker.pong``; no new wake-ups); with one worker, a thread of its own; either
+every ``check_period_s`` (a quarter of the limit, at most 2.5 s). When the last beat is older than
+``TESSERA_LOOP_STALL_LIMIT_S``, it writes every thread's stack to stderr (where the loop is stuck: the log
+says what to fix) and ends the process with ``STALLED_EXIT_CODE``.
 uvicorn's supervisor then starts a new worker; a one-worker gateway exits and Kubernetes restarts its
 container. The streams the worker held are cut as a SIGKILL would cut them, and billed the same way (the
 settler charges them from the engines' records once their lease lapses: docs/kubernetes.md "Durability").
@@ -31,6 +31,15 @@ from typing import NoReturn
 
 # EX_SOFTWARE: not uvicorn's STARTUP_FAILURE (3), which would stop the supervisor instead of replacing the worker.
 STALLED_EXIT_CODE = 70
+# The checks come a quarter of the limit apart, and at most this far, seconds: each is a wake-up of a thread
+# (~100-170 µs of CPU after a pause on this project's VMs), so no more often than a stall must be caught.
+MAX_CHECK_PERIOD_S = 2.5
+
+
+def check_period_s(limit_s: float) -> float:
+    """How far apart the checks come for ``limit_s`` (0: no limit, checks for other reasons at the most).
+    Always under half the limit: ``beat_to_judge`` takes a longer gap for a starved process."""
+    return MAX_CHECK_PERIOD_S if limit_s <= 0 else min(MAX_CHECK_PERIOD_S, limit_s / 4)
 
 
 def is_stalled(last_beat: float | None, now: float, limit_s: float) -> bool:
@@ -97,10 +106,9 @@ class LoopWatchdog:
         return True
 
     def watch_in_thread(self) -> Callable[[], None]:
-        """Checks from a daemon thread of its own, four times per limit and at least once a second (a 10 s
-        limit: one wake-up a second, as the worker's own tick); returns the function that stops it."""
+        """Checks from a daemon thread of its own, every ``check_period_s``; returns the function that stops it."""
         stop = threading.Event()
-        period_s = min(1.0, self.limit_s / 4)
+        period_s = check_period_s(self.limit_s)
 
         def watch() -> None:
             while not stop.wait(period_s):
@@ -111,4 +119,5 @@ class LoopWatchdog:
         return stop.set
 
 
-__all__ = ["STALLED_EXIT_CODE", "LoopWatchdog", "beat_to_judge", "end_stalled_process", "is_stalled"]
+__all__ = ["MAX_CHECK_PERIOD_S", "STALLED_EXIT_CODE", "LoopWatchdog", "beat_to_judge", "check_period_s",
+           "end_stalled_process", "is_stalled"]

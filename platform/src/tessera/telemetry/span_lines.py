@@ -6,8 +6,8 @@ validation, locks), the batch processor's queue, and then ``span_to_dict`` in th
 local ``jsonl`` exporter none of that is needed to write the line ``tessera traces analyze`` reads. So a
 provider that ``configure_tracing`` sets up for the ``jsonl`` exporter (``LineTracerProvider``) carries a
 ``SpanLines``: ``LateTrace.emit`` hands it the request's spans as the dicts ``span_to_dict`` would have made
-of the SDK's spans, and it appends them to the same file, in batches, from a thread of its own (as the SDK's
-batch processor does, ``delay_s`` after the first line of a batch; no wakeups while nothing comes).
+of the SDK's spans, and it appends them to the same file, in batches, from a thread of its own
+(``quiet_batches.QuietBatches``: ``delay_s`` after the first line of a batch; no wake-ups while nothing comes).
 
 What the SDK path still does (``LateTrace.emit`` falls back to it): a request or a child that ended with an
 exception (the SDK's exception event and status), attribute values other than str/bool/int/float, and any
@@ -17,19 +17,22 @@ the lines are then off). ``make bench-gateway-cpu`` measures the gateway's CPU p
 
 from __future__ import annotations
 
-import os
-import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
 from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
+
+from tessera.telemetry.quiet_batches import QuietBatches
 
 # Span processors ``configure_tracing`` adds itself; another one added later turns the lines off.
 _OWN_PROCESSORS = 2
 # The attribute value types a line carries as the SDK would (exactly these; anything else, a subclass too,
 # goes the SDK path, which cleans it).
 PLAIN_VALUES = frozenset({str, bool, int, float})
+# A request's lines are one item: a write takes at most this many requests', and this many may wait (a
+# worker's requests over ~30 s at its fastest) before a request's spans are dropped.
+LINES_PER_WRITE = 4096
+MAX_WAITING_LINES = 65536
 
 
 class SpanLines(SpanProcessor):
@@ -40,47 +43,15 @@ class SpanLines(SpanProcessor):
         """``write``: appends bytes to the span file (``JsonlSpanExporter.write``, under its lock)."""
         self._write = write
         self.service_name = service_name
-        self._delay_s = delay_s
-        self._lines: list[bytes] = []
-        self._lock = threading.Lock()
-        self._due = threading.Event()  # set by the first line of a batch
-        self._thread: threading.Thread | None = None
-        self._stopped = False
-        os.register_at_fork(after_in_child=self._forget_thread)
+        self._batches: QuietBatches[bytes] = QuietBatches(self._write_batch, delay_s, "tessera-span-lines",
+                                                          max_batch=LINES_PER_WRITE, max_items=MAX_WAITING_LINES)
 
     def add(self, lines: bytes) -> None:
         """Takes one or more encoded lines (each ending in a newline)."""
-        with self._lock:
-            if self._stopped:
-                return
-            self._lines.append(lines)
-            if len(self._lines) == 1:
-                if self._thread is None:
-                    self._thread = threading.Thread(target=self._run, name="tessera-span-lines", daemon=True)
-                    self._thread.start()
-                self._due.set()
+        self._batches.add(lines)
 
-    def _run(self) -> None:
-        while True:
-            self._due.wait()
-            if self._stopped:
-                return
-            # Lines that come meanwhile join this batch: one write per ``delay_s`` under load.
-            time.sleep(self._delay_s)
-            self._due.clear()
-            self._flush()
-
-    def _flush(self) -> None:
-        with self._lock:
-            lines, self._lines = self._lines, []
-        if lines:
-            self._write(b"".join(lines))
-
-    def _forget_thread(self) -> None:
-        """A forked child has no copy of the thread (and writes its own file: a new provider)."""
-        self._thread = None
-        self._lock = threading.Lock()
-        self._lines = []
+    def _write_batch(self, lines: list[bytes]) -> None:
+        self._write(b"".join(lines))
 
     def on_start(self, span: Any, parent_context: Any = None) -> None:
         return None
@@ -89,13 +60,11 @@ class SpanLines(SpanProcessor):
         return None
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
-        self._flush()
+        self._batches.flush()
         return True
 
     def shutdown(self) -> None:
-        self._stopped = True
-        self._due.set()
-        self._flush()
+        self._batches.stop()
 
 
 class LineTracerProvider(TracerProvider):

@@ -17,10 +17,11 @@ import orjson
 from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 
 from tessera.telemetry.late_spans import AnnouncedIds
+from tessera.telemetry.quiet_batches import QuietSpanProcessor
 from tessera.telemetry.span_lines import LineTracerProvider, SpanLines
 
 _configured_lock = threading.Lock()
@@ -100,7 +101,8 @@ def configure_tracing(service_name: str, exporter: str, run_dir: Path | None = N
             span_exporter = GrpcExporter(endpoint=otlp_endpoint) if otlp_endpoint else GrpcExporter()
         else:
             raise ValueError(f"unknown trace exporter {exporter!r}; valid: jsonl, otlp-http, otlp-grpc, none")
-        provider.add_span_processor(BatchSpanProcessor(span_exporter, schedule_delay_millis=500))
+        # Not the SDK's BatchSpanProcessor, which wakes every 0.5 s with nothing to export (quiet_batches.py).
+        provider.add_span_processor(QuietSpanProcessor(span_exporter, delay_s=0.5))
         if isinstance(span_exporter, JsonlSpanExporter):
             # The gateway's request spans skip the SDK's span objects on the way to this file (span_lines.py).
             lines = SpanLines(span_exporter.write, service_name, delay_s=0.5)
