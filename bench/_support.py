@@ -158,16 +158,20 @@ def issue_keys(redis_url: str, tenants: dict[str, Any]) -> dict[str, str]:
     return asyncio.run(create())
 
 
-def cpu_seconds(pid: int) -> float:
+def cpu_seconds(pid: int, with_children: bool = False) -> float:
     """CPU time of a process, all its threads, from the scheduler's nanosecond counters
     (/proc/PID/task/*/schedstat). psutil's cpu_times counts 10 ms ticks: too coarse for an idle
-    background of a few milliseconds per second."""
+    background of a few milliseconds per second. ``with_children``: its live descendants' too (a gateway's
+    supervisor and its workers)."""
     total = 0
     for task in Path(f"/proc/{pid}/task").iterdir():
         try:
             total += int((task / "schedstat").read_text().split()[0])
+            if with_children:
+                total += sum(round(cpu_seconds(int(child), True) * 1e9)
+                             for child in (task / "children").read_text().split())
         except (OSError, ValueError, IndexError):
-            continue  # a thread that ended meanwhile
+            continue  # a thread or child that ended meanwhile
     return total / 1e9
 
 

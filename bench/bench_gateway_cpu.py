@@ -39,6 +39,11 @@ its main thread's CPU clock by pipeline phase and socket callback (``gateway_pha
 first on its ``PYTHONPATH``) and prints it per request: a profiler's share of each phase is inflated by its
 per-call cost, these are the clock's.
 
+``--workers N`` starts each gateway with N workers, as ``tessera up`` does with 2 (the figures are then the
+supervisor's and the workers' CPU together), and ``--pause-ms MS`` has the client wait after each request (250:
+bench-stack's 4 req/s pace), so the per-request figure carries the background between requests: bench-stack's
+gateway column, side by side.
+
 ``SPY=path`` records a py-spy profile (raw format) of the gateway (the last revision named) during its
 requests; ``SPY_NATIVE=1`` with it adds the native frames (uvloop, the interpreter, the kernel calls' wrappers).
 """
@@ -195,10 +200,12 @@ def conversation(prompts: list[str], request: int, turns: int) -> list[dict[str,
 
 async def one_run(num_requests: int, work: Path, revs: list[tuple[str, Path | None]], first: int,
                   prompts: list[str], kv_events: bool, turns: int = 1, tokens: int = TOKENS,
-                  phases: bool = False) -> dict[str, Any]:
+                  phases: bool = False, workers: int = 1, pause_s: float = 0.0) -> dict[str, Any]:
     """Every revision's gateway at once behind one Redis and one fake engine; measured one after the other,
     from ``revs[first]`` on (each run starts with the next, so drift falls on all alike), then idle together.
-    ``phases``: the last revision's gateway also counts its CPU by phase (``phase_table``)."""
+    ``phases``: the last revision's gateway also counts its CPU by phase (``phase_table``). ``workers``: each
+    gateway's worker processes (more than one: its supervisor's and workers' CPU together). ``pause_s``: the
+    client waits this long after each measured request."""
     from tessera.redis_conn import EmbeddedRedis, connect
     from tessera.registry import EngineRecord, EngineRegistry, ModelInfo, register_model
     from tessera.tenancy.store import TenantStore
@@ -235,7 +242,7 @@ async def one_run(num_requests: int, work: Path, revs: list[tuple[str, Path | No
             if phases and gw is gateways[-1]:
                 gw_env = {**gw_env, "TESSERA_BENCH_PHASES_OUT": str(phases_out),
                           "PYTHONPATH": os.pathsep.join([str(PHASES_PROBE), *filter(None, [gw_env.get("PYTHONPATH")])])}
-            proc, gw.url = await asyncio.to_thread(start_gateway, gw_env, work / f"gateway-{len(procs)}.log")
+            proc, gw.url = await asyncio.to_thread(start_gateway, gw_env, work / f"gateway-{len(procs)}.log", workers)
             procs.append(proc)
             gw.pid = proc.pid
         async with httpx.AsyncClient(timeout=10) as client:
@@ -270,11 +277,13 @@ async def one_run(num_requests: int, work: Path, revs: list[tuple[str, Path | No
                 if probed:
                     os.kill(gw.pid, signal.SIGUSR1)  # the count starts now
                     await asyncio.sleep(0.2)
-                c0 = cpu_seconds(gw.pid)
+                c0 = cpu_seconds(gw.pid, with_children=True)
                 for _ in range(num_requests):
                     num_chunks = await one(gw.url)
+                    if pause_s:
+                        await asyncio.sleep(pause_s)
                 figures[gw.name] = {"chunks_per_request": num_chunks,
-                                    "per_request_ms": (cpu_seconds(gw.pid) - c0) / num_requests * 1e3}
+                                    "per_request_ms": (cpu_seconds(gw.pid, True) - c0) / num_requests * 1e3}
                 if probed:
                     os.kill(gw.pid, signal.SIGUSR2)
                     figures[gw.name]["phases_us"] = await read_phases(phases_out, num_requests)
@@ -285,11 +294,11 @@ async def one_run(num_requests: int, work: Path, revs: list[tuple[str, Path | No
             for measure, start_s, length_s in (("idle_after_ms_per_s", 0.0, IDLE_AFTER_S),
                                                ("idle_late_ms_per_s", IDLE_LATE_START_S - IDLE_AFTER_S, IDLE_LATE_S)):
                 await asyncio.sleep(start_s)
-                cpu0, w0 = {gw.name: cpu_seconds(gw.pid) for gw in gateways}, time.perf_counter()
+                cpu0, w0 = {gw.name: cpu_seconds(gw.pid, True) for gw in gateways}, time.perf_counter()
                 await asyncio.sleep(length_s)
                 wall = time.perf_counter() - w0
                 for gw in gateways:
-                    figures[gw.name][measure] = (cpu_seconds(gw.pid) - cpu0[gw.name]) / wall * 1e3
+                    figures[gw.name][measure] = (cpu_seconds(gw.pid, True) - cpu0[gw.name]) / wall * 1e3
     finally:
         for proc in procs:
             stop(proc)
@@ -324,7 +333,15 @@ def main() -> None:
                         help="1 (default): one message a request. N: multi-turn chats of N turns, each request "
                              "the whole history so far and a new question (the model's context is 2,048 tokens: "
                              "keep N x (prompt tokens + ~30) under it).")
+    parser.add_argument("--workers", type=int, default=1,
+                        help="Worker processes of each gateway (default 1, as the chart starts it; `tessera up` "
+                             "starts 2): with more, the figures are its supervisor's and workers' together.")
+    parser.add_argument("--pause-ms", type=float, default=0.0,
+                        help="The client waits this long after each measured request (250: bench-stack's 4 req/s "
+                             "pace), so the per-request figure carries the gateway's background between requests.")
     args = parser.parse_args()
+    if args.workers > 1 and (args.phases or os.environ.get("SPY")):
+        parser.error("--phases and SPY read one worker's process: run them with --workers 1")
     import tempfile
 
     names = args.revs.split(",")
@@ -338,7 +355,8 @@ def main() -> None:
         for i in range(args.runs):
             work = Path(tempfile.mkdtemp(prefix="bench-gateway-cpu-"))
             runs.append(asyncio.run(one_run(args.requests, work, revs, i % len(revs), prompts, args.kv_events,
-                                            args.turns, args.tokens, args.phases)))
+                                            args.turns, args.tokens, args.phases, args.workers,
+                                            args.pause_ms / 1e3)))
             print(f"run {i + 1}/{args.runs}: {runs[-1]}", flush=True)
     finally:
         for name, source in sources.items():
@@ -359,7 +377,8 @@ def main() -> None:
         goals["per_request_ms"] = float("nan")  # the goal is set at TOKENS tokens a request
     path = write_results("gateway_cpu", {"tokens": args.tokens, "line_gap_s": LINE_GAP_S, "requests": args.requests,
                                          "prompt_tokens": args.prompt_tokens or "short question",
-                                         "turns": args.turns,
+                                         "turns": args.turns, "workers": args.workers,
+                                         "pause_ms": args.pause_ms,
                                          "kv_events": args.kv_events,
                                          "revisions": [rev for rev, _ in revs],
                                          "runs": [r[revs[0][0]] for r in runs] if single else runs,
