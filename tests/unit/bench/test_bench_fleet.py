@@ -140,13 +140,14 @@ def test_a_row_counts_the_engines_hits_against_the_ideal_and_failures_apart() ->
     assert math.isclose(row["ttft_p50_ms"], 200.0)  # the failed request's TTFT is left out
     assert math.isclose(row["throughput_rps"], 1.0)  # two done by 2.0 simulated s
     assert math.isclose(row["imbalance_busy"], 1.5)
+    assert math.isclose(row["busy_share"], 1.0)  # a mean of 2.0 simulated s in steps over a 2.0 s run
     assert row["decision_p50_us"] == 40.0 and row["engines_used"] == 2 and row["preemptions"] == 1
     assert row["index_bytes"] == 3 * 2**20
     [cells] = table_rows({"prefix_affinity": row})
-    assert len(cells) == len(TABLE_HEADERS) and cells[8] == "3.0"
+    assert len(cells) == len(TABLE_HEADERS) and cells[9] == "3.0" and cells[6] == "100"
     router_row = {**row, "index_bytes": None, "router_rss_bytes": 50 * 2**20, "decision_p99_us": None}
     [cells] = table_rows({"vllm-router:kv_aware": router_row})
-    assert cells[8] == "rss 50" and cells[7] == "-"
+    assert cells[9] == "rss 50" and cells[8] == "-"
 
 
 def _row(share: float, hit: float, p99: float) -> dict[str, float]:

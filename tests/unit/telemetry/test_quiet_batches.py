@@ -130,3 +130,13 @@ def test_the_span_processor_exports_the_sampled_spans_in_batches() -> None:
     provider.shutdown()  # hands on what waits, shuts the exporter down
     provider.get_tracer("test").start_span("d").end()
     assert processor.num_dropped == 1 and len(exporter.get_finished_spans()) == 2
+
+
+def test_stop_ends_the_thread_even_in_the_middle_of_a_batch() -> None:
+    sink = Sink()
+    batches: QuietBatches[int] = QuietBatches(sink, delay_s=60, name="test-stop")
+    batches.add(1)  # the thread now waits out the batch's delay
+    thread = _thread_named("test-stop")
+    batches.stop()
+    thread.join(5)
+    assert not thread.is_alive() and sink.batches == [[1]]

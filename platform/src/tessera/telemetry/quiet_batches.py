@@ -78,6 +78,8 @@ class QuietBatches(Generic[T]):
                 return
             # Items that come meanwhile join this batch: one hand-on per ``delay_s`` under load.
             self._full.wait(self._delay_s)
+            if self._stopped:
+                return  # ``stop`` hands on what waits
             self._due.clear()
             self._full.clear()
             self.flush()
