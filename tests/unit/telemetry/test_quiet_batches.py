@@ -135,7 +135,8 @@ def test_the_span_processor_exports_the_sampled_spans_in_batches() -> None:
 def test_stop_ends_the_thread_even_in_the_middle_of_a_batch() -> None:
     sink = Sink()
     batches: QuietBatches[int] = QuietBatches(sink, delay_s=60, name="test-stop")
-    batches.add(1)  # the thread now waits out the batch's delay
+    batches.add(1)
+    time.sleep(0.2)  # the thread now waits out the batch's delay
     thread = _thread_named("test-stop")
     batches.stop()
     thread.join(5)
