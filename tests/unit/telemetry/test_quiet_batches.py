@@ -141,3 +141,15 @@ def test_stop_ends_the_thread_even_in_the_middle_of_a_batch() -> None:
     batches.stop()
     thread.join(5)
     assert not thread.is_alive() and sink.batches == [[1]]
+
+
+def test_handed_to_the_caller_items_wait_for_its_flush_and_no_thread_runs() -> None:
+    sink = Sink()
+    batches: QuietBatches[int] = QuietBatches(sink, delay_s=0.01, name="test-caller")
+    batches.hand_to_caller()
+    batches.add(1)
+    batches.add(2)
+    time.sleep(0.1)
+    assert sink.batches == [] and not any(t.name == "test-caller" for t in threading.enumerate())
+    batches.flush()
+    assert sink.batches == [[1, 2]]

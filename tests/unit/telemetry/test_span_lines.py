@@ -224,3 +224,19 @@ def test_configure_tracing_writes_the_gateway_spans_as_lines(tmp_path: Path) -> 
     assert set(spans) == {"gateway.request", "route", "engine.call"}
     assert {s["service"] for s in spans.values()} == {"tessera-gateway"}
     assert spans["route"]["parent_span_id"] == spans["gateway.request"]["span_id"]
+
+
+def test_lines_handed_to_the_caller_are_written_on_its_flushes_only(tmp_path: Path) -> None:
+    """A gateway worker's tick writes its lines (lean_server.py): the batch thread then never wakes."""
+    exporter = JsonlSpanExporter(tmp_path / "spans.jsonl")
+    lines = SpanLines(exporter.write, SERVICE, delay_s=0.01)
+    lines.add(b'{"a":1}\n')  # before the first tick: the thread takes the batch
+    lines.flush_from_caller()  # the first tick: what waits is written, and the caller writes from now on
+    time.sleep(0.1)  # the thread's batch under way ends (with nothing left to write)
+    assert (tmp_path / "spans.jsonl").read_bytes() == b'{"a":1}\n'
+    lines.add(b'{"a":2}\n')
+    time.sleep(0.1)  # ten of the thread's delays
+    assert (tmp_path / "spans.jsonl").read_bytes() == b'{"a":1}\n'
+    lines.flush_from_caller()
+    assert (tmp_path / "spans.jsonl").read_bytes() == b'{"a":1}\n{"a":2}\n'
+    lines.shutdown()

@@ -39,7 +39,7 @@ from tessera.routing.prefix_index import PrefixIndex
 from tessera.routing.router import Router
 from tessera.settings import TesseraSettings, load_settings
 from tessera.telemetry.late_spans import LateTrace
-from tessera.telemetry.tracing import configure_tracing
+from tessera.telemetry.tracing import configure_tracing, span_lines
 from tessera.tenancy.admission import Admission
 from tessera.tenancy.billing import FinishQueue
 from tessera.tenancy.store import TenantStore
@@ -212,15 +212,22 @@ class Gateway:
         report = await usage_report(self.admission, tenant, scope.get("query_string", b""))
         await respond(send, 200, report, request_id)
 
+    def _each_tick(self) -> None:
+        """The server's tick (once a second, lean_server.py): the metrics' flush, and the request spans' lines,
+        which the tick writes from its first call on instead of a thread of their own (span_lines.py)."""
+        self.metrics.flush()
+        if (lines := span_lines()) is not None:
+            lines.flush_from_caller()
+
     async def _lifespan(self, scope: Scope, receive: Receive, send: Send) -> None:
         while True:
             message = await receive()
             if message["type"] == "lifespan.startup":
                 # The server's side of the drain finds it here (lean_server.LeanServer).
-                # ... and the metrics' flush, which its tick calls (metrics.py).
+                # ... and what its tick flushes (the metrics, metrics.py; the spans' lines).
                 if isinstance(scope.get("state"), dict):
                     scope["state"][DRAIN_STATE_KEY] = self.drain
-                    scope["state"][FLUSH_STATE_KEY] = self.metrics.flush
+                    scope["state"][FLUSH_STATE_KEY] = self._each_tick
                 # What earlier processes could not record is replayed; then the settler's timer starts.
                 self.finishes.restore(self.journal.adopt())
                 self._settler_task = asyncio.create_task(self.settler.run())

@@ -13,7 +13,8 @@ It also drives the worker's drain (``drain.py``): the signal itself begins it (`
 the listening socket closes), and uvicorn's graceful shutdown runs beside the cut at the deadline.
 
 Each tick also writes the requests the worker completed since the last one to its metric series
-(``metrics.GatewayMetrics.flush``, left in the lifespan state by the app), and the collector's pauses.
+(``metrics.GatewayMetrics.flush``) and its request spans' lines (``span_lines.SpanLines.flush_from_caller``),
+both as the app left them in the lifespan state, and the collector's pauses.
 
 Each tick also beats the worker's loop watchdog (``loop_watchdog.py``): a worker whose loop stops turning
 for ``TESSERA_LOOP_STALL_LIMIT_S`` writes its threads' stacks to stderr and exits, and the supervisor starts

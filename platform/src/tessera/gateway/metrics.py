@@ -33,7 +33,8 @@ from tessera.telemetry import gc_heap
 MAX_BOUND_TENANTS = 10_000
 LATENCY_BUCKETS_S = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60)
 TTFT_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30)
-# Where the app leaves ``GatewayMetrics.flush`` in the lifespan state, for the server's tick (lean_server.py).
+# Where the app leaves what the server's tick flushes in the lifespan state (lean_server.py): this module's
+# ``GatewayMetrics.flush``, and the request spans' lines (app.py ``Gateway._each_tick``).
 FLUSH_STATE_KEY = "tessera.metrics_flush"
 
 

@@ -37,7 +37,7 @@ class QuietBatches(Generic[T]):
     """Items given to ``sink`` in batches of at most ``max_batch``, ``delay_s`` after the first item of a
     batch (sooner once ``max_batch`` wait), from a daemon thread started by the first item; at most
     ``max_items`` wait (``add`` returns False for one past it). ``flush`` hands on what waits, now, in the
-    caller's thread; after ``stop`` items are refused and the thread ends."""
+    caller's thread (after ``hand_to_caller``, only then); after ``stop`` items are refused and the thread ends."""
 
     def __init__(self, sink: Callable[[list[T]], object], delay_s: float, name: str,
                  max_batch: int = MAX_EXPORT_BATCH, max_items: int = MAX_QUEUED_SPANS) -> None:
@@ -53,6 +53,7 @@ class QuietBatches(Generic[T]):
         self._full = threading.Event()  # set once max_batch items wait: the delay ends early
         self._thread: threading.Thread | None = None
         self._stopped = False
+        self._caller_flushes = False
         os.register_at_fork(after_in_child=self._forget_thread)
 
     def add(self, item: T) -> bool:
@@ -61,6 +62,8 @@ class QuietBatches(Generic[T]):
             if self._stopped or len(self._items) >= self._max_items:
                 return False
             self._items.append(item)
+            if self._caller_flushes:
+                return True
             num_items = len(self._items)
             if num_items == 1:
                 if self._thread is None:
@@ -93,6 +96,10 @@ class QuietBatches(Generic[T]):
                     self._sink(items[start:start + self._max_batch])
                 except Exception:  # the telemetry's sink failing must not end the thread, nor its caller
                     logger.exception("%s: a batch of %d could not be handed on", self._name, len(items))
+
+    def hand_to_caller(self) -> None:
+        """From now on the caller hands the items on (``flush``, on a period of its own): no thread is woken."""
+        self._caller_flushes = True
 
     def stop(self) -> None:
         """Refuses further items, hands on what waits, and ends the thread."""

@@ -113,6 +113,12 @@ def configure_tracing(service_name: str, exporter: str, run_dir: Path | None = N
         return provider
 
 
+def span_lines() -> SpanLines | None:
+    """The process's span lines (the ``jsonl`` exporter's, span_lines.py), or None."""
+    provider = trace.get_tracer_provider()
+    return provider.lines if isinstance(provider, LineTracerProvider) else None
+
+
 def flush_tracing() -> None:
     provider = trace.get_tracer_provider()
     if isinstance(provider, TracerProvider):
