@@ -166,7 +166,7 @@ class LeanSupervisor(multiprocess.Multiprocess):
             while not self.should_exit.is_set():
                 sentinels = [process.process.sentinel for process in self.processes]
                 if wait_for_objects([wake_read, *sentinels], timeout=period_s):
-                    _drain(wake_read)
+                    _read_all(wake_read)
                 self.handle_signals()
                 self.keep_subprocess_alive()
         finally:
@@ -178,7 +178,8 @@ class LeanSupervisor(multiprocess.Multiprocess):
         logger.info("Stopping parent process [%d]", os.getpid())
 
 
-def _drain(sock: socket.socket) -> None:
+def _read_all(sock: socket.socket) -> None:
+    """Empties a non-blocking socket (the signals' wake-up bytes: which signals came is uvicorn's queue)."""
     try:
         while sock.recv(4096):
             pass
@@ -188,8 +189,9 @@ def _drain(sock: socket.socket) -> None:
 
 class LeanWorker(multiprocess.Process):
     """A worker process of uvicorn's supervisor (``--workers`` > 1) that serves with ``LeanServer``, and
-    whose answer to the supervisor's ping (every ``check_period_s``, from a thread of the worker's) also checks that the
-    worker's event loop still turns: uvicorn's own answer comes from that thread whatever the loop does."""
+    whose answer to the supervisor's ping (every ``check_period_s``, from a thread of the worker's) also
+    checks that the worker's event loop still turns: uvicorn's own answer comes from that thread whatever
+    the loop does."""
 
     @property
     def server(self) -> uvicorn.Server:

@@ -6,8 +6,9 @@ validation, locks), the batch processor's queue, and then ``span_to_dict`` in th
 local ``jsonl`` exporter none of that is needed to write the line ``tessera traces analyze`` reads. So a
 provider that ``configure_tracing`` sets up for the ``jsonl`` exporter (``LineTracerProvider``) carries a
 ``SpanLines``: ``LateTrace.emit`` hands it the request's spans as the dicts ``span_to_dict`` would have made
-of the SDK's spans, and it appends them to the same file, in batches, from a thread of its own
-(``quiet_batches.QuietBatches``: ``delay_s`` after the first line of a batch; no wake-ups while nothing comes).
+of the SDK's spans, and it appends them to the same file, in batches: from a gateway worker's tick once it
+has one (``flush_from_caller``), else from a thread of its own (``quiet_batches.QuietBatches``: ``delay_s``
+after the first line of a batch; no wake-ups while nothing comes).
 
 What the SDK path still does (``LateTrace.emit`` falls back to it): a request or a child that ended with an
 exception (the SDK's exception event and status), attribute values other than str/bool/int/float, and any
