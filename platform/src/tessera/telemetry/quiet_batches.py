@@ -92,10 +92,11 @@ class QuietBatches(Generic[T]):
             with self._lock:
                 items, self._items = self._items, []
             for start in range(0, len(items), self._max_batch):
+                batch = items[start:start + self._max_batch]
                 try:
-                    self._sink(items[start:start + self._max_batch])
+                    self._sink(batch)
                 except Exception:  # the telemetry's sink failing must not end the thread, nor its caller
-                    logger.exception("%s: a batch of %d could not be handed on", self._name, len(items))
+                    logger.exception("%s: a batch of %d could not be handed on", self._name, len(batch))
 
     def hand_to_caller(self) -> None:
         """From now on the caller hands the items on (``flush``, on a period of its own): no thread is woken."""
@@ -113,6 +114,7 @@ class QuietBatches(Generic[T]):
         self._thread = None
         self._lock = threading.Lock()
         self._sink_lock = threading.Lock()
+        self._due, self._full = threading.Event(), threading.Event()
         self._items = []
 
 
