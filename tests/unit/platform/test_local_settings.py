@@ -55,16 +55,16 @@ def test_engine_threads_one_per_engine_core_with_a_short_wait_only_on_a_shared_c
     assert engine_thread_env(None, None, {0, 1, 2, 3}, 1, {}) == {"OMP_NUM_THREADS": "4"}  # no split
     # What the environment already says wins.
     assert engine_thread_env({0, 1}, {1}, {0, 1}, 1, {"OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "ACTIVE"}) == {}
-    # Either wait setting replaces both: an ACTIVE wait is not cut to a millisecond, nor a spin made passive.
+    # Either wait setting replaces the default: an ACTIVE wait is not cut to a few milliseconds, nor a spin changed.
     assert engine_thread_env({0, 1}, {1}, {0, 1}, 1, {"OMP_WAIT_POLICY": "ACTIVE"}) == {"OMP_NUM_THREADS": "2"}
     assert engine_thread_env({0, 1}, {1}, {0, 1}, 1, {"GOMP_SPINCOUNT": "0"}) == {"OMP_NUM_THREADS": "2"}
 
 
-def test_the_shared_core_wait_spins_about_a_millisecond_then_sleeps() -> None:
-    # Passive alone sleeps after every parallel region (a hypervisor wake per region on a VM); libgomp's default
-    # 300,000 spins and ACTIVE's forever would hold the platform's core (docs/performance.md section 7).
-    assert SHARED_CORE_OMP_WAIT["OMP_WAIT_POLICY"] == "PASSIVE"
-    assert 10_000 < int(SHARED_CORE_OMP_WAIT["GOMP_SPINCOUNT"]) < 300_000
+def test_the_shared_core_wait_spins_libgomps_default_few_milliseconds_then_sleeps() -> None:
+    # Passive alone sleeps after every parallel region (a hypervisor wake per region on a VM); a ~1 ms spin lost
+    # to ~3 ms under steal; ACTIVE's forever would hold the platform's core (docs/performance.md section 7).
+    assert "OMP_WAIT_POLICY" not in SHARED_CORE_OMP_WAIT
+    assert int(SHARED_CORE_OMP_WAIT["GOMP_SPINCOUNT"]) == 300_000
 
 
 AVX512 = frozenset({"avx2", "avx512f", "avx512bw"})

@@ -56,14 +56,18 @@ MIN_CPUS_FOR_OWN_ENGINE_CORES = 3
 # 81.9 on one, CPU per request 71 / 91 against 95 / 95 ms (same VM, docs/performance.md section 7).
 WIDE_VECTOR_CPU_FLAGS = frozenset({"avx512f", "amx_tile"})
 # On the shared core an OpenMP thread that finds no work spins for GOMP_SPINCOUNT iterations (libgomp's estimate:
-# 100,000 a millisecond; 300,000 by default), then sleeps until woken. It must not spin long: a barrier that spins
-# takes the core the gateway and Redis answer on (PASSIVE alone means no spin at all). Nor not at all: a thread
-# that sleeps after every parallel region must be woken for the next (a futex wake, on a VM an idle vCPU brought
-# back), hundreds of times a decode step, and measurably slower once the engine has sat idle. About a
-# millisecond spans the gaps between a step's regions and between its steps, and no more: 16 tokens after a
-# 0.1-0.25 s idle gap decoded in 59-69 ms passive, 29-42 ms with this spin (an avx512 VM,
-# `make bench-idle-gaps`, docs/performance.md section 7).
-SHARED_CORE_OMP_WAIT = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "100000"}
+# 100,000 a millisecond), then sleeps until woken. Not passive (no spin): a thread that sleeps after every parallel
+# region must be woken for the next (a futex wake, on a VM an idle vCPU brought back through the hypervisor),
+# hundreds of times a decode step: 16 tokens after a 0.1-0.25 s idle gap decoded in 59-69 ms passive, 29-42 ms
+# with a spin (an avx512 VM). How long: ~3 ms, libgomp's own default (what `vllm serve` runs with), written out
+# so that no inherited setting shortens it; not ACTIVE's forever, which would hold the platform's core whenever
+# the engine idles. A ~1 ms spin (100,000, the default until 2026-12-06) decoded level with it on a quiet VM and
+# lost to it on one whose hypervisor took 11-19 % of the vCPUs' time (steal): Tessera's E2E p50 sequentially
+# 248-378 ms against 138-243, in four interleaved pairs (docs/performance.md section 7, "Under steal"). Under
+# steal a sleeping thread's wake waits for the hypervisor to run its vCPU again.
+SHARED_CORE_OMP_WAIT = {"GOMP_SPINCOUNT": "300000"}
+# Either of these in the environment replaces SHARED_CORE_OMP_WAIT whole: it is the operator's choice of wait.
+OMP_WAIT_SETTINGS = frozenset({"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"})
 # How long the banner key waits for its fsync: Valkey's everysec fsync plus its 2 s postponed write, with room.
 _KEY_FSYNC_WAIT_MS = 5000
 
@@ -400,7 +404,7 @@ def engine_thread_env(engine_cpus: set[int] | None, platform_cpus: set[int] | No
         if shares and model_in_worker_process and flags & WIDE_VECTOR_CPU_FLAGS:
             threads = 1
         env["OMP_NUM_THREADS"] = str(threads)
-    if shares and not SHARED_CORE_OMP_WAIT.keys() & environ.keys():
+    if shares and not OMP_WAIT_SETTINGS & environ.keys():
         env |= SHARED_CORE_OMP_WAIT
     return env
 
