@@ -58,13 +58,13 @@ WIDE_VECTOR_CPU_FLAGS = frozenset({"avx512f", "amx_tile"})
 # On the shared core an OpenMP thread that finds no work spins for GOMP_SPINCOUNT iterations (libgomp's estimate:
 # 100,000 a millisecond), then sleeps until woken. Not passive (no spin): a thread that sleeps after every parallel
 # region must be woken for the next (a futex wake, on a VM an idle vCPU brought back through the hypervisor),
-# hundreds of times a decode step: 16 tokens after a 0.1-0.25 s idle gap decoded in 59-69 ms passive, 29-42 ms
-# with a spin (an avx512 VM). How long: ~3 ms, libgomp's own default (what `vllm serve` runs with), written out
-# so that no inherited setting shortens it; not ACTIVE's forever, which would hold the platform's core whenever
-# the engine idles. A ~1 ms spin (100,000, the default until 2026-12-06) decoded level with it on a quiet VM and
-# lost to it on one whose hypervisor took 11-19 % of the vCPUs' time (steal): Tessera's E2E p50 sequentially
-# 248-378 ms against 138-243, in four interleaved pairs (docs/performance.md section 7, "Under steal"). Under
-# steal a sleeping thread's wake waits for the hypervisor to run its vCPU again.
+# hundreds of times a decode step: 16 tokens after a 0.1-0.25 s idle gap decoded in 59-69 ms passive, 29-42 ms with
+# a ~1 ms spin (an avx512 VM). How long: ~3 ms, libgomp's own default (what `vllm serve` runs with), written out so
+# that no inherited setting shortens it; not ACTIVE's forever, which would hold the platform's core whenever the
+# engine idles. A ~1 ms spin (100,000, the default until 2026-12-06) decoded level with it on a quiet VM and lost
+# to it on one whose hypervisor took 11-19 % of the vCPUs' time (steal): Tessera's E2E p50 sequentially 248-378 ms
+# against 138-243, in four interleaved pairs (docs/performance.md section 7, "Under steal"). Under steal a sleeping
+# thread's wake waits for the hypervisor to run its vCPU again.
 SHARED_CORE_OMP_WAIT = {"GOMP_SPINCOUNT": "300000"}
 # Either of these in the environment replaces SHARED_CORE_OMP_WAIT whole: it is the operator's choice of wait.
 OMP_WAIT_SETTINGS = frozenset({"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"})
