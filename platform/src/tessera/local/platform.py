@@ -61,10 +61,9 @@ WIDE_VECTOR_CPU_FLAGS = frozenset({"avx512f", "amx_tile"})
 # hundreds of times a decode step: 16 tokens after a 0.1-0.25 s idle gap decoded in 59-69 ms passive, 29-42 ms with
 # a ~1 ms spin (an avx512 VM). How long: ~3 ms, libgomp's own default (what `vllm serve` runs with), written out so
 # that no inherited setting shortens it; not ACTIVE's forever, which would hold the platform's core whenever the
-# engine idles. A ~1 ms spin (100,000, the default until 2026-12-06) decoded level with it on a quiet VM and lost
-# to it on one whose hypervisor took 11-19 % of the vCPUs' time (steal): Tessera's E2E p50 sequentially 248-378 ms
-# against 138-243, in four interleaved pairs (docs/performance.md section 7, "Under steal"). Under steal a sleeping
-# thread's wake waits for the hypervisor to run its vCPU again.
+# engine idles. A ~1 ms spin (the default until 2026-12-06) ran level with it where the VM was quiet and lost to it
+# in every pair where the hypervisor took 11-19 % of the vCPUs' time (steal), whose wake of a sleeping thread waits
+# for the hypervisor to run its vCPU again (docs/performance.md section 7, "Under steal").
 SHARED_CORE_OMP_WAIT = {"GOMP_SPINCOUNT": "300000"}
 # Either of these in the environment replaces SHARED_CORE_OMP_WAIT whole: it is the operator's choice of wait.
 OMP_WAIT_SETTINGS = frozenset({"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"})
