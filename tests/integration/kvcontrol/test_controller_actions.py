@@ -132,11 +132,14 @@ async def test_over_quota_tenant_is_demoted_and_restored(act_stack: KVStack) -> 
     assert stack.metric("tessera_gc_frozen_objects") > 10_000
     request_ids = {first.request_id, demoted.request_id, other.request_id, after.request_id}
 
-    def exported() -> bool:  # each process's batch span processor exports within 0.5 s
+    # The engines' and the controller's batch processors write within 0.5 s; the gateway's lines within a tick
+    # of its worker (1 s, span_lines.py): wait for both sides of each request, which the links below read.
+    def exported() -> bool:
         names = {(s.name, s.attr("tessera.request_id")) for s in spans_of(stack)}
-        return {("engine.generate", r) for r in request_ids} <= names and "kvcontrol.demote" in {n for n, _ in names}
+        both_sides = {(name, r) for r in request_ids for name in ("gateway.request", "engine.generate")}
+        return both_sides <= names and "kvcontrol.demote" in {n for n, _ in names}
 
-    await async_wait_until(exported, 30, "the requests' engine.generate spans and the kvcontrol.demote span")
+    await async_wait_until(exported, 30, "the requests' gateway and engine spans and the kvcontrol.demote span")
     spans = spans_of(stack)
 
     def engine_priority(request_id: str) -> int:
