@@ -491,6 +491,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              f"(SYSTEM_PROMPTS_PER_ENGINE = {SYSTEM_PROMPTS_PER_ENGINE})")
     parser.add_argument("--step-costs", default="", help="sim only: MeasuredStepTime JSON (default: a slow CPU)")
     parser.add_argument("--no-cost", action="store_true", help="skip the routing decision's cost measurement")
+    parser.add_argument("--no-prefill-clock", action="store_true",
+                        help="sim only: the gateways' prefill clocks off (backlogs priced in tokens, as before the "
+                             "prefill-time fit; routing/prefill_clock.py)")
     args = parser.parse_args(argv)
     pairs = []
     for item in args.regimes.split(","):
@@ -504,6 +507,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.requests = NUM_REQUESTS
     if args.rounds < 1 or args.requests < 10 or args.sim_sequences < 1:
         parser.error("--rounds and --sim-sequences must be >= 1 and --requests >= 10")
+    if args.no_prefill_clock and args.backend != "sim":
+        parser.error("--no-prefill-clock is for --backend sim")
     if args.sim_engines != NUM_ENGINES and args.backend != "sim":
         parser.error(f"--sim-engines is for --backend sim (the real-engine run has {NUM_ENGINES} engines)")
     if not 1 <= args.sim_engines <= 1024:
@@ -535,10 +540,12 @@ def main(argv: list[str] | None = None) -> None:
             costs = MeasuredStepTime.model_validate_json(args.step_costs) if args.step_costs else SLOW_CPU_STEP_COSTS
             num_engines = args.sim_engines
             workload = scaled_workload(num_engines)
-            setup = SimSetup(num_engines=num_engines, block_size=BLOCK, step_costs=costs, workers=GATEWAY_WORKERS)
+            setup = SimSetup(num_engines=num_engines, block_size=BLOCK, step_costs=costs, workers=GATEWAY_WORKERS,
+                             prefill_clock=not args.no_prefill_clock)
             prefill_1000_s = costs.step_s + 1000 * costs.per_prefill_token_s
             cold_rps = cold_capacity_rps(prefill_1000_s, num_engines)  # simulated engines do not share cores
             extra = {"step_costs": costs.model_dump(), "prefill_1000_tokens_ms": prefill_1000_s * 1e3,
+                     "prefill_clock": setup.prefill_clock,
                      "engines": num_engines, "workload": asdict(workload)}
             num_requests = args.requests if args.requests_set else SIM_REQUESTS * num_engines // NUM_ENGINES
             for regime in make_regimes(args.regime_pairs, cold_rps):

@@ -16,7 +16,10 @@ What it models, and why each matters to a policy:
 * **Gateway workers**: ``workers`` routers, each with its own policy instance (its own approx_prefix memory,
   its own round-robin counter), as ``make run``'s worker processes; they share one count of the requests in
   flight to each engine and of their prompt tokens not yet prefilled, as the pod's table
-  (routing/pod_in_flight.py) makes a gateway's workers share them.
+  (routing/pod_in_flight.py) makes a gateway's workers share them; and each its own prefill clock
+  (routing/prefill_clock.py: the fit learned from its requests, its prompts' first-come-first-served finish
+  per engine), whose waits the pod sums, as the table's fourth column does (``prefill_clock=False``: none, the
+  policies price backlogs in tokens).
 
 Nothing here is a benchmark figure of a real engine: every latency is simulated seconds under the step
 costs given. ``bench_routing.py --backend sim`` runs its regimes on it; the real-engine backend is the
@@ -41,6 +44,7 @@ from tessera.engine.sim.kv_wire import AllBlocksCleared, BlockRemoved, BlockStor
 from tessera.engine.sim.scheduler import ScheduledBatch, SimRequest, SimScheduler
 from tessera.engine.sim.step_time import MeasuredStepTime, measured_step_time
 from tessera.routing.policies import make_policy
+from tessera.routing.prefill_clock import PrefillClock
 from tessera.routing.snapshot import EngineView, RouteRequest, RouteSnapshot
 
 # Step costs standing for the issue's slow 2-core machine (a 1,000-token prefill ~0.9 s, TTFT p50 in
@@ -63,6 +67,8 @@ class SimSetup:
     heartbeat_s: float = 1.0
     registry_refresh_s: float = 1.0
     index_lag_s: float = 0.01
+    # The workers' prefill clocks reach the policies (the gateway's default); False: backlogs in tokens only.
+    prefill_clock: bool = True
 
 
 @dataclass(frozen=True)
@@ -181,6 +187,7 @@ class _Worker:
     in_flight: dict[str, int] = field(default_factory=dict)
     # engine id -> their prompt tokens not prefilled yet (the first token not out); shared as in_flight is
     pending_prefill: dict[str, int] = field(default_factory=dict)
+    clock: PrefillClock = field(default_factory=PrefillClock)
 
 
 def run(setup: SimSetup, policy_name: str, requests: list[SimRequestSpec], model: str = "sim") -> list[SimOutcome]:
@@ -220,6 +227,15 @@ def run(setup: SimSetup, policy_name: str, requests: list[SimRequestSpec], model
     outcomes: dict[int, SimOutcome] = {}
     live: dict[str, tuple[int, SimRequest, _Worker]] = {}
     prefill_of: dict[str, int] = {}  # request id -> the tokens it added to the pod's pending_prefill
+    tickets: dict[str, int] = {}  # request id -> its prefill clock ticket
+
+    def pod_waits(now_s: float) -> dict[str, float]:
+        """Every worker's prefill waits summed per engine (the pod table's fourth column, summed by a reader)."""
+        waits: dict[str, float] = {}
+        for w in workers:
+            for engine_id, wait in w.clock.waits(now_s).items():
+                waits[engine_id] = waits.get(engine_id, 0.0) + wait
+        return waits
     num_done = 0
 
     def lookup(chain: tuple[int, ...]) -> dict[str, int]:
@@ -254,7 +270,9 @@ def run(setup: SimSetup, policy_name: str, requests: list[SimRequestSpec], model
             spec = requests[i]
             worker = workers[spec.worker % len(workers)]
             cached = lookup(spec.chain)
-            snapshot = RouteSnapshot(worker.views, cached, dict(worker.in_flight), dict(worker.pending_prefill))
+            fit = worker.clock.fit if setup.prefill_clock else None
+            snapshot = RouteSnapshot(worker.views, cached, dict(worker.in_flight), dict(worker.pending_prefill),
+                                     pod_waits(now_s) if fit is not None else {}, fit)
             decision = worker.policy(snapshot, RouteRequest(spec.tenant, model, len(spec.prompt), spec.chain,
                                                             spec.prefix_text, spec.session_id, spec.salt))
             engine = by_id[decision.ranked[0]]
@@ -269,6 +287,9 @@ def run(setup: SimSetup, policy_name: str, requests: list[SimRequestSpec], model
             worker.in_flight[engine.engine_id] = worker.in_flight.get(engine.engine_id, 0) + 1
             uncached = decision.tokens_to_prefill(len(spec.prompt))
             if uncached:
+                # A sample of the fit where the pod had nothing there to prefill (router.Router.in_flight).
+                isolated = engine.engine_id not in worker.pending_prefill
+                tickets[request.request_id] = worker.clock.dispatch(engine.engine_id, uncached, now_s, isolated)
                 worker.pending_prefill[engine.engine_id] = worker.pending_prefill.get(engine.engine_id, 0) + uncached
             prefill_of[request.request_id] = uncached
             engine.scheduler.add_request(request)
@@ -283,6 +304,7 @@ def run(setup: SimSetup, policy_name: str, requests: list[SimRequestSpec], model
                 tokens = prefill_of.pop(request_id, 0)
                 if tokens:  # its first token: prefilled
                     owner = live[request_id][2]
+                    owner.clock.first_token(engine.engine_id, tickets.pop(request_id), now_s)
                     left = owner.pending_prefill[engine.engine_id] - tokens
                     if left:
                         owner.pending_prefill[engine.engine_id] = left

@@ -187,6 +187,10 @@ async def run_tessera(policy: str, requests: Sequence[FleetRequest], chains: Seq
     try:
         outcomes = await replay(requests, one, time_scale)
         extra: dict[str, Any] = {"errors": errors.top()}
+        # What each worker learned of the engines' prefill time (routing/prefill_clock.py), in simulated ms.
+        extra["prefill_fits"] = [None if (fit := r.prefill_clock.fit) is None else
+                                 {"intercept_ms": fit.intercept_s * 1e3 / time_scale,
+                                  "ms_per_1000_tokens": fit.s_per_token * 1e6 / time_scale} for r in routers]
         feeds = [r.local_feed for r in routers if r.local_feed is not None]
         if feeds:
             lags = [lag for f in feeds if (lag := f.lag_p99_s()) is not None]

@@ -1,5 +1,5 @@
-"""The pod's in-flight table (routing/pod_in_flight.py): every worker's counts summed, a row per worker held by
-a lock the kernel drops with the process, a dead worker's counts cleared by its replacement, and a router
+"""The pod's in-flight table (routing/pod_in_flight.py): every worker's counts and prefill waits summed, a row per
+worker held by a lock the kernel drops with the process, a dead worker's counts cleared by its replacement, and a router
 whose policy sees the requests another worker has in flight."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,11 +21,18 @@ from tessera.registry import EngineRecord, EngineRegistry
 from tessera.routing import pod_in_flight
 from tessera.routing import router as router_module
 from tessera.routing.pod_in_flight import ROW_ENTRIES, PodInFlight, key_map
-from tessera.routing.router import Router
+from tessera.routing.prefill_clock import MIN_SAMPLES, PrefillClock
+from tessera.routing.router import InFlight, Router
 from tessera.routing.snapshot import RouteRequest
 
 ENGINES = ["engine-a", "engine-b", "engine-c"]
 KEYS = key_map(ENGINES)
+
+
+def counts(pod: PodInFlight, keys: dict[int, str]) -> tuple[dict[str, int], dict[str, int]]:
+    """The pod's requests and prefill tokens per engine (``totals`` less the waits)."""
+    requests, tokens, _ = pod.totals(keys, 0.0)
+    return requests, tokens
 
 
 @pytest.fixture
@@ -48,10 +56,69 @@ def test_every_workers_counts_are_summed(pods: tuple[PodInFlight, PodInFlight]) 
     first.add("engine-a", 1, 300)
     first.add("engine-b", 1, 0)
     second.add("engine-a", 2, 1000)
-    assert first.totals(KEYS) == second.totals(KEYS) == ({"engine-a": 3, "engine-b": 1}, {"engine-a": 1300})
+    assert counts(first, KEYS) == counts(second, KEYS) == ({"engine-a": 3, "engine-b": 1}, {"engine-a": 1300})
     first.add("engine-a", 0, -300)  # its first token: prefilled
     second.add("engine-a", -1, -500)
-    assert second.totals(KEYS) == ({"engine-a": 2, "engine-b": 1}, {"engine-a": 500})
+    assert counts(second, KEYS) == ({"engine-a": 2, "engine-b": 1}, {"engine-a": 500})
+
+
+def test_each_workers_prefill_wait_is_summed_from_the_shared_clock(pods: tuple[PodInFlight, PodInFlight]) -> None:
+    first, second = pods
+    now = 1_000.0
+    first.add("engine-a", 1, 300)
+    first.set_prefilled_at("engine-a", now + 0.040)
+    second.add("engine-a", 1, 1000)
+    second.set_prefilled_at("engine-a", now + 0.100)
+    second.add("engine-b", 1, 200)
+    second.set_prefilled_at("engine-b", now - 0.010)  # due already (late): no wait, never a negative one
+    first.add("engine-c", 1, 0)
+    first.set_prefilled_at("engine-c", now + 5.0)  # nothing of it to prefill: no wait either
+    waits = first.totals(KEYS, now).waits
+    assert waits.keys() == {"engine-a"} and waits["engine-a"] == pytest.approx(0.140, abs=2e-6)
+    second.set_prefilled_at("engine-a", 0.0)  # not known (no fit yet): counts nothing
+    assert first.totals(KEYS, now).waits["engine-a"] == pytest.approx(0.040, abs=2e-6)
+    first.add("engine-a", 0, -300)  # prefilled: its stamp no longer counts
+    assert "engine-a" not in second.totals(KEYS, now).waits
+
+
+def test_a_wait_reads_right_across_the_stamps_wrap(pods: tuple[PodInFlight, PodInFlight]) -> None:
+    """Stamps are microseconds modulo 2**32 (~71.6 minutes): a finish just past the wrap, read just before it,
+    is a few milliseconds ahead, not an hour behind."""
+    first, _ = pods
+    wrap_s = 2 ** 32 / 1e6
+    now = 7 * wrap_s - 0.002
+    first.add("engine-a", 1, 100)
+    first.set_prefilled_at("engine-a", 7 * wrap_s + 0.003)
+    assert first.totals(KEYS, now).waits["engine-a"] == pytest.approx(0.005, abs=2e-6)
+
+
+def test_an_entry_moved_in_the_row_keeps_its_wait(pods: tuple[PodInFlight, PodInFlight]) -> None:
+    first, _ = pods
+    first.add("engine-a", 1, 0)
+    first.add("engine-b", 1, 500)
+    first.set_prefilled_at("engine-b", 10.25)
+    first.add("engine-a", -1, 0)  # engine-b's entry takes engine-a's place
+    assert first.totals(KEYS, 10.0).waits == pytest.approx({"engine-b": 0.25}, abs=2e-6)
+
+
+def test_a_flight_publishes_its_workers_prefill_wait_until_its_first_token(
+        pods: tuple[PodInFlight, PodInFlight]) -> None:
+    """router.InFlight with a prefill clock that has its fit: while the prompt awaits its first token the other
+    worker reads the engine's wait; a first token is a sample of the fit, the end without one is not."""
+    first, second = pods
+    clock = PrefillClock()
+    for i in range(MIN_SAMPLES):  # 0.1 ms a token
+        clock.first_token("warm", clock.dispatch("warm", 100 + 20 * i, 0.0, isolated=True), 1e-4 * (100 + 20 * i))
+    assert clock.fit is not None
+    with InFlight({}, "engine-a", {}, 500, first, clock, isolated=True) as flight:
+        wait = second.totals(KEYS, time.monotonic()).waits["engine-a"]
+        assert 0.040 < wait <= 0.050 + 1e-6  # 50 ms from its dispatch, a moment ago
+        flight.prefilled()
+        assert second.totals(KEYS, time.monotonic()).waits == {}
+    assert clock.num_samples == MIN_SAMPLES + 1
+    with InFlight({}, "engine-a", {}, 500, first, clock, isolated=True):
+        pass  # refused: no first token
+    assert clock.num_samples == MIN_SAMPLES + 1 and counts(second, KEYS) == ({}, {})
 
 
 def test_an_engine_with_nothing_left_leaves_the_row_and_the_last_entry_takes_its_place(
@@ -60,13 +127,13 @@ def test_an_engine_with_nothing_left_leaves_the_row_and_the_last_entry_takes_its
     for engine_id in ENGINES:
         first.add(engine_id, 1, 10)
     first.add("engine-a", -1, -10)
-    assert first.totals(KEYS) == ({"engine-b": 1, "engine-c": 1}, {"engine-b": 10, "engine-c": 10})
+    assert counts(first, KEYS) == ({"engine-b": 1, "engine-c": 1}, {"engine-b": 10, "engine-c": 10})
     first.add("engine-c", 1, 0)  # the moved entry is found where it went
     first.add("engine-a", 1, 0)  # and a new one goes after it
-    assert first.totals(KEYS) == ({"engine-a": 1, "engine-b": 1, "engine-c": 2}, {"engine-b": 10, "engine-c": 10})
+    assert counts(first, KEYS) == ({"engine-a": 1, "engine-b": 1, "engine-c": 2}, {"engine-b": 10, "engine-c": 10})
     for engine_id, requests, tokens in (("engine-a", 1, 0), ("engine-b", 1, 10), ("engine-c", 2, 10)):
         first.add(engine_id, -requests, -tokens)
-    assert first.totals(KEYS) == ({}, {})
+    assert counts(first, KEYS) == ({}, {})
     assert first._own[0] == 0  # the row is empty again: readers walk nothing
 
 
@@ -74,7 +141,7 @@ def test_engines_gone_from_the_registry_are_skipped(pods: tuple[PodInFlight, Pod
     first, _ = pods
     first.add("engine-gone", 1, 100)
     first.add("engine-a", 1, 0)
-    assert first.totals(KEYS) == ({"engine-a": 1}, {})
+    assert counts(first, KEYS) == ({"engine-a": 1}, {})
 
 
 def test_a_full_row_counts_nothing_more_and_loses_nothing_it_holds(pods: tuple[PodInFlight, PodInFlight]) -> None:
@@ -82,10 +149,10 @@ def test_a_full_row_counts_nothing_more_and_loses_nothing_it_holds(pods: tuple[P
     many = [f"e{i}" for i in range(ROW_ENTRIES + 5)]
     for engine_id in many:
         first.add(engine_id, 1, 0)
-    requests, _ = second.totals(key_map(many))
+    requests, _ = counts(second, key_map(many))
     assert len(requests) == ROW_ENTRIES and all(n == 1 for n in requests.values())
     first.add(many[-1], -1, 0)  # never counted here: nothing to take away
-    assert second.totals(key_map(many))[0] == requests
+    assert counts(second, key_map(many))[0] == requests
 
 
 CHILD = textwrap.dedent("""
@@ -119,7 +186,7 @@ def test_a_killed_workers_row_goes_to_its_replacement_which_clears_what_it_left(
         replacement = PodInFlight.attach(table)  # the kernel dropped the dead worker's lock: its row is free
         assert replacement is not None and str(replacement.row) == row
         # The dead worker's five requests are gone; the live one's remain.
-        assert replacement.totals(KEYS) == ({"engine-a": 5}, {"engine-a": 4096})
+        assert counts(replacement, KEYS) == ({"engine-a": 5}, {"engine-a": 4096})
         replacement.close()
     finally:
         for proc in (worker, other):
@@ -160,7 +227,7 @@ async def test_a_router_routes_around_the_requests_another_worker_has_in_flight(
             # Without the table the second worker sees two idle engines and least_loaded's tie-break, which
             # changes with every decision, picks either: eight alike are the loads it read from the table.
             assert {(await second.route(request))[0].ranked[0] for _ in range(8)} == {idle}
-        assert second_pod.totals(key_map([a, b])) == ({}, {})
+        assert counts(second_pod, key_map([a, b])) == ({}, {})
     finally:
         for router in (first, second):
             await router.close()
@@ -187,5 +254,5 @@ def test_a_gateway_with_several_workers_gets_a_fresh_table_of_a_row_each(
     # A restarted container keeps its emptyDir: the next run's table starts empty, whatever the last one held.
     assert prepare_pod_table(tmp_path, 3) == table
     fresh = PodInFlight.attach(table)
-    assert fresh is not None and fresh.totals(KEYS) == ({}, {})
+    assert fresh is not None and counts(fresh, KEYS) == ({}, {})
     fresh.close()

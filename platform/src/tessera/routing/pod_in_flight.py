@@ -11,8 +11,12 @@ Layout: one file, mapped by every worker, made by ``launch.run_gateway`` before 
 with one row per worker. A worker owns a row for its life: an ``fcntl`` lock on the row's bytes, which the
 kernel drops when the process dies, however it dies. It writes only its own row (no two processes ever write
 the same bytes, so no atomics are needed) and reads every row. A row is a count ``n`` and ``n`` entries of
-(engine key, requests, prefill tokens), 32-bit each; the key is the engine id's CRC-32, mapped back to the id by
-the reader's engine list. A replacement worker takes the row its dead predecessor left (the only unlocked one)
+(engine key, requests, prefill tokens, prefilled at), 32-bit each; the key is the engine id's CRC-32, mapped back
+to the id by the reader's engine list. *Prefilled at* is when the worker's prompts there should all be prefilled
+(routing/prefill_clock.py), in microseconds of CLOCK_MONOTONIC (one clock for the host's processes) modulo
+2**32: a reader takes the difference to its own now modulo 2**32 too, which is right while the two are within
+~35 minutes of each other (a prefill queue is seconds long), and sums the rows' remainders into the engine's
+wait. 0 means none. A replacement worker takes the row its dead predecessor left (the only unlocked one)
 and zeroes it, so a killed worker's counts last until uvicorn replaces it.
 
 Readers do not lock: a read that races a write can see an entry half-updated or one entry twice for a moment.
@@ -26,12 +30,15 @@ import mmap
 import os
 import zlib
 from pathlib import Path
+from typing import NamedTuple
 
 ENV_VAR = "TESSERA_POD_IN_FLIGHT"
 # Engines a worker can count at once (a row's entries). Beyond it, an engine counts in the worker's own view
 # only (router.InFlight keeps its dicts whatever this table takes).
 ROW_ENTRIES = 4096
-_INTS_PER_ENTRY = 3
+_INTS_PER_ENTRY = 4
+_WRAP = 1 << 32
+_HALF = 1 << 31
 _ROW_INTS = 1 + ROW_ENTRIES * _INTS_PER_ENTRY
 ROW_BYTES = 4 * _ROW_INTS
 
@@ -105,6 +112,7 @@ class PodInFlight:
             own[base] = engine_key(engine_id)
             own[base + 1] = requests
             own[base + 2] = tokens
+            own[base + 3] = 0
             self._positions[engine_id] = position
             self._engine_ids.append(engine_id)
             own[0] = position + 1  # published once the entry is whole
@@ -127,22 +135,33 @@ class PodInFlight:
             own[base] = own[source]
             own[base + 1] = own[source + 1]
             own[base + 2] = own[source + 2]
+            own[base + 3] = own[source + 3]
             self._engine_ids[position] = moved
             self._positions[moved] = position
         own[0] = last
 
-    def totals(self, engine_ids: dict[int, str]) -> tuple[dict[str, int], dict[str, int]]:
-        """The pod's requests and prefill tokens per engine, every row summed, for the engines whose keys
-        ``engine_ids`` maps (``key_map``); entries of engines it lacks (gone from the registry) are skipped."""
+    def set_prefilled_at(self, engine_id: str, at_s: float) -> None:
+        """When this worker's prompts at ``engine_id`` should all be prefilled (``time.monotonic()`` seconds;
+        0.0: not known). A no-op for an engine without an entry (nothing in flight, or the row full)."""
+        position = self._positions.get(engine_id)
+        if position is not None:
+            self._own[4 + position * _INTS_PER_ENTRY] = _stamp(at_s) if at_s > 0 else 0
+
+    def totals(self, engine_ids: dict[int, str], now_s: float) -> PodTotals:
+        """The pod's requests, prefill tokens and prefill wait (seconds from ``now_s``, a ``time.monotonic()``
+        reading) per engine, every row summed, for the engines whose keys ``engine_ids`` maps (``key_map``);
+        entries of engines it lacks (gone from the registry) are skipped."""
         requests: dict[str, int] = {}
         tokens: dict[str, int] = {}
+        waits: dict[str, float] = {}
+        now = _stamp(now_s)
         for row in self._rows:
             n = row[0]
             if n <= 0:
                 continue
             values = row[1:1 + min(n, ROW_ENTRIES) * _INTS_PER_ENTRY].tolist()
             it = iter(values)
-            for key, num_requests, num_tokens in zip(it, it, it, strict=True):
+            for key, num_requests, num_tokens, prefilled_at in zip(it, it, it, it, strict=True):
                 engine_id = engine_ids.get(key)
                 if engine_id is None:
                     continue
@@ -150,7 +169,9 @@ class PodInFlight:
                     requests[engine_id] = requests.get(engine_id, 0) + num_requests
                 if num_tokens > 0:
                     tokens[engine_id] = tokens.get(engine_id, 0) + num_tokens
-        return requests, tokens
+                    if prefilled_at and (left := (prefilled_at - now + _HALF) % _WRAP - _HALF) > 0:
+                        waits[engine_id] = waits.get(engine_id, 0.0) + left / 1e6
+        return PodTotals(requests, tokens, waits)
 
     def close(self) -> None:
         """Releases the row (its counts zeroed first) and the mapping."""
@@ -162,6 +183,20 @@ class PodInFlight:
         self._map.close()
         os.close(self._fd)  # drops this process's lock on the row
         _claimed_here.discard(self._claim)
+
+
+class PodTotals(NamedTuple):
+    """The pod's view of its engines (``PodInFlight.totals``): requests in flight, prompt tokens awaiting their
+    first token, and seconds until those should be prefilled (engines with none left out of each)."""
+
+    requests: dict[str, int]
+    tokens: dict[str, int]
+    waits: dict[str, float]
+
+
+def _stamp(at_s: float) -> int:
+    """``at_s`` (monotonic seconds) in microseconds modulo 2**32, as the row's signed 32-bit ints hold it."""
+    return (int(at_s * 1e6) + _HALF) % _WRAP - _HALF
 
 
 def key_map(engine_ids: list[str]) -> dict[int, str]:

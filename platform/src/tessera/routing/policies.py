@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from tessera.routing.hashing import stable_hash64
+from tessera.routing.prefill_clock import PrefillFit
 from tessera.routing.snapshot import EngineView, RouteDecision, RouteRequest, RouteSnapshot
 
 PolicyFn = Callable[[RouteSnapshot, RouteRequest], RouteDecision]
@@ -342,6 +343,16 @@ def prefix_homes(engine_ids: tuple[str, ...], key: int) -> list[str]:
 # is what a long cold prompt waits behind: one engine holding a 4,000-token prefill and another with three
 # requests in decode both read "load 3" in requests.
 PENDING_PREFILL_STEP = 1024
+# Once the router has a prefill-time fit (routing/prefill_clock.py), rule 6 compares the homes' prefill *waits*
+# instead, in steps of the time this many tokens take to prefill: a backlog's tokens say how much is queued, not
+# when it ends, and a 4,000-token prompt about done and one just begun read alike (docs/routing.md "The wait
+# priced in time"). At 16 overloaded engines that took TTFT p99 from 162 to 150 simulated ms.
+WAIT_STEP_TOKENS = 128
+# And a hit may leave its holder: for the open engine of its ranking where its first token comes soonest (the
+# wait there plus the prefill of what is not cached there), when that is sooner than behind the holder's queue
+# by more than the time this many tokens take to prefill. The margin keeps a hit at its holder for a small
+# gain: each move prefills the prefix a second time and, with scarce caches, evicts another.
+MOVE_MARGIN_TOKENS = 256
 # How many prefixes' keys a policy instance remembers as routed (two generations of half each: ~15-20 MB).
 SEEN_PREFIXES = 200_000
 
@@ -430,13 +441,17 @@ def _to_front(ranked: list[int], i: int) -> None:
 
 
 def _least_backlogged(ranked: list[int], closed: frozenset[int], loads: dict[int, int], fleet: _Fleet,
-                      bound: float, local_pending: Mapping[str, int]) -> int | None:
-    """The open engine of ``ranked`` (under the bound, not closed) with the shortest prefill backlog (the larger
-    of its heartbeat's and the pod's count, in steps of PENDING_PREFILL_STEP), then the fewest requests (waiting
-    ones counted twice), the first of equals (ranking order: ring order after the second-home swap); None where
-    fewer than two are open (nothing to choose between). A scan, not a sort: it stops at an idle engine with
-    nothing to prefill once a second open one was met (nothing ranks before it), the usual case off peak.
-    ``loads`` holds this pod's counts where they exceed the heartbeat's (``fleet.loads``)."""
+                      bound: float, local_pending: Mapping[str, int], waits: Mapping[str, float],
+                      fit: PrefillFit | None) -> int | None:
+    """The open engine of ``ranked`` (under the bound, not closed) with the shortest prefill backlog, then the
+    fewest requests (waiting ones counted twice), the first of equals (ranking order: ring order after the
+    second-home swap); None where fewer than two are open (nothing to choose between). The backlog: with a
+    ``fit``, the pod's prefill wait there (``waits``) in steps of WAIT_STEP_TOKENS' prefill time; without, the
+    larger of the heartbeat's and the pod's pending tokens in steps of PENDING_PREFILL_STEP. A scan, not a sort:
+    it stops at an idle engine with nothing to prefill once a second open one was met (nothing ranks before it),
+    the usual case off peak. ``loads`` holds this pod's counts where they exceed the heartbeat's
+    (``fleet.loads``)."""
+    step_s = fit.s_per_token * WAIT_STEP_TOKENS if fit is not None else 0.0
     engines, ids, fleet_loads = fleet.engines, fleet.ids, fleet.loads
     best, best_key, num_open = -1, (0, 0), 0
     for i in ranked:
@@ -446,13 +461,40 @@ def _least_backlogged(ranked: list[int], closed: frozenset[int], loads: dict[int
         num_open += 1
         if best >= 0 and best_key == (0, 0):
             break
-        pending_tokens = engines[i].pending_prefill_tokens
-        if local_pending:
-            pending_tokens = max(pending_tokens, local_pending.get(ids[i], 0))
-        engine_key = (pending_tokens // PENDING_PREFILL_STEP, load + engines[i].num_waiting)
+        if step_s > 0:
+            backlog = int(waits.get(ids[i], 0.0) / step_s)
+        else:
+            pending_tokens = engines[i].pending_prefill_tokens
+            if local_pending:
+                pending_tokens = max(pending_tokens, local_pending.get(ids[i], 0))
+            backlog = pending_tokens // PENDING_PREFILL_STEP
+        engine_key = (backlog, load + engines[i].num_waiting)
         if best < 0 or engine_key < best_key:
             best, best_key = i, engine_key
     return best if num_open >= 2 else None
+
+
+def _sooner_elsewhere(ranked: list[int], closed: frozenset[int], loads: dict[int, int], fleet: _Fleet,
+                      bound: float, cached: dict[int, int], waits: Mapping[str, float], fit: PrefillFit) -> int | None:
+    """For a hit whose holder ranks first: the open engine of ``ranked`` (under the bound, not closed) where its
+    first token should come soonest, if sooner than at the holder by more than MOVE_MARGIN_TOKENS' prefill time;
+    else None. The first token at engine i comes after its wait and the prefill of the prompt less what i holds:
+    ``waits[i] + fit.seconds(prompt - cached[i])``; the fit's intercept and the prompt are common to all, so the
+    comparison is of ``waits[i] - s_per_token * cached[i]``."""
+    ids, fleet_loads = fleet.ids, fleet.loads
+    holder = ranked[0]
+    holder_wait = waits.get(ids[holder], 0.0)
+    if holder_wait <= 0:
+        return None  # nothing queued before it at its holder: nowhere is sooner
+    per_token = fit.s_per_token
+    best, best_cost = None, holder_wait - per_token * (cached[holder] + MOVE_MARGIN_TOKENS)
+    for i in ranked[1:]:
+        if i in closed or loads.get(i, fleet_loads[i]) >= bound:
+            continue
+        cost = waits.get(ids[i], 0.0) - per_token * cached.get(i, 0)
+        if cost < best_cost:
+            best, best_cost = i, cost
+    return best
 
 
 @register("prefix_affinity")
@@ -476,6 +518,10 @@ def _prefix_affinity() -> PolicyFn:
     nor in front of a hot prefix's hits, while an engine has none); so does a request whose holders are all
     over the bound. Until the index shows an engine holding a new prefix, its later requests go where it was
     sent (while that engine is open); then they follow its blocks, and once evicted it goes to its first home.
+
+    Once the router has learned how long a prefill takes (``snapshot.prefill_fit``, prefill_clock.py), backlogs
+    are waits in time, not tokens, and a hit is the other exception: it goes to another open engine of its
+    ranking where its first token comes sooner than behind its holder's queue, by a margin (``_sooner_elsewhere``).
 
     Cost: O(engines holding the prefix + engines with this gateway's requests in flight + the ring walk to
     ``MAX_RANKED_ENGINES`` engines under the bound), not O(fleet)."""
@@ -578,18 +624,28 @@ def _prefix_affinity() -> PolicyFn:
             ranked = sorted({*walked, *loads, *cached}, key=full_key)[:MAX_RANKED_ENGINES]
 
         placed_by_load = pending = False
+        moved_from = -1
+        fit, waits = snapshot.prefill_fit, snapshot.prefill_wait_s
         state = placements.get(key)
         if cached:
             if state != SETTLED:
                 placements.set(key, SETTLED)
-            if not cached.get(ranked[0]) and any(cached.values()):
+            if fit is not None and cached.get(ranked[0]):
+                # A hit goes where its first token comes sooner by a margin, if anywhere (_sooner_elsewhere).
+                sooner = _sooner_elsewhere(ranked, closed, loads, fleet, bound, cached, waits, fit)
+                if sooner is not None:
+                    moved_from = ranked[0]
+                    _to_front(ranked, sooner)
+            elif not cached.get(ranked[0]) and any(cached.values()):
                 # Every holder is over the bound (or under pressure): the request prefills its whole prompt
                 # wherever it goes, so it goes where the least prefill is queued, as a new prefix does.
-                best = _least_backlogged(ranked, closed, loads, fleet, bound, snapshot.local_pending_prefill_tokens)
+                best = _least_backlogged(ranked, closed, loads, fleet, bound, snapshot.local_pending_prefill_tokens,
+                                         waits, fit)
                 if best is not None:
                     _to_front(ranked, best)
         elif state is None:
-            best = _least_backlogged(ranked, closed, loads, fleet, bound, snapshot.local_pending_prefill_tokens)
+            best = _least_backlogged(ranked, closed, loads, fleet, bound, snapshot.local_pending_prefill_tokens,
+                                     waits, fit)
             if best is not None:
                 _to_front(ranked, best)
                 placed_by_load = True
@@ -605,7 +661,11 @@ def _prefix_affinity() -> PolicyFn:
                 placements.set(key, fleet.ids[ranked[0]])
         top = ranked[0]
         top_cached, top_load = cached.get(top, 0), loads.get(top, fleet_loads[top])
-        if pending:
+        if moved_from >= 0:
+            holder_wait_ms = waits.get(fleet.ids[moved_from], 0.0) * 1e3
+            reason = (f"prefix_affinity sooner elsewhere: holder's prefill wait {holder_wait_ms:.1f} ms, "
+                      f"cached_tokens={top_cached} load={top_load}")
+        elif pending:
             reason = f"prefix_affinity miss: pending where it was sent, load={top_load}"
         elif placed_by_load:
             reason = f"prefix_affinity miss: new prefix, shortest backlog of its homes load={top_load}"

@@ -27,6 +27,7 @@ from tessera.routing.local_feed import LocalIndexFeed
 from tessera.routing.local_index import LocalPrefixIndex
 from tessera.routing.pod_in_flight import PodInFlight, key_map
 from tessera.routing.policies import make_policy
+from tessera.routing.prefill_clock import PrefillClock
 from tessera.routing.prefix_index import PrefixIndex
 from tessera.routing.snapshot import EngineView, RouteDecision, RouteRequest, RouteSnapshot
 
@@ -102,34 +103,58 @@ class InFlight:
     """``with router.in_flight(engine_id, prefill_tokens) as flight:`` counts a request this process sent to
     an engine until it ends, and its prompt tokens to prefill there until ``flight.prefilled()`` (its first
     token) or its end; the policies see both (fresher than heartbeats), and so do the pod's other workers
-    through ``pod`` (pod_in_flight.py), which then holds them instead of the dicts. A plain class: the request
-    path pays no generator frame for it."""
+    through ``pod`` (pod_in_flight.py), which then holds them instead of the dicts. The prompt's dispatch and
+    first token also go to ``clock`` (prefill_clock.py: the engine's prefill wait and the fit), and its wait to the
+    pod's table. A plain class: the request path pays no generator frame for it."""
 
-    __slots__ = ("_counts", "_engine_id", "_pending", "_pod", "_tokens")
+    __slots__ = ("_clock", "_counts", "_engine_id", "_isolated", "_pending", "_pod", "_ticket", "_tokens")
 
     def __init__(self, counts: dict[str, int], engine_id: str, pending: dict[str, int],
-                 tokens: int = 0, pod: PodInFlight | None = None) -> None:
+                 tokens: int = 0, pod: PodInFlight | None = None, clock: PrefillClock | None = None,
+                 isolated: bool = False) -> None:
+        """``isolated``: the engine had nothing of the pod's to prefill as last seen (the fit's samples)."""
         self._counts = counts
         self._engine_id = engine_id
         self._pending = pending
         self._tokens = tokens
         self._pod = pod
+        self._clock = clock
+        self._isolated = isolated
+        self._ticket = -1
 
     def __enter__(self) -> InFlight:
+        clock, engine_id, tokens = self._clock, self._engine_id, self._tokens
+        if clock is not None and tokens:
+            self._ticket = clock.dispatch(engine_id, tokens, time.monotonic(), self._isolated)
         if self._pod is not None:  # the pod's table is what the policies read: the dicts would go unread
-            self._pod.add(self._engine_id, 1, self._tokens)
+            self._pod.add(engine_id, 1, tokens)
+            if clock is not None and tokens:
+                self._pod.set_prefilled_at(engine_id, clock.done_at(engine_id))
             return self
-        self._counts[self._engine_id] = self._counts.get(self._engine_id, 0) + 1
-        if self._tokens:
-            self._pending[self._engine_id] = self._pending.get(self._engine_id, 0) + self._tokens
+        self._counts[engine_id] = self._counts.get(engine_id, 0) + 1
+        if tokens:
+            self._pending[engine_id] = self._pending.get(engine_id, 0) + tokens
         return self
 
     def prefilled(self) -> None:
         """The request's first token came: its prompt is no longer in the engine's prefill backlog (once)."""
+        self._settle(True)
+
+    def _settle(self, first_token: bool) -> None:
+        """The prompt leaves the engine's backlog: at its first token, or at the request's end without one (whose
+        time is no sample of a prefill)."""
         if not self._tokens:
             return
+        clock = self._clock
+        if clock is not None:
+            if first_token:
+                clock.first_token(self._engine_id, self._ticket, time.monotonic())
+            else:
+                clock.drop(self._engine_id, self._ticket)
         if self._pod is not None:
             self._pod.add(self._engine_id, 0, -self._tokens)
+            if clock is not None:
+                self._pod.set_prefilled_at(self._engine_id, clock.done_at(self._engine_id))
         else:
             left = self._pending[self._engine_id] - self._tokens
             if left > 0:
@@ -139,7 +164,7 @@ class InFlight:
         self._tokens = 0
 
     def __exit__(self, *_: object) -> None:
-        self.prefilled()
+        self._settle(False)
         if self._pod is not None:
             self._pod.add(self._engine_id, -1, 0)
             return
@@ -182,6 +207,11 @@ class Router:
         # engine id -> prompt tokens this process sent there that await their first token (InFlight.prefilled)
         self._pending_prefill: dict[str, int] = {}
         self._pod = pod
+        # This process's prompts awaiting their first token, with dispatch times, and the prefill-time fit
+        # learned from them (prefill_clock.py); and the pod's engines with prompts awaiting one as the last
+        # decision read them (whether a dispatch is a sample of the fit: ``in_flight``).
+        self._clock = PrefillClock()
+        self._pod_pending: dict[str, int] = {}
         self._engine_keys: dict[int, str] = {}  # the pod table's engine keys -> ids, at the last registry read
         self._feed: LocalIndexFeed | None = None
         self._feed_task: asyncio.Task[None] | None = None
@@ -309,13 +339,16 @@ class Router:
             index = self._feed.index
             mask = self._live_mask(index, model, view) if current else index.live_mask(view.by_id)
             cached = index.longest_prefixes(plan.request.block_hashes, mask)
+        clock = self._clock
         if self._pod is not None:
-            in_flight, pending = self._pod.totals(self._engine_keys)
+            in_flight, pending, waits = self._pod.totals(self._engine_keys, time.monotonic())
+            self._pod_pending = pending
         else:
             # The live counts, not a copy: the policy runs to its answer without yielding, so they cannot
             # change under it.
             in_flight, pending = self._in_flight, self._pending_prefill
-        snapshot = RouteSnapshot(view.views, cached, in_flight, pending)
+            waits = clock.waits(time.monotonic()) if clock.fit is not None else {}
+        snapshot = RouteSnapshot(view.views, cached, in_flight, pending, waits, clock.fit)
         return self._policy(snapshot, plan.request), view.by_id
 
     def _live_mask(self, index: LocalPrefixIndex, model: str, view: _ModelView) -> int:
@@ -327,7 +360,16 @@ class Router:
         return mask
 
     def in_flight(self, engine_id: str, prefill_tokens: int = 0) -> InFlight:
-        return InFlight(self._in_flight, engine_id, self._pending_prefill, prefill_tokens, self._pod)
+        # A sample of the fit where neither this process nor (as the last decision read the table) the pod's
+        # other workers have a prompt awaiting its first token there.
+        isolated = self._clock.idle(engine_id) and engine_id not in self._pod_pending
+        return InFlight(self._in_flight, engine_id, self._pending_prefill, prefill_tokens, self._pod, self._clock,
+                        isolated)
+
+    @property
+    def prefill_clock(self) -> PrefillClock:
+        """This process's prefill clock (the fit the policies see; benches report it)."""
+        return self._clock
 
     def _start_sweep(self) -> None:
         # Off the request path: the sweep may walk a dead engine's whole block set.

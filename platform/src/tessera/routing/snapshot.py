@@ -12,8 +12,11 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import NamedTuple
 
+from tessera.routing.prefill_clock import PrefillFit
+
 # The empty default of a snapshot's mappings: read-only, so one object can serve every snapshot.
 _NONE: Mapping[str, int] = MappingProxyType({})
+_NO_WAITS: Mapping[str, float] = MappingProxyType({})
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +59,11 @@ class RouteSnapshot(NamedTuple):
     local_in_flight: Mapping[str, int] = _NONE
     # engine_id -> prompt tokens of those requests not yet past their first token (fresher than heartbeats).
     local_pending_prefill_tokens: Mapping[str, int] = _NONE
+    # engine_id -> seconds until those prompts should be prefilled there, first come first served at the fit's
+    # rate (routing/prefill_clock.py; engines with none left out), and the fit itself (None: too few samples
+    # yet, and the policies price the backlog in tokens).
+    prefill_wait_s: Mapping[str, float] = _NO_WAITS
+    prefill_fit: PrefillFit | None = None
 
 
 class RouteDecision(NamedTuple):
