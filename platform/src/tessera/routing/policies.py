@@ -346,7 +346,8 @@ PENDING_PREFILL_STEP = 1024
 # Once the router has a prefill-time fit (routing/prefill_clock.py), rule 6 compares the homes' prefill *waits*
 # instead, in steps of the time this many tokens take to prefill: a backlog's tokens say how much is queued, not
 # when it ends, and a 4,000-token prompt about done and one just begun read alike (docs/routing.md "The wait
-# priced in time"). At 16 overloaded engines that took TTFT p99 from 162 to 150 simulated ms.
+# priced in time, landed"). At 16 overloaded engines, with the hit rule below, TTFT p99 went from 162 to 150
+# simulated ms in the scratch runs that led to it (docs/routing.md "A lead: the wait priced in time").
 WAIT_STEP_TOKENS = 128
 # And a hit may leave its holder: for the open engine of its ranking where its first token comes soonest (the
 # wait there plus the prefill of what is not cached there), when that is sooner than behind the holder's queue
