@@ -8,7 +8,9 @@ Setup: block size 16 (vLLM's default; a 1,000-token prompt is a 62-block chain);
 prefixes of 64 blocks, each cached on one or two engines at random; half the routed requests hit a stored
 prefix (all of it, or its first 8, 16 or 32 blocks, plus new blocks), half miss. The Router reads a real
 registry (embedded Redis) and answers lookups from its local index: it is the gateway's own code path
-(``Router.route`` = plan + decide), minus admission, which costs the same with either index. The table
+(``Router.route`` = plan + decide), minus admission, which costs the same with either index; its prefill clock
+has a fit and a quarter of the engines a prompt awaiting its first token, so the decision prices waits in time as
+a serving gateway's does (docs/routing.md policy rule 8). The table
 splits the route into the index lookup, the policy, and the rest (``route_parts``), so a miss of the
 route's goal names its cause.
 """
@@ -31,6 +33,7 @@ from tessera.registry import EngineRecord, EngineRegistry
 from tessera.routing.local_feed import LocalIndexFeed
 from tessera.routing.local_index import LocalPrefixIndex
 from tessera.routing.policies import make_policy
+from tessera.routing.prefill_clock import MIN_SAMPLES
 from tessera.routing.prefix_index import PrefixIndex, pack_hashes, unpack_hashes
 from tessera.routing.router import Router, engine_view
 from tessera.routing.snapshot import RouteRequest, RouteSnapshot
@@ -157,6 +160,16 @@ async def measure_route(redis_url: str, num_engines: int, num_blocks: int) -> di
     assert feed is not None
     fill(feed.index, held)
     lookup = measure_lookup(feed.index, engine_ids, chains, rng)
+    # As in a gateway that has served a while: a prefill-time fit, and a prompt awaiting its first token on a
+    # quarter of the engines (waits of ~20 s: they outlast the timing), so the routes price waits in time
+    # (docs/routing.md policy rule 8: a hit's holder against the ranked engines, new prefixes by wait).
+    clock = router.prefill_clock
+    for i in range(MIN_SAMPLES):
+        tokens = 100 + 50 * i
+        clock.first_token("warm", clock.dispatch("warm", tokens, 0.0, isolated=True), 0.01 * tokens)
+    flights = [router.in_flight(engine_id, 2_000) for engine_id in rng.sample(engine_ids, num_engines // 4)]
+    for flight in flights:
+        flight.__enter__()
 
     def request() -> RouteRequest:
         if rng.random() < 0.5:
@@ -204,6 +217,8 @@ async def measure_route(redis_url: str, num_engines: int, num_blocks: int) -> di
         again.append(times)
     best_of_3 = [min(first, *later) for first, *later in zip(route_us, *again, strict=True)]
     gc.unfreeze()
+    for flight in flights:
+        flight.__exit__(None, None, None)
     pages = huge_pages()  # while the index is alive
     await router.close()
     for engine_id in engine_ids:

@@ -13,6 +13,7 @@ from tessera.routing.prefill_clock import (
     REFIT_EVERY,
     PrefillClock,
     PrefillFit,
+    PrefillWaits,
     fcfs_done_at,
     fit_prefill,
 )
@@ -118,3 +119,11 @@ def test_a_request_that_ended_without_a_first_token_leaves_the_queue_and_teaches
     assert clock.idle("a") and clock.fit is None
     clock.first_token("a", clock.dispatch("a", 300, 200.0, isolated=True), 200.03)
     assert clock.fit is not None
+
+
+def test_the_waits_are_read_on_demand_from_the_finish_times() -> None:
+    """A decision looks up the engines it ranks; the view computes those, and iterating it gives the same."""
+    waits = PrefillWaits({"a": 10.5, "b": 9.0, "c": 12.0}, now=10.0)
+    assert waits.get("a") == pytest.approx(0.5) and waits.get("b") == 0.0 and waits.get("z", -1.0) == -1.0
+    assert waits["c"] == pytest.approx(2.0) and "b" not in waits  # overdue: no wait
+    assert dict(waits) == pytest.approx({"a": 0.5, "c": 2.0}) and len(waits) == 2

@@ -18,7 +18,7 @@ the policies then keep to the token counts.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import NamedTuple
 
 # The fit's window (isolated requests) and how often it is recomputed, in new samples: ~256 x 2 float ops
@@ -69,6 +69,34 @@ def fcfs_done_at(pending: Iterable[tuple[float, int]], fit: PrefillFit) -> float
     for dispatched_at, tokens in pending:
         done = max(done, dispatched_at) + fit.seconds(tokens)
     return done
+
+
+class PrefillWaits(Mapping[str, float]):
+    """Seconds from ``now`` until each engine should have prefilled what was sent there, read on demand from the
+    finish times: a decision looks up the few engines it ranks, and pays for those, not for every engine with
+    prompts in flight (hundreds in a large fleet). Engines with none, or overdue, are not in it."""
+
+    __slots__ = ("_done_at", "_now")
+
+    def __init__(self, done_at: Mapping[str, float], now: float) -> None:
+        self._done_at = done_at
+        self._now = now
+
+    def __getitem__(self, engine_id: str) -> float:
+        done = self._done_at[engine_id]
+        if done <= self._now:
+            raise KeyError(engine_id)
+        return done - self._now
+
+    def get(self, engine_id: str, default: float = 0.0) -> float:  # type: ignore[override]
+        done = self._done_at.get(engine_id, 0.0)
+        return done - self._now if done > self._now else default
+
+    def __iter__(self) -> Iterator[str]:
+        return (engine_id for engine_id, done in self._done_at.items() if done > self._now)
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
 
 
 class _Pending(NamedTuple):
@@ -139,9 +167,10 @@ class PrefillClock:
         """When this process's prompts at ``engine_id`` should all be prefilled (0.0: none, or no fit yet)."""
         return self._done_at.get(engine_id, 0.0)
 
-    def waits(self, now: float) -> dict[str, float]:
-        """Seconds until each engine should have prefilled this process's prompts (engines with none left out)."""
-        return {engine_id: done - now for engine_id, done in self._done_at.items() if done > now}
+    def waits(self, now: float) -> PrefillWaits:
+        """Seconds until each engine should have prefilled this process's prompts (engines with none left out): a
+        view of the clock's live finish times, valid until its next event."""
+        return PrefillWaits(self._done_at, now)
 
     def _update(self, engine_id: str) -> None:
         queue = self._pending.get(engine_id)

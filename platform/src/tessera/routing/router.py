@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -340,6 +341,7 @@ class Router:
             mask = self._live_mask(index, model, view) if current else index.live_mask(view.by_id)
             cached = index.longest_prefixes(plan.request.block_hashes, mask)
         clock = self._clock
+        waits: Mapping[str, float]
         if self._pod is not None:
             in_flight, pending, waits = self._pod.totals(self._engine_keys, time.monotonic())
             self._pod_pending = pending
