@@ -107,12 +107,12 @@ def test_a_flight_publishes_its_workers_prefill_wait_until_its_first_token(
     worker reads the engine's wait; a first token is a sample of the fit, the end without one is not."""
     first, second = pods
     clock = PrefillClock()
-    for i in range(MIN_SAMPLES):  # 0.1 ms a token
-        clock.first_token("warm", clock.dispatch("warm", 100 + 20 * i, 0.0, isolated=True), 1e-4 * (100 + 20 * i))
+    for i in range(MIN_SAMPLES):  # 10 ms a token: waits of seconds, which a loaded machine's pause cannot eat
+        clock.first_token("warm", clock.dispatch("warm", 100 + 20 * i, 0.0, isolated=True), 0.01 * (100 + 20 * i))
     assert clock.fit is not None
     with InFlight({}, "engine-a", {}, 500, first, clock, isolated=True) as flight:
         wait = second.totals(KEYS, time.monotonic()).waits["engine-a"]
-        assert 0.040 < wait <= 0.050 + 1e-6  # 50 ms from its dispatch, a moment ago
+        assert 4.0 < wait <= 5.0 + 1e-6  # 5 s from its dispatch, a moment ago
         flight.prefilled()
         assert second.totals(KEYS, time.monotonic()).waits == {}
     assert clock.num_samples == MIN_SAMPLES + 1
