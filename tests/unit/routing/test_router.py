@@ -5,17 +5,19 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterable, Iterator
 
 import pytest
 import redis.asyncio as aioredis
 
 from tessera.redis_conn import EmbeddedRedis, connect
 from tessera.registry import EngineRecord, EngineRegistry
+from tessera.routing import policies as policies_module
 from tessera.routing import router as router_module
+from tessera.routing.local_index import LocalPrefixIndex
 from tessera.routing.prefix_index import PrefixIndex
 from tessera.routing.router import InFlight, Router, engine_view
-from tessera.routing.snapshot import RouteRequest
+from tessera.routing.snapshot import EngineView, RouteRequest
 
 MODEL = "m"
 
@@ -102,6 +104,40 @@ async def test_policies_without_the_index_make_no_lookup(redis: aioredis.Redis) 
     for _ in range(5):
         await router.route(request(chain(4)))
     assert delta(before, await commands_served(redis)) == {}
+
+
+async def test_a_registry_read_builds_what_the_decisions_after_it_need(
+        redis: aioredis.Redis, monkeypatch: pytest.MonkeyPatch) -> None:
+    """prefix_affinity's fleet (per model) and the local index's live-engine masks are built as the registry
+    is read (by the refresher, off the request path), not by the first request after each read, which paid
+    ~1.5-2 ms of its route for them at 1,000 engines; two models' decisions share no cache slot either."""
+    await register(redis, "a", "b")
+    await register(redis, "x", "y", model="other")
+    router = Router(redis, "prefix_affinity", PrefixIndex(redis), index_source="local")
+    await router.start_local_index()
+    await router.num_live_engines()  # a registry read, as the refresher makes one
+    fleets_built: list[int] = []
+    masks_built: list[int] = []
+    build_fleet, build_mask = policies_module._Fleet.of, LocalPrefixIndex.live_mask
+
+    def counted_fleet(engines: tuple[EngineView, ...]) -> policies_module._Fleet:
+        fleets_built.append(len(engines))
+        return build_fleet(engines)
+
+    def counted_mask(index: LocalPrefixIndex, engine_ids: Iterable[str]) -> int:
+        masks_built.append(1)
+        return build_mask(index, engine_ids)
+
+    monkeypatch.setattr(policies_module._Fleet, "of", counted_fleet)
+    monkeypatch.setattr(LocalPrefixIndex, "live_mask", counted_mask)
+    for seed in range(6):
+        model = MODEL if seed % 2 else "other"
+        decision, _ = await router.route(request(chain(4, seed))._replace(model=model))
+        assert set(decision.ranked) == ({"a", "b"} if model == MODEL else {"x", "y"})
+    assert fleets_built == [] and masks_built == []
+    await router.num_live_engines()  # the next read builds them again, for both models
+    assert sorted(fleets_built) == [2, 2] and len(masks_built) == 2
+    await router.close()
 
 
 async def test_engines_of_other_models_and_departed_engines_are_not_ranked(redis: aioredis.Redis) -> None:

@@ -27,7 +27,7 @@ from tessera.registry import EngineRecord, EngineRegistry
 from tessera.routing.local_feed import LocalIndexFeed
 from tessera.routing.local_index import LocalPrefixIndex
 from tessera.routing.pod_in_flight import PodInFlight, key_map
-from tessera.routing.policies import make_policy
+from tessera.routing.policies import make_policy, prepare_policy
 from tessera.routing.prefill_clock import PrefillClock
 from tessera.routing.prefix_index import PrefixIndex
 from tessera.routing.snapshot import EngineView, RouteDecision, RouteRequest, RouteSnapshot
@@ -270,8 +270,15 @@ class Router:
         self._read_at = started
         if self._pod is not None:
             self._engine_keys = key_map([e.engine_id for e in self._engines])
-        self._masks.clear()
         self._models = _model_views(self._engines)
+        # What each decision until the next read needs, built here (by the refresher, off the request path), not
+        # by the first request after the read: the policy's fleets and the local index's live-engine masks.
+        prepare_policy(self._policy, [view.views for view in self._models.values()])
+        self._masks.clear()
+        if self._feed is not None:
+            index = self._feed.index
+            self._masks.update((model, (index.generation, index.live_mask(view.by_id)))
+                               for model, view in self._models.items())
         if self._feed is not None:
             self._feed.retain([e.engine_id for e in self._engines])
         if started - self._swept_at > SWEEP_INTERVAL_S:
