@@ -354,6 +354,27 @@ async def test_while_admissions_ride_the_feed_reads_on_its_own_only_a_gap_apart(
         assert feed.num_rides == len(batches)
 
 
+async def test_while_rides_reach_the_streams_end_the_feed_makes_no_read_of_its_own(
+        redis_server: EmbeddedRedis, names: list[str]) -> None:
+    # A read of its own every gap, whatever the rides did, was a timer and a reply each time in a worker that
+    # serves steadily: it reads only once a gap passes without a ride that reached the stream's end.
+    async with running_feed(redis_server, ride_gap_s=0.5) as (feed, store, wire):
+        for _ in range(2):  # the first batches end the blocking reads it had outstanding when the rides began
+            await store.apply(names[0], [("store", h) for h in chain(2)])
+            await ride(feed, wire)
+            await asyncio.sleep(0.05)
+        reads = feed.num_reads
+        for _ in range(30):  # 1.5 s of rides, three gaps (a ride every ~0.05 s: a pause of 0.45 s would be a gap)
+            await store.apply(names[0], [("store", h) for h in chain(2)])
+            await ride(feed, wire)
+            await asyncio.sleep(0.05)
+        assert feed.num_reads == reads
+        hashes = chain(3)
+        await store.apply(names[0], [("store", h) for h in hashes])  # after the last ride: the feed's to read
+        assert await wait_for_prefix(feed, names[0], hashes, timeout_s=3.0) < 3.0
+        assert feed.num_reads > reads
+
+
 async def test_the_feed_reads_what_no_ride_brought_a_gap_later(redis_server: EmbeddedRedis, names: list[str]) -> None:
     # The batches published after the last admission (traffic pauses) reach the index by the feed's own read.
     async with running_feed(redis_server, ride_gap_s=0.3) as (feed, store, wire):

@@ -20,9 +20,10 @@ Between those, the local index trails the engines by the engine-host feeder's wr
 
 Reads that ride in admission's round trip (``ride``/``take_ride``): while requests come, each admission's one
 Redis round trip also reads the stream from where the feed stands (gateway/request/admit.py), so the route
-right after it sees every batch published before its admission, and the feed's own reads pause
-(``RIDE_GAP_S`` apart, not blocking). Without them a busy worker paid one more wake-up and round trip per
-engine batch (~0.2 ms of CPU a request: docs/performance.md, "The index feed's reads ride in admission").
+right after it sees every batch published before its admission, and the feed's own reads pause (it reads,
+not blocking, only where a ``RIDE_GAP_S`` period passed without a ride reaching the stream's end). Without
+them a busy worker paid one more wake-up and round trip per engine batch (~0.2 ms of CPU a request:
+docs/performance.md, "The index feed's reads ride in admission").
 A ride applies entries in place and never calls Redis on the request path: an entry that needs a resync, or
 a ride that comes back full (a backlog), stops there and wakes the feed's own loop, which reads on from it.
 Rides and the feed's reads may bring the same entries: an entry at or before the feed's position is skipped.
@@ -74,10 +75,13 @@ IDLE_READ_S = 2.0
 # Entries one ride reads (it runs on the request path before the route): more waiting means a backlog, which
 # the feed's own reads take in READ_COUNT slices.
 RIDE_COUNT = 128
-# While reads ride in admissions, the feed's own read comes this long after the last one, without blocking:
-# it catches the batches published after the last admission (a pause in traffic) and keeps ahead of the
-# stream's trim; it does not wait on the stream, so an engine batch wakes no one until the next admission.
-RIDE_GAP_S = 0.5
+# While reads ride in admissions, the feed looks at whole multiples of this period of the monotonic clock (the
+# instants the registry's and key cache's refreshers wake at, refresher.py, so it adds no wake-up of its own),
+# and reads only where no ride reached the stream's end since it last looked: a pause in traffic, whose batches
+# it then catches; it does not wait on the stream, so an engine batch wakes no one until the next admission.
+# (Read every 0.5 s whatever the rides did, it cost a paced gateway four wake-ups a second: a timer and a
+# reply, twice; docs/performance.md section 9.)
+RIDE_GAP_S = 1.0
 
 
 class LocalIndexFeed:
@@ -270,9 +274,12 @@ class LocalIndexFeed:
         while not self._stopping:
             num_read = 0
             block_ms = None
-            if self._rode:  # admissions read the stream: this read comes a gap later and does not block
-                self._rode = False
-                await self._wait(self.ride_gap_s, wake_on_use=False)
+            if self._rode:  # admissions read the stream: a read of its own only once they stop, and not blocking
+                while self._rode and not self._stopping:
+                    self._rode = False
+                    gap = self.ride_gap_s
+                    if await self._wait(gap - time.monotonic() % gap, wake_on_use=False):
+                        break  # a ride asked for a read (a backlog, an entry to resync, an error)
                 block_ms = 0
             try:
                 num_read = await self.poll(block_ms)
@@ -288,16 +295,17 @@ class LocalIndexFeed:
             elif num_read < READ_COUNT and time.monotonic() - last_used >= self.idle_after_s:
                 await self._wait(self.idle_read_s, wake_on_use=True)
 
-    async def _wait(self, seconds: float, *, wake_on_use: bool) -> None:
+    async def _wait(self, seconds: float, *, wake_on_use: bool) -> bool:
         """Waits ``seconds`` before the next read, or less if a ride asks for one (a backlog, a gap) or, with
-        ``wake_on_use`` (idle), a route comes first."""
+        ``wake_on_use`` (idle), a route comes first; True when woken before the time was up."""
         self._wake, self._wake_on_use = asyncio.Event(), wake_on_use
         try:
             await asyncio.wait_for(self._wake.wait(), seconds)
         except TimeoutError:
-            pass
+            return False
         finally:
             self._wake = None
+        return True
 
 
 def _position(entry_id: bytes | str) -> tuple[int, int]:
