@@ -17,7 +17,7 @@ import orjson
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "bench"))
 import routing_sim
 from replica_drive import read_generate_stream, replay
-from routing_figures import ideal_cached_tokens, percentile
+from routing_figures import fleet_lru_cached_tokens, ideal_cached_tokens, percentile
 
 
 def test_percentile_interpolates_linearly_and_is_nan_for_nothing() -> None:
@@ -35,6 +35,20 @@ def test_the_sim_workloads_ideal_is_the_shared_ideal_over_its_chains() -> None:
     assert requests[0].ideal_cached == 0  # nothing seen before the first
     # Four system prompts of four whole blocks each, 40 requests: every later repeat hits its whole prompt.
     assert sum(1 for r in requests if r.ideal_cached == 128) == 40 - len({r.chain[:4] for r in requests})
+
+
+def test_the_fleet_lru_evicts_the_least_recently_used_blocks_a_requests_head_last() -> None:
+    a, b, c = (10, 11), (20, 21), (30, 31)  # three prompts of two blocks of 4 tokens, 9 tokens each
+    sequence = [a, b, a, c, b, a]
+    lengths = [9] * len(sequence)
+    # Room for all six blocks: every repeat hits its whole prompt (8 tokens), as the unbounded ideal does.
+    assert fleet_lru_cached_tokens(sequence, lengths, 4, 6) == ideal_cached_tokens(sequence, lengths, 4) \
+        == [0, 0, 8, 0, 8, 8]
+    # Room for four: c evicts b (least recently used), so b misses; a, used just before, stays.
+    assert fleet_lru_cached_tokens(sequence, lengths, 4, 4) == [0, 0, 8, 0, 0, 0]
+    # Room for three: a prompt's tail block goes before its head (vLLM frees a request's blocks tail first), so
+    # after c the cache still holds b's head, and b again hits its first block (with the head evicted first: 0).
+    assert fleet_lru_cached_tokens([a, b, c, b], [9] * 4, 4, 3) == [0, 0, 0, 4]
 
 
 def test_a_simulated_outcome_is_an_outcome_of_bench_routings_figures() -> None:
