@@ -215,6 +215,13 @@ def _approx_prefix() -> PolicyFn:
 # 97.4-97.6 % at 280-365 (3: 98.4 %, p99 317). A hot prefix still spills before its engine carries twice the
 # mean load.
 BOUND_FACTOR = 2.0
+
+
+def _load_bound(sum_loads: int, num_engines: int) -> float:
+    """The load an engine must stay under to take an affinity request: BOUND_FACTOR x mean load, + 1."""
+    return BOUND_FACTOR * sum_loads / num_engines + 1
+
+
 # Load priced in cached tokens, used only between engines that would reuse the same number of cached
 # tokens (two holders of the whole prefix): the less busy one. A running request costs little (continuous
 # batching shares each step), a waiting one delays the first token until a slot frees.
@@ -564,7 +571,7 @@ def _prefix_affinity() -> PolicyFn:
             if engines:
                 fleet = fleet_of(engines)
                 # The closed set at the heartbeats' own bound, the one most decisions until the next read use.
-                fleet.closed_at(math.ceil(BOUND_FACTOR * fleet.sum_loads / len(engines) + 1))
+                fleet.closed_at(math.ceil(_load_bound(fleet.sum_loads, len(engines))))
 
     def policy(snapshot: RouteSnapshot, request: RouteRequest) -> RouteDecision:
         if (empty := _empty(snapshot)) is not None:
@@ -579,7 +586,7 @@ def _prefix_affinity() -> PolicyFn:
             if i is not None and num > fleet_loads[i]:
                 loads[i] = num
                 sum_loads += num - fleet_loads[i]
-        bound = BOUND_FACTOR * sum_loads / len(engines) + 1
+        bound = _load_bound(sum_loads, len(engines))
         # vLLM recomputes at least the last prompt token, so a fully cached, block-aligned prompt still
         # prefills its last block: credit at most what it can reuse.
         reusable = max(request.num_prompt_tokens - 1, 0)

@@ -276,11 +276,10 @@ class Router:
         prepare_policy(self._policy, [view.views for view in self._models.values()])
         self._masks.clear()
         if self._feed is not None:
+            self._feed.retain([e.engine_id for e in self._engines])
             index = self._feed.index
             self._masks.update((model, (index.generation, index.live_mask(view.by_id)))
                                for model, view in self._models.items())
-        if self._feed is not None:
-            self._feed.retain([e.engine_id for e in self._engines])
         if started - self._swept_at > SWEEP_INTERVAL_S:
             self._start_sweep()
 
