@@ -10,6 +10,7 @@ from tessera.gateway.request.endpoint import CHAT, COMPLETIONS, ENDPOINTS
 from tessera.gateway.request.parse import parse_body
 from tessera.gateway.request.respond_stream import error_event
 from tessera.gateway.schemas import ChatCompletionRequest, CompletionRequest
+from tessera.routing.local_loads import LocalLoads
 from tessera.routing.router import InFlight
 
 
@@ -39,13 +40,13 @@ def test_the_mid_stream_error_event_carries_the_error_body() -> None:
 
 
 def test_in_flight_counts_until_the_block_ends_even_when_it_raises() -> None:
-    counts: dict[str, int] = {}
+    loads = LocalLoads()
     pending: dict[str, int] = {}
-    with InFlight(counts, "a", pending):
-        with InFlight(counts, "a", pending, 100):
-            assert counts == {"a": 2} and pending == {"a": 100}
-        assert counts == {"a": 1} and pending == {}
-    assert counts == {}
-    with pytest.raises(ValueError), InFlight(counts, "b", pending, 100):
+    with InFlight(loads, "a", pending):
+        with InFlight(loads, "a", pending, 100):
+            assert loads.counts == {"a": 2} and pending == {"a": 100}
+        assert loads.counts == {"a": 1} and pending == {}
+    assert loads.counts == {}
+    with pytest.raises(ValueError), InFlight(loads, "b", pending, 100):
         raise ValueError("engine failed")
-    assert counts == {} and pending == {}
+    assert loads.counts == {} and loads.above_heartbeat == {} and pending == {}

@@ -26,6 +26,7 @@ from tessera.refresher import REFRESHER_IDLE_S, UsageRefresher
 from tessera.registry import EngineRecord, EngineRegistry
 from tessera.routing.local_feed import LocalIndexFeed
 from tessera.routing.local_index import LocalPrefixIndex
+from tessera.routing.local_loads import LocalLoads
 from tessera.routing.pod_in_flight import PodInFlight, key_map
 from tessera.routing.policies import make_policy, prepare_policy
 from tessera.routing.prefill_clock import PrefillClock
@@ -104,17 +105,18 @@ class InFlight:
     """``with router.in_flight(engine_id, prefill_tokens) as flight:`` counts a request this process sent to
     an engine until it ends, and its prompt tokens to prefill there until ``flight.prefilled()`` (its first
     token) or its end; the policies see both (fresher than heartbeats), and so do the pod's other workers
-    through ``pod`` (pod_in_flight.py), which then holds them instead of the dicts. The prompt's dispatch and
-    first token also go to ``clock`` (prefill_clock.py: the engine's prefill wait and the fit), and its wait to the
-    pod's table. A plain class: the request path pays no generator frame for it."""
+    through ``pod`` (pod_in_flight.py), which then holds them instead of ``loads`` and ``pending``. The
+    prompt's dispatch and first token also go to ``clock`` (prefill_clock.py: the engine's prefill wait and the
+    fit), and its wait to the pod's table. A plain class: the request path pays no generator frame for it."""
 
-    __slots__ = ("_clock", "_counts", "_engine_id", "_isolated", "_pending", "_pod", "_ticket", "_tokens")
+    __slots__ = ("_clock", "_engine_id", "_isolated", "_loads", "_pending", "_pod", "_ticket", "_tokens")
 
-    def __init__(self, counts: dict[str, int], engine_id: str, pending: dict[str, int],
+    def __init__(self, loads: LocalLoads, engine_id: str, pending: dict[str, int],
                  tokens: int = 0, pod: PodInFlight | None = None, clock: PrefillClock | None = None,
                  isolated: bool = False) -> None:
-        """``isolated``: the engine had nothing of the pod's to prefill as last seen (the fit's samples)."""
-        self._counts = counts
+        """``loads``: this process's requests in flight (local_loads.py; unused with ``pod``); ``isolated``: the
+        engine had nothing of the pod's to prefill as last seen (the fit's samples)."""
+        self._loads = loads
         self._engine_id = engine_id
         self._pending = pending
         self._tokens = tokens
@@ -132,7 +134,7 @@ class InFlight:
             if clock is not None and tokens:
                 self._pod.set_prefilled_at(engine_id, clock.done_at(engine_id))
             return self
-        self._counts[engine_id] = self._counts.get(engine_id, 0) + 1
+        self._loads.add(engine_id, 1)
         if tokens:
             self._pending[engine_id] = self._pending.get(engine_id, 0) + tokens
         return self
@@ -169,11 +171,7 @@ class InFlight:
         if self._pod is not None:
             self._pod.add(self._engine_id, -1, 0)
             return
-        left = self._counts[self._engine_id] - 1
-        if left > 0:
-            self._counts[self._engine_id] = left
-        else:
-            del self._counts[self._engine_id]
+        self._loads.add(self._engine_id, -1)
 
 
 class Router:
@@ -204,7 +202,7 @@ class Router:
         self._sweep_task: asyncio.Task[None] | None = None
         self._refresher = UsageRefresher("registry", self._read_registry,
                                          REGISTRY_CACHE_S if refresh_s is None else refresh_s, REFRESHER_IDLE_S)
-        self._in_flight: dict[str, int] = {}
+        self._in_flight = LocalLoads()
         # engine id -> prompt tokens this process sent there that await their first token (InFlight.prefilled)
         self._pending_prefill: dict[str, int] = {}
         self._pod = pod
@@ -270,6 +268,8 @@ class Router:
         self._read_at = started
         if self._pod is not None:
             self._engine_keys = key_map([e.engine_id for e in self._engines])
+        else:
+            self._in_flight.heartbeats({e.engine_id: e.num_running + e.num_waiting for e in self._engines})
         self._models = _model_views(self._engines)
         # What each decision until the next read needs, built here (by the refresher, off the request path), not
         # by the first request after the read: the policy's fleets and the local index's live-engine masks.
@@ -353,8 +353,9 @@ class Router:
             self._pod_pending = pending
         else:
             # The live counts, not a copy: the policy runs to its answer without yielding, so they cannot
-            # change under it.
-            in_flight, pending = self._in_flight, self._pending_prefill
+            # change under it. Only the engines whose count is above their heartbeat's load: below it, no
+            # policy's view changes (local_loads.py).
+            in_flight, pending = self._in_flight.above_heartbeat, self._pending_prefill
             waits = clock.waits(time.monotonic()) if clock.fit is not None else {}
         snapshot = RouteSnapshot(view.views, cached, in_flight, pending, waits, clock.fit)
         return self._policy(snapshot, plan.request), view.by_id

@@ -55,7 +55,9 @@ class RouteSnapshot(NamedTuple):
     engines: tuple[EngineView, ...]
     # engine_id -> how many leading blocks of this request's chain that engine holds (from KV events).
     cached_prefix_blocks: Mapping[str, int] = _NONE
-    # engine_id -> requests this gateway routed there and has not seen finish (fresher than heartbeats).
+    # engine_id -> requests this gateway routed there and has not seen finish (fresher than heartbeats); every
+    # policy reads max(heartbeat load, this), so a router may leave out the engines at or under their heartbeat's
+    # load (a one-worker router does: local_loads.py).
     local_in_flight: Mapping[str, int] = _NONE
     # engine_id -> prompt tokens of those requests not yet past their first token (fresher than heartbeats).
     local_pending_prefill_tokens: Mapping[str, int] = _NONE
