@@ -14,14 +14,17 @@ logger = logging.getLogger(__name__)
 
 
 async def heartbeat_loop(redis_url: str, interval_s: float, model: ModelInfo, is_healthy: Callable[[], bool],
-                         record: Callable[[], EngineRecord]) -> None:
+                         record: Callable[[], EngineRecord], leaving: Callable[[], bool] = lambda: False) -> None:
     """Registers ``model`` once and the replica's ``record()`` every ``interval_s`` while ``is_healthy()``,
-    until cancelled."""
+    until cancelled or ``leaving()``. NOTE: ``leaving``, not the cancellation alone: Python 3.11's
+    ``asyncio.wait_for`` (inside redis-py) can swallow a cancellation that lands as a beat's write completes,
+    and a loop that went on beating registered a draining replica again after it left (test_gateway_drain
+    under a loaded `make test`: 21 s in the registry after its drain began)."""
     redis = connect(redis_url)
     registry = EngineRegistry(redis, interval_s)
     model_registered = False
     try:
-        while True:
+        while not leaving():
             # A dead engine stops heartbeating, so the gateway stops routing to it within the TTL. A Redis
             # error is retried on the next beat: one slow answer at start-up must not leave the replica
             # serving but unregistered for good.

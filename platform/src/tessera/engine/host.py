@@ -192,7 +192,7 @@ class EngineHost(ThreadedReplicaHost):
             return loops
         loops.append(self.usage_records.run(self.redis_url))
         loops += [heartbeat_loop(self.redis_url, self.config.heartbeat_interval_s, self.model_info(), self.is_healthy,
-                                self.record)]
+                                 self.record, lambda: self.leaving)]
         if self.kv_events_port:
             local = "127.0.0.1" if self.bind_host == "0.0.0.0" else self.bind_host
             endpoint, topic = f"tcp://{local}:{self.kv_events_port}", self.config.kv_events.topic

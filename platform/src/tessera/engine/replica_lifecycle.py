@@ -89,6 +89,9 @@ class ThreadedReplicaHost(abc.ABC):
         self._server: uvicorn.Server | None = None
         self._loop: asyncio.AbstractEventLoop | None = None  # the host thread's loop, once it runs
         self._background_tasks: list[asyncio.Task[None]] = []  # heartbeat, index feed, ...: see _background
+        # Set as the replica leaves the registry (a drain's first step): its heartbeat beats no more
+        # (heartbeat.py ``leaving``), whether or not its loop saw the cancellation.
+        self.leaving = False
 
     # ---- what the replica is ---------------------------------------------------------------------
 
@@ -141,8 +144,16 @@ class ThreadedReplicaHost(abc.ABC):
         return outcome
 
     async def _leave_registry(self) -> None:
-        """The background loops end (no heartbeat, index feed or speculation control after this; a beat after
-        the deregistration would register the replica again), then it leaves the registry and prefix index."""
+        """Leaves the registry and prefix index at once, and the background loops end (no heartbeat, index feed
+        or speculation control after this); once they have (or the wait for them gave up), it leaves again: a
+        beat already on its way when they were told to stop registers the replica anew. Waiting for the loops
+        first kept a drained replica in the registry for as long as one ignored its cancellation (Python 3.11's
+        ``asyncio.wait_for`` inside redis-py can swallow one) and went on beating."""
+        self.leaving = True
+        for task in self._background_tasks:
+            task.cancel()
+        if self.redis_url:
+            await deregister(self.redis_url, self.engine_id)
         await _end(self._background_tasks)
         if self.redis_url:
             await deregister(self.redis_url, self.engine_id)
@@ -174,6 +185,7 @@ class ThreadedReplicaHost(abc.ABC):
         try:
             await self._server.serve(sockets=[self._http_socket])
         finally:
+            self.leaving = True
             await _end(tasks)
             if self.redis_url:
                 await deregister(self.redis_url, self.engine_id)

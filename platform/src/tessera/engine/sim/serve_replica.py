@@ -172,7 +172,7 @@ class SimReplicaHost(ThreadedReplicaHost):
         if not self.redis_url:
             return []
         loops = [heartbeat_loop(self.redis_url, self.config.heartbeat_interval_s, self.model_info(),
-                                self.is_healthy, self.record)]
+                                self.is_healthy, self.record, lambda: self.leaving)]
         if self.kv_events_port and self.sim_config.feed_index:
             assert self._zmq is not None  # made by _serve, which calls this
             local = "127.0.0.1" if self.bind_host == "0.0.0.0" else self.bind_host
