@@ -149,9 +149,7 @@ class ThreadedReplicaHost(abc.ABC):
         beat already on its way when they were told to stop registers the replica anew. Waiting for the loops
         first kept a drained replica in the registry for as long as one ignored its cancellation (Python 3.11's
         ``asyncio.wait_for`` inside redis-py can swallow one) and went on beating."""
-        self.leaving = True
-        for task in self._background_tasks:
-            task.cancel()
+        self.leaving = True  # the heartbeat beats no more from here, cancelled or not
         if self.redis_url:
             await deregister(self.redis_url, self.engine_id)
         await _end(self._background_tasks)
