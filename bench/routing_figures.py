@@ -27,9 +27,14 @@ def ideal_cached_tokens(chains: Sequence[Sequence[int]], num_prompt_tokens: Sequ
     for chain, num_tokens in zip(chains, num_prompt_tokens, strict=True):
         hits = next((i for i, h in enumerate(chain) if h not in seen), len(chain))
         seen.update(chain)
-        # vLLM always computes the last prompt token, so a hit stops a block short of a whole-block prompt.
-        out.append(min(hits * block_size, max(0, (num_tokens - 1) // block_size * block_size)))
+        out.append(_reusable_tokens(hits, num_tokens, block_size))
     return out
+
+
+def _reusable_tokens(hit_blocks: int, num_prompt_tokens: int, block_size: int) -> int:
+    """The tokens a hit of ``hit_blocks`` leading blocks saves: vLLM always computes the last prompt token, so a
+    hit stops a block short of a whole-block prompt."""
+    return min(hit_blocks * block_size, max(0, (num_prompt_tokens - 1) // block_size * block_size))
 
 
 def fleet_lru_cached_tokens(chains: Sequence[Sequence[int]], num_prompt_tokens: Sequence[int], block_size: int,
@@ -45,7 +50,7 @@ def fleet_lru_cached_tokens(chains: Sequence[Sequence[int]], num_prompt_tokens: 
     out = []
     for chain, num_tokens in zip(chains, num_prompt_tokens, strict=True):
         hits = next((i for i, h in enumerate(chain) if h not in cache), len(chain))
-        out.append(min(hits * block_size, max(0, (num_tokens - 1) // block_size * block_size)))
+        out.append(_reusable_tokens(hits, num_tokens, block_size))
         for h in reversed(chain):
             cache[h] = None
             cache.move_to_end(h)

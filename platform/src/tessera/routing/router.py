@@ -269,7 +269,7 @@ class Router:
         if self._pod is not None:
             self._engine_keys = key_map([e.engine_id for e in self._engines])
         else:
-            self._in_flight.heartbeats({e.engine_id: e.num_running + e.num_waiting for e in self._engines})
+            self._in_flight.heartbeats({e.engine_id: e.load for e in self._engines})
         self._models = _model_views(self._engines)
         # What each decision until the next read needs, built here (by the refresher, off the request path), not
         # by the first request after the read: the policy's fleets and the local index's live-engine masks.
