@@ -11,6 +11,7 @@ whose last heartbeat is older than the TTL (``live_engines`` prunes them).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields
 
 import redis.asyncio as aioredis
@@ -119,14 +120,24 @@ class EngineRegistry:
         self._heartbeat = redis.register_script(_HEARTBEAT_LUA)
 
     async def heartbeat(self, record: EngineRecord) -> None:
+        await self._heartbeat(*self._heartbeat_call(record))
+
+    async def heartbeat_many(self, records: Sequence[EngineRecord]) -> None:
+        """Several replicas' heartbeats in one round trip (a simulated fleet's: at 1,000 replicas a round trip
+        each cost the fleet's one event loop a fifth of its time)."""
+        pipe = self._redis.pipeline(transaction=False)
+        for record in records:
+            await self._heartbeat(*self._heartbeat_call(record), client=pipe)  # queued, sent by execute
+        await pipe.execute()
+
+    def _heartbeat_call(self, record: EngineRecord) -> tuple[list[str], list[str | int]]:
         flat: list[str] = []
         for k, v in record.to_redis().items():
             if k in ("heartbeat_ts", "under_pressure"):
                 continue
             flat += [k, v]
         # The engine id is the last ARGV so the script can ZADD it.
-        keys = [ENGINES_ZSET, engine_key(record.engine_id)]
-        await self._heartbeat(keys=keys, args=[self._ttl_s, *flat, record.engine_id])
+        return [ENGINES_ZSET, engine_key(record.engine_id)], [self._ttl_s, *flat, record.engine_id]
 
     async def deregister(self, engine_id: str) -> None:
         await self._redis.zrem(ENGINES_ZSET, engine_id)

@@ -34,6 +34,9 @@ logger = logging.getLogger(__name__)
 # a thousand heartbeats never wait on the pool itself, whose wait is bounded by REDIS_TIMEOUT_S.
 REDIS_POOL_SIZE = 16
 REDIS_TIMEOUT_S = 5.0
+# Replicas whose heartbeats share one round trip: a round trip each cost the fleet's one event loop ~220 us of
+# redis-py a replica (a fifth of its time at 1,000 replicas, once a second), and a batch of 50 is ~1 ms of Redis.
+HEARTBEAT_BATCH = 50
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +75,21 @@ class FleetRedis:
             logger.warning("%d of %d Redis writes failed, e.g.: %s", len(failures), len(results), failures[0])
         return len(failures)
 
+    async def _in_batches(self, write: Callable[[Sequence[FedEngine]], Awaitable[object]]) -> int:
+        """``write(batch)`` for the replicas in batches of HEARTBEAT_BATCH, each in one round trip, at most
+        REDIS_POOL_SIZE at a time; returns how many replicas' writes failed."""
+        batches = [self._engines[i:i + HEARTBEAT_BATCH] for i in range(0, len(self._engines), HEARTBEAT_BATCH)]
+
+        async def one(batch: Sequence[FedEngine]) -> None:
+            async with self._slots:
+                await write(batch)
+
+        results = await asyncio.gather(*(one(b) for b in batches), return_exceptions=True)
+        failed = [(b, r) for b, r in zip(batches, results, strict=True) if isinstance(r, BaseException)]
+        if failed:
+            logger.warning("%d of %d Redis batches failed, e.g.: %s", len(failed), len(batches), failed[0][1])
+        return sum(len(b) for b, _ in failed)
+
     async def prepare_index(self) -> None:
         """Subscribes to every replica's events, then clears their old entries and sweeps dead engines'
         leftovers once; events published from the subscription on queue in the sockets, none is lost."""
@@ -106,7 +124,7 @@ class FleetRedis:
                     for model in self._models:
                         await register_model(self._redis, model)
                     models_registered = True
-                await self._each(lambda e: self._registry.heartbeat(e.record()))
+                await self._in_batches(lambda batch: self._registry.heartbeat_many([e.record() for e in batch]))
             except Exception as exc:
                 logger.warning("fleet heartbeat to Redis failed: %s", exc)
             await asyncio.sleep(self._interval_s)
