@@ -21,16 +21,17 @@ from tessera.registry import EngineRecord, EngineRegistry
 from tessera.routing import pod_in_flight
 from tessera.routing import router as router_module
 from tessera.routing.local_loads import LocalLoads
-from tessera.routing.pod_in_flight import ROW_ENTRIES, PodInFlight, key_map
+from tessera.routing.pod_in_flight import ROW_ENTRIES, PodInFlight
+from tessera.routing.pod_sums import PodEngines
 from tessera.routing.prefill_clock import MIN_SAMPLES, PrefillClock
 from tessera.routing.router import InFlight, Router
 from tessera.routing.snapshot import RouteRequest
 
 ENGINES = ["engine-a", "engine-b", "engine-c"]
-KEYS = key_map(ENGINES)
+KEYS = PodEngines(ENGINES)
 
 
-def counts(pod: PodInFlight, keys: dict[int, str]) -> tuple[dict[str, int], dict[str, int]]:
+def counts(pod: PodInFlight, keys: PodEngines) -> tuple[dict[str, int], dict[str, int]]:
     """The pod's requests and prefill tokens per engine (``totals`` less the waits)."""
     requests, tokens, _ = pod.totals(keys, 0.0)
     return requests, tokens
@@ -150,10 +151,10 @@ def test_a_full_row_counts_nothing_more_and_loses_nothing_it_holds(pods: tuple[P
     many = [f"e{i}" for i in range(ROW_ENTRIES + 5)]
     for engine_id in many:
         first.add(engine_id, 1, 0)
-    requests, _ = counts(second, key_map(many))
+    requests, _ = counts(second, PodEngines(many))
     assert len(requests) == ROW_ENTRIES and all(n == 1 for n in requests.values())
     first.add(many[-1], -1, 0)  # never counted here: nothing to take away
-    assert counts(second, key_map(many))[0] == requests
+    assert counts(second, PodEngines(many))[0] == requests
 
 
 CHILD = textwrap.dedent("""
@@ -207,10 +208,15 @@ def test_a_table_without_a_free_row_attaches_nothing(tmp_path: Path) -> None:
         worker.wait(timeout=10)
 
 
+@pytest.mark.parametrize("summed_with_numpy", [False, True])
 async def test_a_router_routes_around_the_requests_another_worker_has_in_flight(
-        redis_server: EmbeddedRedis, pods: tuple[PodInFlight, PodInFlight], monkeypatch: pytest.MonkeyPatch) -> None:
-    """Two workers' routers of one pod, on the session's Redis (a model and engines of this test's own)."""
+        redis_server: EmbeddedRedis, pods: tuple[PodInFlight, PodInFlight], monkeypatch: pytest.MonkeyPatch,
+        summed_with_numpy: bool) -> None:
+    """Two workers' routers of one pod, on the session's Redis (a model and engines of this test's own); the rows
+    summed by a walk, or with numpy as a table of many entries is (pod_sums.py)."""
     monkeypatch.setattr(router_module, "REGISTRY_CACHE_S", 60.0)
+    if summed_with_numpy:
+        monkeypatch.setattr(pod_in_flight, "VECTOR_FROM_ENTRIES", 1)
     redis = connect(redis_server.url, timeout_s=5.0)
     tag = uuid.uuid4().hex[:8]
     model, a, b = f"m-{tag}", f"a-{tag}", f"b-{tag}"
@@ -228,7 +234,7 @@ async def test_a_router_routes_around_the_requests_another_worker_has_in_flight(
             # Without the table the second worker sees two idle engines and least_loaded's tie-break, which
             # changes with every decision, picks either: eight alike are the loads it read from the table.
             assert {(await second.route(request))[0].ranked[0] for _ in range(8)} == {idle}
-        assert counts(second_pod, key_map([a, b])) == ({}, {})
+        assert counts(second_pod, PodEngines([a, b])) == ({}, {})
     finally:
         for router in (first, second):
             await router.close()

@@ -28,29 +28,33 @@ from __future__ import annotations
 import fcntl
 import mmap
 import os
-import zlib
 from pathlib import Path
-from typing import NamedTuple
+
+import numpy as np
+import numpy.typing as npt
+
+from tessera.routing.pod_sums import (
+    INTS_PER_ENTRY,
+    VECTOR_FROM_ENTRIES,
+    PodEngines,
+    PodTotals,
+    engine_key,
+    signed32,
+    sum_vectorized,
+    sum_walked,
+)
 
 ENV_VAR = "TESSERA_POD_IN_FLIGHT"
 # Engines a worker can count at once (a row's entries). Beyond it, an engine counts in the worker's own view
 # only (router.InFlight keeps its dicts whatever this table takes).
 ROW_ENTRIES = 4096
-_INTS_PER_ENTRY = 4
-_WRAP = 1 << 32
-_HALF = 1 << 31
+_INTS_PER_ENTRY = INTS_PER_ENTRY
 _ROW_INTS = 1 + ROW_ENTRIES * _INTS_PER_ENTRY
 ROW_BYTES = 4 * _ROW_INTS
 
 # Rows claimed by this process: fcntl locks are per process, so a second attach in the same process (a bench's
 # two routers) would otherwise take a row the first holds.
 _claimed_here: set[tuple[str, int]] = set()
-
-
-def engine_key(engine_id: str) -> int:
-    """The 32-bit key an engine's entries carry (signed, as the row's ints are)."""
-    key = zlib.crc32(engine_id.encode())
-    return _signed32(key)
 
 
 def create(path: Path, num_rows: int) -> None:
@@ -70,6 +74,8 @@ class PodInFlight:
         self._map = view
         self._ints = memoryview(view).cast("i")
         self._rows = [self._ints[r * _ROW_INTS:(r + 1) * _ROW_INTS] for r in range(num_rows)]
+        # The same memory as one array, for the sums over many entries (pod_sums.py).
+        self._table: npt.NDArray[np.int32] | None = np.frombuffer(view, dtype=np.int32).reshape(num_rows, _ROW_INTS)
         self._own = self._rows[row]
         self.row = row
         self._claim = claim
@@ -147,35 +153,20 @@ class PodInFlight:
         if position is not None:
             self._own[4 + position * _INTS_PER_ENTRY] = _stamp(at_s) if at_s > 0 else 0
 
-    def totals(self, engine_ids: dict[int, str], now_s: float) -> PodTotals:
-        """The pod's requests, prefill tokens and prefill wait (seconds from ``now_s``, a ``time.monotonic()``
-        reading) per engine, every row summed, for the engines whose keys ``engine_ids`` maps (``key_map``);
-        entries of engines it lacks (gone from the registry) are skipped."""
-        requests: dict[str, int] = {}
-        tokens: dict[str, int] = {}
-        waits: dict[str, float] = {}
-        now = _stamp(now_s)
-        for row in self._rows:
-            n = row[0]
-            if n <= 0:
-                continue
-            values = row[1:1 + min(n, ROW_ENTRIES) * _INTS_PER_ENTRY].tolist()
-            it = iter(values)
-            for key, num_requests, num_tokens, prefilled_at in zip(it, it, it, it, strict=True):
-                engine_id = engine_ids.get(key)
-                if engine_id is None:
-                    continue
-                if num_requests > 0:
-                    requests[engine_id] = requests.get(engine_id, 0) + num_requests
-                if num_tokens > 0:
-                    tokens[engine_id] = tokens.get(engine_id, 0) + num_tokens
-                    if prefilled_at and (left := (prefilled_at - now + _HALF) % _WRAP - _HALF) > 0:
-                        waits[engine_id] = waits.get(engine_id, 0.0) + left / 1e6
-        return PodTotals(requests, tokens, waits)
+    def totals(self, engines: PodEngines, now_s: float) -> PodTotals:
+        """The pod's requests (where above the engine's heartbeat load), prefill tokens and prefill wait (seconds
+        from ``now_s``, a ``time.monotonic()`` reading) per engine, every row summed, for the engines of
+        ``engines`` (the last registry read's); entries of engines it lacks (gone from the registry) are
+        skipped."""
+        counts = [min(row[0], ROW_ENTRIES) for row in self._rows]  # each row's count read once
+        if sum(n for n in counts if n > 0) >= VECTOR_FROM_ENTRIES and self._table is not None:
+            return sum_vectorized(self._table, counts, engines, _stamp(now_s))
+        return sum_walked(self._rows, counts, engines, _stamp(now_s))
 
     def close(self) -> None:
         """Releases the row (its counts zeroed first) and the mapping."""
         self._own[:] = memoryview(bytes(ROW_BYTES)).cast("i")
+        self._table = None  # its export of the mapping would keep close() from unmapping it
         for row in self._rows:
             row.release()
         self._own.release()
@@ -185,29 +176,9 @@ class PodInFlight:
         _claimed_here.discard(self._claim)
 
 
-class PodTotals(NamedTuple):
-    """The pod's view of its engines (``PodInFlight.totals``): requests in flight, prompt tokens awaiting their
-    first token, and seconds until those should be prefilled (engines with none left out of each)."""
-
-    requests: dict[str, int]
-    tokens: dict[str, int]
-    waits: dict[str, float]
-
-
-def _signed32(value: int) -> int:
-    """``value`` modulo 2**32, as a signed 32-bit int (what a row's ints hold). ``totals`` does the same inline
-    for each entry's wait: no call per entry on the decision's path."""
-    return (value + _HALF) % _WRAP - _HALF
-
-
 def _stamp(at_s: float) -> int:
-    """``at_s`` (monotonic seconds) in microseconds, as a row holds it (``_signed32``)."""
-    return _signed32(int(at_s * 1e6))
-
-
-def key_map(engine_ids: list[str]) -> dict[int, str]:
-    """Entry key -> engine id, for ``PodInFlight.totals``."""
-    return {engine_key(engine_id): engine_id for engine_id in engine_ids}
+    """``at_s`` (monotonic seconds) in microseconds, as a row holds it (``signed32``)."""
+    return signed32(int(at_s * 1e6))
 
 
 def attach_from_env() -> PodInFlight | None:

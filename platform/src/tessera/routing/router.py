@@ -27,7 +27,8 @@ from tessera.registry import EngineRecord, EngineRegistry
 from tessera.routing.local_feed import LocalIndexFeed
 from tessera.routing.local_index import LocalPrefixIndex
 from tessera.routing.local_loads import LocalLoads
-from tessera.routing.pod_in_flight import PodInFlight, key_map
+from tessera.routing.pod_in_flight import PodInFlight
+from tessera.routing.pod_sums import PodEngines
 from tessera.routing.policies import make_policy, prepare_policy
 from tessera.routing.prefill_clock import PrefillClock
 from tessera.routing.prefix_index import PrefixIndex
@@ -211,7 +212,7 @@ class Router:
         # decision read them (whether a dispatch is a sample of the fit: ``in_flight``).
         self._clock = PrefillClock()
         self._pod_pending: dict[str, int] = {}
-        self._engine_keys: dict[int, str] = {}  # the pod table's engine keys -> ids, at the last registry read
+        self._pod_engines = PodEngines(())  # the pod table's view of the engines, at the last registry read
         self._feed: LocalIndexFeed | None = None
         self._feed_task: asyncio.Task[None] | None = None
         if self._prefix_index is not None and index_source == "local":
@@ -267,7 +268,8 @@ class Router:
         self._engines = await self._registry.live_engines()
         self._read_at = started
         if self._pod is not None:
-            self._engine_keys = key_map([e.engine_id for e in self._engines])
+            self._pod_engines = PodEngines((e.engine_id for e in self._engines),
+                                           {e.engine_id: e.load for e in self._engines})
         else:
             self._in_flight.heartbeats({e.engine_id: e.load for e in self._engines})
         self._models = _model_views(self._engines)
@@ -349,7 +351,7 @@ class Router:
         clock = self._clock
         waits: Mapping[str, float]
         if self._pod is not None:
-            in_flight, pending, waits = self._pod.totals(self._engine_keys, time.monotonic())
+            in_flight, pending, waits = self._pod.totals(self._pod_engines, time.monotonic())
             self._pod_pending = pending
         else:
             # The live counts, not a copy: the policy runs to its answer without yielding, so they cannot
