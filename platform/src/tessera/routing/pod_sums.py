@@ -2,9 +2,9 @@
 
 Every decision of a worker in a pod with several workers reads every row, since the other workers' counts change
 without telling it. With a few dozen entries a Python loop over them is cheapest; at 1,000 engines with a quarter
-of them in flight from two workers it walked ~500 entries, ~0.2 µs each, and the policy then walked the ~400 engines
-it returned (docs/routing.md, "The pod's sums at fleet scale"). From ``VECTOR_FROM_ENTRIES`` entries on, the rows are
-summed with numpy over the table's memory (a fixed ~20 µs, then a few ns an entry), and either way a decision gets
+of them in flight from two workers it walked ~500 entries, ~0.55 µs each, and the policy then walked the ~400
+engines it returned (docs/routing.md, "Latest run": the pod's sums). From ``VECTOR_FROM_ENTRIES`` entries on, the
+rows are summed with numpy over the table's memory (~22 µs and ~0.13 µs an entry), and either way a decision gets
 only the engines whose pod count exceeds their heartbeat's load: below it no policy's view changes (every policy
 reads max(heartbeat, in flight), local_loads.py), so the policy walks a handful.
 
@@ -15,8 +15,8 @@ Both ways give the same sums, in the same float order (entries in row order), te
 from __future__ import annotations
 
 import zlib
-from collections.abc import Iterable, Mapping, Sequence
-from typing import NamedTuple
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -24,9 +24,13 @@ import numpy.typing as npt
 INTS_PER_ENTRY = 4
 WRAP = 1 << 32
 HALF = 1 << 31
-# Entries (all rows together) from which a decision sums the rows with numpy rather than a Python loop: the loop
-# costs ~0.2-0.3 µs an entry, numpy ~20 µs whatever the count (measured on the 2-vCPU VM, 2026-12-06).
-VECTOR_FROM_ENTRIES = 96
+# Entries (all rows together) from which a decision sums the rows with numpy rather than a Python loop: on the
+# 2-vCPU VM (2026-12-06, a slow hour) the loop cost ~0.5 µs an entry, numpy ~22 µs and ~0.13 µs
+# an entry (the two level at ~56 entries; 500 entries: 258 against 87 µs).
+VECTOR_FROM_ENTRIES = 64
+
+_V = TypeVar("_V", int, float)
+_D = TypeVar("_D")
 
 
 def engine_key(engine_id: str) -> int:
@@ -45,8 +49,8 @@ class PodTotals(NamedTuple):
     of each)."""
 
     requests: dict[str, int]
-    tokens: dict[str, int]
-    waits: dict[str, float]
+    tokens: Mapping[str, int]
+    waits: Mapping[str, float]
 
 
 class PodEngines:
@@ -54,16 +58,18 @@ class PodEngines:
     engine id, and each engine's heartbeat load. Two ids with one key (a CRC-32 collision) count as the later one,
     both ways."""
 
-    __slots__ = ("by_key", "heartbeat", "ids", "keys", "loads")
+    __slots__ = ("by_key", "heartbeat", "ids", "keys", "loads", "position")
 
     def __init__(self, engine_ids: Iterable[str], heartbeat_loads: Mapping[str, int] | None = None) -> None:
         loads = heartbeat_loads or {}
         self.by_key: dict[int, str] = {engine_key(engine_id): engine_id for engine_id in engine_ids}
         self.heartbeat: dict[str, int] = {engine_id: loads.get(engine_id, 0) for engine_id in self.by_key.values()}
         keys = sorted(self.by_key)
-        self.keys: npt.NDArray[np.int64] = np.array(keys, dtype=np.int64)
+        self.keys: npt.NDArray[np.int32] = np.array(keys, dtype=np.int32)
         self.ids: list[str] = [self.by_key[key] for key in keys]  # by position in ``keys``
-        self.loads: npt.NDArray[np.int64] = np.array([self.heartbeat[i] for i in self.ids], dtype=np.int64)
+        self.position: dict[str, int] = {engine_id: i for i, engine_id in enumerate(self.ids)}
+        # float, as the sums bincount makes: compared without a cast per decision
+        self.loads: npt.NDArray[np.float64] = np.array([self.heartbeat[i] for i in self.ids], dtype=np.float64)
 
 
 def sum_walked(rows: Sequence[memoryview], counts: Sequence[int], engines: PodEngines, now: int) -> PodTotals:
@@ -92,29 +98,63 @@ def sum_walked(rows: Sequence[memoryview], counts: Sequence[int], engines: PodEn
 
 def sum_vectorized(table: npt.NDArray[np.int32], counts: Sequence[int], engines: PodEngines,
                    now: int) -> PodTotals:
-    """The same sums with numpy: ``table`` is the rows as one (rows, row ints) array over the table's memory."""
+    """The same sums with numpy: ``table`` is the rows as one (rows, row ints) array over the table's memory. The
+    tokens and waits stay arrays, read per engine when asked (``SumsByEngine``): a decision reads a handful."""
     parts = [table[r, 1:1 + n * INTS_PER_ENTRY] for r, n in enumerate(counts) if n > 0]
-    if not parts or not engines.ids:
-        return PodTotals({}, {}, {})
-    entries = np.concatenate(parts).astype(np.int64).reshape(-1, INTS_PER_ENTRY)
     keys = engines.keys
-    position = np.searchsorted(keys, entries[:, 0])
-    position[position == len(keys)] = 0
+    if not parts or not len(keys):
+        return PodTotals({}, {}, {})
+    # ndarray methods and ufuncs, not numpy's module functions: those add a Python frame each (a few µs a decision).
+    entries = np.concatenate(parts).reshape(-1, INTS_PER_ENTRY)
+    position = np.minimum(keys.searchsorted(entries[:, 0]), len(keys) - 1)
     known = keys[position] == entries[:, 0]
-    position, entries = position[known], entries[known]
+    if not np.logical_and.reduce(known):  # entries of engines gone from the registry
+        position, entries = position[known], entries[known]
     size = len(keys)
-    num_requests, num_tokens, prefilled_at = entries[:, 1], entries[:, 2], entries[:, 3]
-    requests = np.bincount(position, weights=np.where(num_requests > 0, num_requests, 0), minlength=size)
-    tokens = np.bincount(position, weights=np.where(num_tokens > 0, num_tokens, 0), minlength=size)
+    requests = np.bincount(position, weights=np.maximum(entries[:, 1], 0), minlength=size)
+    num_tokens = entries[:, 2]
+    tokens = np.bincount(position, weights=np.maximum(num_tokens, 0), minlength=size)
+    prefilled_at = entries[:, 3].astype(np.int64)
     left = (prefilled_at - now + HALF) % WRAP - HALF
     waiting = (num_tokens > 0) & (prefilled_at != 0) & (left > 0)
+    # Each entry's wait in seconds, then summed: the walk's float additions, in its order.
     waits = np.bincount(position[waiting], weights=left[waiting] / 1e6, minlength=size)
     ids = engines.ids
-    above = np.flatnonzero(requests > engines.loads)
-    with_tokens = np.flatnonzero(tokens > 0)
-    with_waits = np.flatnonzero(waits > 0)
-    return PodTotals(dict(zip(map(ids.__getitem__, above.tolist()), requests[above].astype(np.int64).tolist(),
-                              strict=True)),
-                     dict(zip(map(ids.__getitem__, with_tokens.tolist()),
-                              tokens[with_tokens].astype(np.int64).tolist(), strict=True)),
-                     dict(zip(map(ids.__getitem__, with_waits.tolist()), waits[with_waits].tolist(), strict=True)))
+    above = (requests > engines.loads).nonzero()[0].tolist()
+    return PodTotals(dict(zip(map(ids.__getitem__, above), map(int, requests[above].tolist()), strict=True)),
+                     SumsByEngine(tokens, engines, int), SumsByEngine(waits, engines, float))
+
+
+class SumsByEngine(Mapping[str, _V]):
+    """Per-engine sums kept as an array (positions as ``PodEngines.keys``), an engine's read when asked; engines
+    whose sum is not above 0 are absent, as from the walk's dicts."""
+
+    __slots__ = ("_cast", "_engines", "_values")
+
+    def __init__(self, values: npt.NDArray[Any], engines: PodEngines, cast: Callable[[float], _V]) -> None:
+        self._values = values  # float64: bincount's sums
+        self._engines = engines
+        self._cast: Callable[[float], _V] = cast
+
+    def get(self, key: str, default: _V | _D | None = None) -> _V | _D | None:  # type: ignore[override]
+        position = self._engines.position.get(key)
+        if position is None:
+            return default
+        value = float(self._values[position])
+        return self._cast(value) if value > 0 else default
+
+    def __getitem__(self, key: str) -> _V:
+        value = self.get(key)
+        if value is None:
+            raise KeyError(key)
+        return value
+
+    def __contains__(self, key: object) -> bool:
+        return isinstance(key, str) and self.get(key) is not None
+
+    def __iter__(self) -> Iterator[str]:
+        ids = self._engines.ids
+        return iter([ids[i] for i in np.flatnonzero(self._values > 0).tolist()])
+
+    def __len__(self) -> int:
+        return int(np.count_nonzero(self._values > 0))

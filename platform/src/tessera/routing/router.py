@@ -211,7 +211,7 @@ class Router:
         # learned from them (prefill_clock.py); and the pod's engines with prompts awaiting one as the last
         # decision read them (whether a dispatch is a sample of the fit: ``in_flight``).
         self._clock = PrefillClock()
-        self._pod_pending: dict[str, int] = {}
+        self._pod_pending: Mapping[str, int] = {}
         self._pod_engines = PodEngines(())  # the pod table's view of the engines, at the last registry read
         self._feed: LocalIndexFeed | None = None
         self._feed_task: asyncio.Task[None] | None = None
@@ -349,6 +349,7 @@ class Router:
             mask = self._live_mask(index, model, view) if current else index.live_mask(view.by_id)
             cached = index.longest_prefixes(plan.request.block_hashes, mask)
         clock = self._clock
+        pending: Mapping[str, int]
         waits: Mapping[str, float]
         if self._pod is not None:
             in_flight, pending, waits = self._pod.totals(self._pod_engines, time.monotonic())
