@@ -48,8 +48,7 @@ ENV_VAR = "TESSERA_POD_IN_FLIGHT"
 # Engines a worker can count at once (a row's entries). Beyond it, an engine counts in the worker's own view
 # only (router.InFlight keeps its dicts whatever this table takes).
 ROW_ENTRIES = 4096
-_INTS_PER_ENTRY = INTS_PER_ENTRY
-_ROW_INTS = 1 + ROW_ENTRIES * _INTS_PER_ENTRY
+_ROW_INTS = 1 + ROW_ENTRIES * INTS_PER_ENTRY
 ROW_BYTES = 4 * _ROW_INTS
 
 # Rows claimed by this process: fcntl locks are per process, so a second attach in the same process (a bench's
@@ -114,7 +113,7 @@ class PodInFlight:
             position = len(self._engine_ids)
             if position == ROW_ENTRIES:
                 return  # the row is full: this engine counts in the worker's own view only
-            base = 1 + position * _INTS_PER_ENTRY
+            base = 1 + position * INTS_PER_ENTRY
             own[base] = engine_key(engine_id)
             own[base + 1] = requests
             own[base + 2] = tokens
@@ -123,7 +122,7 @@ class PodInFlight:
             self._engine_ids.append(engine_id)
             own[0] = position + 1  # published once the entry is whole
             return
-        base = 1 + position * _INTS_PER_ENTRY
+        base = 1 + position * INTS_PER_ENTRY
         left_requests = own[base + 1] + requests
         left_tokens = own[base + 2] + tokens
         if left_requests > 0 or left_tokens > 0:
@@ -137,7 +136,7 @@ class PodInFlight:
         moved = self._engine_ids.pop()
         del self._positions[engine_id]
         if position != last:
-            source = 1 + last * _INTS_PER_ENTRY
+            source = 1 + last * INTS_PER_ENTRY
             own[base] = own[source]
             own[base + 1] = own[source + 1]
             own[base + 2] = own[source + 2]
@@ -151,7 +150,7 @@ class PodInFlight:
         0.0: not known). A no-op for an engine without an entry (nothing in flight, or the row full)."""
         position = self._positions.get(engine_id)
         if position is not None:
-            self._own[4 + position * _INTS_PER_ENTRY] = _stamp(at_s) if at_s > 0 else 0
+            self._own[4 + position * INTS_PER_ENTRY] = _stamp(at_s) if at_s > 0 else 0
 
     def totals(self, engines: PodEngines, now_s: float) -> PodTotals:
         """The pod's requests (where above the engine's heartbeat load), prefill tokens and prefill wait (seconds
