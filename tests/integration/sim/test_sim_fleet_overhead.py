@@ -43,8 +43,9 @@ def test_a_replicas_server_ticks_once_a_second_and_stops_at_once(monkeypatch: An
     assert stop_s < 0.9  # woken by stop, not by the next tick
 
 
-def test_a_fleets_heartbeats_register_every_replica_in_batched_round_trips(
-        redis_server: EmbeddedRedis, monkeypatch: Any) -> None:
+def test_a_fleets_heartbeats_register_every_replica_in_batched_round_trips(monkeypatch: Any) -> None:
+    # A Redis of its own: the fleet registers its model (the sim's default, with no tokenizer a gateway could load),
+    # which the session's shared Redis must not keep for the gateways of later tests.
     monkeypatch.setattr(fleet_redis, "HEARTBEAT_BATCH", 4)
     calls: list[int] = []
     original = EngineRegistry.heartbeat_many
@@ -55,10 +56,10 @@ def test_a_fleets_heartbeats_register_every_replica_in_batched_round_trips(
 
     monkeypatch.setattr(EngineRegistry, "heartbeat_many", counted)
 
-    async def run() -> list[str]:
-        fleet = await SimFleet(config(feed_index=False), 10, redis_url=redis_server.url,
+    async def run(redis_url: str) -> list[str]:
+        fleet = await SimFleet(config(feed_index=False), 10, redis_url=redis_url,
                                engine_id_prefix="batched").start()
-        redis = connect(redis_server.url, timeout_s=5.0)
+        redis = connect(redis_url, timeout_s=5.0)
         try:
             for _ in range(100):
                 live = [e.engine_id for e in await EngineRegistry(redis).live_engines()]
@@ -71,6 +72,10 @@ def test_a_fleets_heartbeats_register_every_replica_in_batched_round_trips(
             await fleet.stop()
             await redis.aclose()
 
-    registered = asyncio.run(run())
+    server = EmbeddedRedis().start()
+    try:
+        registered = asyncio.run(run(server.url))
+    finally:
+        server.stop()
     assert len(registered) == 10
     assert calls[:3] == [4, 4, 2]  # a round of 10 replicas: three round trips

@@ -5,7 +5,9 @@ A tenant sees only its own models and its own usage."""
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -13,7 +15,7 @@ import pytest
 
 from tessera.engine.host import EngineHost
 from tessera.redis_conn import connect
-from tessera.registry import ModelInfo, register_model
+from tessera.registry import MODELS_HASH, ModelInfo, register_model
 from tests.support.data_plane import ENGINE_AUTH
 from tests.support.gateways import GatewayProcess
 from tests.support.tenancy import MODEL, TenantHandle, completion_body, create_tenant, error_of
@@ -142,6 +144,30 @@ def test_wrong_types_are_400_naming_the_field(client: httpx.Client, tenant: Tena
     assert response.status_code == 400, response.text
     error = error_of(response)
     assert error["param"] == param and param in error["message"]
+
+
+@pytest.mark.adversarial
+async def test_a_model_record_the_gateway_cannot_load_is_503_and_every_other_model_still_serves(
+        client: httpx.Client, tenant: TenantHandle, tenancy_redis: RestartableRedis, tmp_path: Path) -> None:
+    # What one engine with a wrong tokenizer path registers (or a test's fleet left in a shared Redis): until the
+    # catalog skipped such a record, every refresh raised and every request to the gateway, any model, was a 500.
+    redis = connect(tenancy_redis.url, timeout_s=5.0)
+    broken, missing = "tenancy-broken-tokenizer", str(tmp_path / "no-such-tokenizer")
+    await register_model(redis, ModelInfo(broken, missing, 1024, 32))
+    try:
+        deadline = time.monotonic() + 10
+        while (response := post(client, tenant, {**completion_body(), "model": broken})).status_code == 404:
+            assert time.monotonic() < deadline, "the catalog never read the new record"  # refreshed every second
+        assert response.status_code == 503, response.text
+        error = error_of(response)
+        assert (error["code"], error["param"]) == ("model_unavailable", "model")
+        assert broken in error["message"] and missing not in response.text  # the path is for the operator's log
+        served = post(client, tenant, completion_body())
+        assert served.status_code == 200, served.text
+        assert post(client, tenant, {**completion_body(), "model": "no-such-model"}).status_code == 404
+    finally:
+        await redis.hdel(MODELS_HASH, broken)
+        await redis.aclose()
 
 
 def test_unknown_model_is_404(client: httpx.Client, tenant: TenantHandle) -> None:

@@ -226,6 +226,9 @@ class ModelCatalog:
         self._redis = redis
         self._wire = wire
         self._models: dict[str, ServedModel] = {}
+        # model -> why its registered record could not be loaded here (a tokenizer path this gateway cannot read):
+        # that model is answered 503 with the reason; every other model is served as before.
+        self._unloadable: dict[str, str] = {}
         self._max_age_s = max_age_s
         self._refreshed_at = -max_age_s
         self.refresher = UsageRefresher("model catalog", self.refresh, refresh_s)
@@ -236,10 +239,31 @@ class ModelCatalog:
         for info in infos:
             current = self._models.get(info.name)
             if current is None or current.info != info:
-                self._models[info.name] = load_served_model(info)
-        for name in set(self._models) - {i.name for i in infos}:
+                try:
+                    self._models[info.name] = load_served_model(info)
+                except Exception as exc:  # any model's bad record must not take the others down
+                    self._not_loaded(info, exc)
+                else:
+                    self._unloadable.pop(info.name, None)
+        registered = {i.name for i in infos}
+        for name in set(self._models) - registered:
             del self._models[name]
+        for name in set(self._unloadable) - registered:
+            del self._unloadable[name]
         self._refreshed_at = started
+
+    def _not_loaded(self, info: ModelInfo, exc: Exception) -> None:
+        """A registered model this gateway cannot load (tried again at each refresh; logged when the reason
+        changes). A model already loaded from an earlier record keeps serving from it."""
+        reason = f"tokenizer {info.tokenizer!r}: {exc}"
+        if self._unloadable.get(info.name) != reason:
+            logger.error("model %s is registered but cannot be loaded here, %s", info.name, reason)
+        if info.name not in self._models:
+            self._unloadable[info.name] = reason
+
+    def unavailable(self, name: str) -> str | None:
+        """Why a registered model cannot be served here (None: it can, or it is not registered)."""
+        return self._unloadable.get(name)
 
     async def _current(self) -> None:
         self.refresher.used()
@@ -256,8 +280,8 @@ class ModelCatalog:
 
     async def get(self, name: str) -> ServedModel | None:
         await self._current()
-        if name not in self._models:
-            await self.refresh()  # a model registered since the last read
+        if name not in self._models and name not in self._unloadable:
+            await self.refresh()  # a model registered since the last read (a broken one waits for the refresher)
         return self._models.get(name)
 
     async def names(self) -> list[str]:

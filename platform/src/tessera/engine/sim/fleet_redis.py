@@ -63,31 +63,22 @@ class FleetRedis:
         self._subscribers: list[KVEventSubscriber] = []
 
     async def _each(self, write: Callable[[FedEngine], Awaitable[object]]) -> int:
-        """``write(engine)`` for every replica, at most REDIS_POOL_SIZE at a time; returns how many failed
-        (one failure must not abort the rest of a round)."""
-        async def one(engine: FedEngine) -> None:
-            async with self._slots:
-                await write(engine)  # made only once a slot is held: a cancelled round leaves no coroutine
+        """``write(engine)`` for every replica; returns how many failed (``_in_batches`` of one)."""
+        return await self._in_batches(1, lambda batch: write(batch[0]))
 
-        results = await asyncio.gather(*(one(e) for e in self._engines), return_exceptions=True)
-        failures = [r for r in results if isinstance(r, BaseException)]
-        if failures:
-            logger.warning("%d of %d Redis writes failed, e.g.: %s", len(failures), len(results), failures[0])
-        return len(failures)
-
-    async def _in_batches(self, write: Callable[[Sequence[FedEngine]], Awaitable[object]]) -> int:
-        """``write(batch)`` for the replicas in batches of HEARTBEAT_BATCH, each in one round trip, at most
-        REDIS_POOL_SIZE at a time; returns how many replicas' writes failed."""
-        batches = [self._engines[i:i + HEARTBEAT_BATCH] for i in range(0, len(self._engines), HEARTBEAT_BATCH)]
+    async def _in_batches(self, size: int, write: Callable[[Sequence[FedEngine]], Awaitable[object]]) -> int:
+        """``write(batch)`` for the replicas in batches of ``size``, at most REDIS_POOL_SIZE at a time; returns
+        how many replicas' writes failed (one failure must not abort the rest of a round)."""
+        batches = [self._engines[i:i + size] for i in range(0, len(self._engines), size)]
 
         async def one(batch: Sequence[FedEngine]) -> None:
             async with self._slots:
-                await write(batch)
+                await write(batch)  # made only once a slot is held: a cancelled round leaves no coroutine
 
         results = await asyncio.gather(*(one(b) for b in batches), return_exceptions=True)
         failed = [(b, r) for b, r in zip(batches, results, strict=True) if isinstance(r, BaseException)]
         if failed:
-            logger.warning("%d of %d Redis batches failed, e.g.: %s", len(failed), len(batches), failed[0][1])
+            logger.warning("%d of %d Redis write batches failed, e.g.: %s", len(failed), len(batches), failed[0][1])
         return sum(len(b) for b, _ in failed)
 
     async def prepare_index(self) -> None:
@@ -124,7 +115,8 @@ class FleetRedis:
                     for model in self._models:
                         await register_model(self._redis, model)
                     models_registered = True
-                await self._in_batches(lambda batch: self._registry.heartbeat_many([e.record() for e in batch]))
+                await self._in_batches(HEARTBEAT_BATCH,
+                                        lambda batch: self._registry.heartbeat_many([e.record() for e in batch]))
             except Exception as exc:
                 logger.warning("fleet heartbeat to Redis failed: %s", exc)
             await asyncio.sleep(self._interval_s)

@@ -24,6 +24,10 @@ async def prepare_prompt(ctx: RequestContext, catalog: ModelCatalog, fail_open: 
     body, tenant = ctx.body, ctx.tenant
     model = await fail_open.read("model", body.model, catalog.get(body.model))
     if model is None:
+        if (why := catalog.unavailable(body.model)) is not None:  # the why (a path) for the logs, not the tenant
+            raise APIError(503, f"The model {body.model!r} is registered but this gateway cannot load its "
+                           "tokenizer; the operator is told in the gateway's log. Try again later.",
+                           "model_unavailable", "model", headers={"Retry-After": "5"}, detail=why)
         raise APIError(404, f"The model {body.model!r} does not exist; GET /v1/models lists yours.",
                        "model_not_found", "model")
     if not tenant.policy.allows_model(body.model):
