@@ -27,6 +27,8 @@ from tessera.registry import MODELS_HASH, EngineRecord, ModelInfo, list_models
 # first request, a refresher that Redis stalls), a request re-reads it itself.
 CATALOG_REFRESH_S = 5.0
 CATALOG_MAX_AGE_S = 15.0
+# How long a model record that failed to load waits before this gateway tries the same record again.
+RETRY_UNLOADABLE_S = 30.0
 
 
 # Prompts repeat (a client's fixed system prompt and question set, a benchmark's prompt, retries): the token
@@ -226,9 +228,9 @@ class ModelCatalog:
         self._redis = redis
         self._wire = wire
         self._models: dict[str, ServedModel] = {}
-        # model -> why its registered record could not be loaded here (a tokenizer path this gateway cannot read):
-        # that model is answered 503 with the reason; every other model is served as before.
-        self._unloadable: dict[str, str] = {}
+        # model -> the registered record that could not be loaded here (a tokenizer this gateway cannot read), why,
+        # and when it was tried: that model is answered 503, every other model is served as before.
+        self._unloadable: dict[str, tuple[ModelInfo, str, float]] = {}
         self._max_age_s = max_age_s
         self._refreshed_at = -max_age_s
         self.refresher = UsageRefresher("model catalog", self.refresh, refresh_s)
@@ -238,11 +240,11 @@ class ModelCatalog:
         infos = await self._read()
         for info in infos:
             current = self._models.get(info.name)
-            if current is None or current.info != info:
+            if (current is None or current.info != info) and not self._failed_lately(info, started):
                 try:
                     self._models[info.name] = load_served_model(info)
                 except Exception as exc:  # any model's bad record must not take the others down
-                    self._not_loaded(info, exc)
+                    self._not_loaded(info, exc, started)
                 else:
                     self._unloadable.pop(info.name, None)
         registered = {i.name for i in infos}
@@ -252,18 +254,25 @@ class ModelCatalog:
             del self._unloadable[name]
         self._refreshed_at = started
 
-    def _not_loaded(self, info: ModelInfo, exc: Exception) -> None:
-        """A registered model this gateway cannot load (tried again at each refresh; logged when the reason
-        changes). A model already loaded from an earlier record keeps serving from it."""
+    def _failed_lately(self, info: ModelInfo, now: float) -> bool:
+        """This very record failed to load within RETRY_UNLOADABLE_S: not tried again yet (a tokenizer that exists
+        but will not load can cost a second of CPU a try; a changed record is tried at once)."""
+        failed = self._unloadable.get(info.name)
+        return failed is not None and failed[0] == info and now - failed[2] < RETRY_UNLOADABLE_S
+
+    def _not_loaded(self, info: ModelInfo, exc: Exception, now: float) -> None:
+        """A registered model this gateway cannot load, logged when the reason changes. A model already loaded from
+        an earlier record keeps serving from it."""
         reason = f"tokenizer {info.tokenizer!r}: {exc}"
-        if self._unloadable.get(info.name) != reason:
+        failed = self._unloadable.get(info.name)
+        if failed is None or failed[1] != reason:
             logger.error("model %s is registered but cannot be loaded here, %s", info.name, reason)
-        if info.name not in self._models:
-            self._unloadable[info.name] = reason
+        self._unloadable[info.name] = (info, reason, now)
 
     def unavailable(self, name: str) -> str | None:
         """Why a registered model cannot be served here (None: it can, or it is not registered)."""
-        return self._unloadable.get(name)
+        failed = self._unloadable.get(name)
+        return None if failed is None or name in self._models else failed[1]
 
     async def _current(self) -> None:
         self.refresher.used()
