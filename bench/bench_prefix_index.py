@@ -160,6 +160,7 @@ async def measure_route(redis_url: str, num_engines: int, num_blocks: int, worke
 
     await heartbeat()
     pods: list[PodInFlight] = []
+    other_flights: list[str] = []
     if workers > 1:
         table = Path(tempfile.mkdtemp(prefix="bench-pi-pod-")) / "pod.table"
         pod_in_flight.create(table, workers)
@@ -167,6 +168,20 @@ async def measure_route(redis_url: str, num_engines: int, num_blocks: int, worke
         for other in pods[1:]:  # the other workers' requests in flight, as many as this one's below
             for engine_id in rng.sample(engine_ids, num_engines // 4):
                 other.add(engine_id, 1, 2_000)
+                other_flights.append(engine_id)
+
+    def other_worker_sends_and_ends() -> None:
+        """Between two of this worker's decisions the other worker sends a request and its oldest one comes to
+        its first token and ends, as at a steady load split evenly between the two: what this worker's next
+        decision must see (untimed; the reading of it is in the decision)."""
+        if len(pods) < 2:
+            return
+        other, engine_id = pods[1], rng.choice(engine_ids)
+        other.add(engine_id, 1, 2_000, time.monotonic() + 20.0)  # as router.InFlight does
+        other_flights.append(engine_id)
+        oldest = other_flights.pop(0)
+        other.add(oldest, 0, -2_000, time.monotonic() + 20.0)
+        other.add(oldest, -1, 0)
     router = Router(redis, "prefix_affinity", PrefixIndex(redis), index_source="local",
                     local_index_max_blocks=2 * num_blocks, pod=pods[0] if pods else None)
     await router.start_local_index()
@@ -212,6 +227,7 @@ async def measure_route(redis_url: str, num_engines: int, num_blocks: int, worke
         await heartbeat()
         await router.num_live_engines()  # a fresh registry copy, outside the timing
         for req in routed[batch * 500:(batch + 1) * 500]:
+            other_worker_sends_and_ends()
             t = time.perf_counter_ns()
             decision, _ = await router.route(req)
             route_us.append((time.perf_counter_ns() - t) / 1e3)
@@ -225,6 +241,7 @@ async def measure_route(redis_url: str, num_engines: int, num_blocks: int, worke
     for _ in range(2):
         times = []
         for req in routed:
+            other_worker_sends_and_ends()
             t = time.perf_counter_ns()
             await router.route(req)
             times.append((time.perf_counter_ns() - t) / 1e3)

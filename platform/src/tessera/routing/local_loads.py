@@ -7,7 +7,7 @@ the engines where it is above: requests sent since the engine's last heartbeat c
 at 1,000 engines with 250 of them (docs/routing.md, "Latest run"); the engines above their heartbeat are now kept
 as requests start and end (O(1) each) and found again at each registry read (O(engines in flight), off the
 request path). With several gateway workers the pod's table (pod_in_flight.py) holds the counts instead, and its
-sums (pod_sums.py) apply the same rule.
+view (pod_view.py) applies the same rule.
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ from tessera.routing.local_feed import LocalIndexFeed
 from tessera.routing.local_index import LocalPrefixIndex
 from tessera.routing.local_loads import LocalLoads
 from tessera.routing.pod_in_flight import PodInFlight
-from tessera.routing.pod_sums import PodEngines
+from tessera.routing.pod_view import PodEngines
 from tessera.routing.policies import make_policy, prepare_policy
 from tessera.routing.prefill_clock import PrefillClock
 from tessera.routing.prefix_index import PrefixIndex
@@ -131,9 +131,7 @@ class InFlight:
         if clock is not None and tokens:
             self._ticket = clock.dispatch(engine_id, tokens, time.monotonic(), self._isolated)
         if self._pod is not None:  # the pod's table is what the policies read: the dicts would go unread
-            self._pod.add(engine_id, 1, tokens)
-            if clock is not None and tokens:
-                self._pod.set_prefilled_at(engine_id, clock.done_at(engine_id))
+            self._pod.add(engine_id, 1, tokens, clock.done_at(engine_id) if clock is not None and tokens else None)
             return self
         self._loads.add(engine_id, 1)
         if tokens:
@@ -156,9 +154,8 @@ class InFlight:
             else:
                 clock.drop(self._engine_id, self._ticket)
         if self._pod is not None:
-            self._pod.add(self._engine_id, 0, -self._tokens)
-            if clock is not None:
-                self._pod.set_prefilled_at(self._engine_id, clock.done_at(self._engine_id))
+            self._pod.add(self._engine_id, 0, -self._tokens,
+                          clock.done_at(self._engine_id) if clock is not None else None)
         else:
             left = self._pending[self._engine_id] - self._tokens
             if left > 0:
