@@ -5,9 +5,15 @@ copy caught mid-change is set right by the records after it."""
 
 from __future__ import annotations
 
+import json
 import random
-from collections.abc import Iterator
+import select
+import subprocess
+import sys
+import textwrap
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -192,3 +198,100 @@ def test_a_copy_caught_mid_change_is_set_right_by_the_records_after_it() -> None
     assert dict(totals.requests) == {"b": 3, "c": 1} and dict(totals.tokens) == {"b": 30, "c": 10}
     view.replace_row(0, [])
     assert dict(view.totals(0).requests) == {"b": 1} and dict(view.totals(0).tokens) == {}
+
+
+WRITER = textwrap.dedent("""
+    import json, random, sys
+    from pathlib import Path
+    from tessera.routing.pod_in_flight import PodInFlight
+    pod = PodInFlight.attach(Path(sys.argv[1]))
+    assert pod is not None
+    rng, flights, state = random.Random(3), [], {}
+    print("ready", flush=True)
+    for _ in range(int(sys.argv[2])):
+        if rng.random() < 0.5 or not flights:
+            engine_id = f"engine-{rng.randrange(40)}"
+            pod.add(engine_id, 1, 100)
+            flights.append(engine_id)
+            state[engine_id] = state.get(engine_id, 0) + 1
+        else:
+            engine_id = flights.pop(rng.randrange(len(flights)))
+            pod.add(engine_id, -1, -100)
+            state[engine_id] -= 1
+    print(json.dumps({k: v for k, v in state.items() if v}), flush=True)
+    sys.stdin.read()  # holds the row until told
+""")
+
+
+def test_a_reader_racing_a_writer_in_another_process_ends_with_its_exact_counts(tmp_path: Path) -> None:
+    """A real writer process makes 200,000 changes as fast as it can while this process reads the sums in a loop
+    (reads that race the writes, rings lapped mid-read); once the writer stops, one more read gives exactly its
+    counts."""
+    path = tmp_path / "pod.table"
+    pod_in_flight.create(path, 2)
+    reader = PodInFlight.attach(path)
+    assert reader is not None
+    proc = subprocess.Popen([sys.executable, "-c", WRITER, str(path), "200000"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        engines = PodEngines(ENGINES)
+        reads = 0
+        while proc.poll() is None and reads < 2_000_000:
+            reader.totals(engines, NOW_S)
+            reads += 1
+            if reads % 500 == 0 and select.select([proc.stdout], [], [], 0)[0]:
+                break
+        final = json.loads(proc.stdout.readline())
+        assert dict(reader.totals(engines, NOW_S).requests) == final
+        assert dict(reader.totals(engines, NOW_S).tokens) == {k: 100 * v for k, v in final.items()}
+        assert reads > 100
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+        reader.close()
+
+
+class LappingRow:
+    """A reader's view of a row (the memoryview's item and slice reads) that runs ``lap`` once, right after the
+    reader's first slice of the ring: the writer going round the whole ring while the reader is between reads,
+    as a reader preempted mid-read would meet it."""
+
+    def __init__(self, ints: memoryview, lap: Callable[[], None]) -> None:
+        self._ints, self._lap = ints, lap
+        self.lapped = False
+
+    def __getitem__(self, index: int | slice) -> Any:
+        value = self._ints[index]
+        if isinstance(index, slice) and not self.lapped:
+            self.lapped = True
+            self._lap()
+        return value
+
+
+def test_a_writer_lapping_the_ring_during_a_read_makes_the_reader_copy_the_row(three: list[PodInFlight]) -> None:
+    writer, reader, _ = three
+    engines = PodEngines(ENGINES)
+    for _ in range(LOG_RECORDS - 5):  # the next records straddle the ring's end: read in two slices
+        writer.add("engine-0", 1, 0)
+        writer.add("engine-0", -1, 0)
+    assert dict(reader.totals(engines, NOW_S).requests) == {}
+    for i in range(10):
+        writer.add(f"engine-{i}", 1, 0)
+
+    def lap() -> None:
+        for _ in range(LOG_RECORDS // 2):
+            writer.add("engine-20", 1, 0)
+            writer.add("engine-20", -1, 0)
+        writer.add("engine-30", 4, 0)
+
+    ints = reader._rows[writer.row]
+    row = LappingRow(ints, lap)
+    reader._rows[writer.row] = row  # type: ignore[call-overload]
+    try:
+        requests = dict(reader.totals(engines, NOW_S).requests)
+    finally:
+        reader._rows[writer.row] = ints
+    assert row.lapped
+    assert requests == {**{f"engine-{i}": 1 for i in range(10)}, "engine-30": 4}
