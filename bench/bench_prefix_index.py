@@ -144,7 +144,8 @@ def measure_lookup(index: LocalPrefixIndex, engine_ids: list[str], chains: list[
 
 async def measure_route(redis_url: str, num_engines: int, num_blocks: int, workers: int = 1) -> dict[str, Any]:
     """``workers``: 1, the router counts its own requests in flight (a one-worker gateway); 2, it reads them from
-    a pod table with another worker's row holding as many (the chart's and ``tessera up``'s two workers a pod)."""
+    a pod table with another worker's row holding as many, which sends a request and ends its oldest between each
+    two of this worker's decisions (the chart's and ``tessera up``'s two workers a pod)."""
     rng = random.Random(num_engines * 31)
     engine_ids, chains, held = fleet(rng, num_engines, num_blocks)
     redis = connect(redis_url, timeout_s=5.0)
