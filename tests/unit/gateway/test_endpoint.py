@@ -10,7 +10,8 @@ from tessera.gateway.request.endpoint import CHAT, COMPLETIONS, ENDPOINTS
 from tessera.gateway.request.parse import parse_body
 from tessera.gateway.request.respond_stream import error_event
 from tessera.gateway.schemas import ChatCompletionRequest, CompletionRequest
-from tessera.routing.local_loads import LocalLoads
+from tessera.routing.pod_in_flight import PodInFlight
+from tessera.routing.pod_view import PodEngines
 from tessera.routing.router import InFlight
 
 
@@ -40,13 +41,18 @@ def test_the_mid_stream_error_event_carries_the_error_body() -> None:
 
 
 def test_in_flight_counts_until_the_block_ends_even_when_it_raises() -> None:
-    loads = LocalLoads()
-    pending: dict[str, int] = {}
-    with InFlight(loads, "a", pending):
-        with InFlight(loads, "a", pending, 100):
-            assert loads.counts == {"a": 2} and pending == {"a": 100}
-        assert loads.counts == {"a": 1} and pending == {}
-    assert loads.counts == {}
-    with pytest.raises(ValueError), InFlight(loads, "b", pending, 100):
+    loads = PodInFlight.private()
+    engines = PodEngines(["a", "b"])
+
+    def counts() -> tuple[dict[str, int], dict[str, int]]:
+        requests, tokens, _ = loads.totals(engines, 0.0)
+        return dict(requests), dict(tokens)
+
+    with InFlight(loads, "a"):
+        with InFlight(loads, "a", 100):
+            assert counts() == ({"a": 2}, {"a": 100})
+        assert counts() == ({"a": 1}, {})
+    assert counts() == ({}, {})
+    with pytest.raises(ValueError), InFlight(loads, "b", 100):
         raise ValueError("engine failed")
-    assert loads.counts == {} and loads.above_heartbeat == {} and pending == {}
+    assert counts() == ({}, {})

@@ -20,7 +20,6 @@ from tessera.redis_conn import EmbeddedRedis, connect
 from tessera.registry import EngineRecord, EngineRegistry
 from tessera.routing import pod_in_flight
 from tessera.routing import router as router_module
-from tessera.routing.local_loads import LocalLoads
 from tessera.routing.pod_in_flight import ROW_ENTRIES, PodInFlight
 from tessera.routing.pod_view import PodEngines
 from tessera.routing.prefill_clock import MIN_SAMPLES, PrefillClock
@@ -112,13 +111,13 @@ def test_a_flight_publishes_its_workers_prefill_wait_until_its_first_token(
     for i in range(MIN_SAMPLES):  # 10 ms a token: waits of seconds, which a loaded machine's pause cannot eat
         clock.first_token("warm", clock.dispatch("warm", 100 + 20 * i, 0.0, isolated=True), 0.01 * (100 + 20 * i))
     assert clock.fit is not None
-    with InFlight(LocalLoads(), "engine-a", {}, 500, first, clock, isolated=True) as flight:
+    with InFlight(first, "engine-a", 500, clock, isolated=True) as flight:
         wait = second.totals(KEYS, time.monotonic()).waits["engine-a"]
         assert 4.0 < wait <= 5.0 + 1e-6  # 5 s from its dispatch, a moment ago
         flight.prefilled()
         assert second.totals(KEYS, time.monotonic()).waits == {}
     assert clock.num_samples == MIN_SAMPLES + 1
-    with InFlight(LocalLoads(), "engine-a", {}, 500, first, clock, isolated=True):
+    with InFlight(first, "engine-a", 500, clock, isolated=True):
         pass  # refused: no first token
     assert clock.num_samples == MIN_SAMPLES + 1 and counts(second, KEYS) == ({}, {})
 

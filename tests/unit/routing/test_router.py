@@ -15,7 +15,8 @@ from tessera.registry import EngineRecord, EngineRegistry
 from tessera.routing import policies as policies_module
 from tessera.routing import router as router_module
 from tessera.routing.local_index import LocalPrefixIndex
-from tessera.routing.local_loads import LocalLoads
+from tessera.routing.pod_in_flight import PodInFlight
+from tessera.routing.pod_view import PodEngines
 from tessera.routing.prefix_index import PrefixIndex
 from tessera.routing.router import InFlight, Router, engine_view
 from tessera.routing.snapshot import EngineView, RouteRequest
@@ -255,15 +256,20 @@ async def test_periods_given_to_the_router_override_the_defaults(
 
 
 def test_in_flight_counts_a_requests_prefill_tokens_until_its_first_token() -> None:
-    loads = LocalLoads()
-    pending: dict[str, int] = {}
-    with InFlight(loads, "a", pending, 300) as flight, InFlight(loads, "a", pending, 200):
-        assert loads.counts == {"a": 2} and pending == {"a": 500}
+    loads = PodInFlight.private()
+    engines = PodEngines(["a"])
+
+    def counts() -> tuple[dict[str, int], dict[str, int]]:
+        requests, tokens, _ = loads.totals(engines, 0.0)
+        return dict(requests), dict(tokens)
+
+    with InFlight(loads, "a", 300) as flight, InFlight(loads, "a", 200):
+        assert counts() == ({"a": 2}, {"a": 500})
         flight.prefilled()
         flight.prefilled()  # once
-        assert loads.counts == {"a": 2} and pending == {"a": 200}
+        assert counts() == ({"a": 2}, {"a": 200})
     # The other one ended before its first token (a failure): its tokens leave with it.
-    assert loads.counts == {} and pending == {}
+    assert counts() == ({}, {})
 
 
 def test_a_replicas_prefill_backlog_reaches_the_policys_view_through_the_registry() -> None:

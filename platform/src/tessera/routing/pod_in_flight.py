@@ -40,8 +40,8 @@ from pathlib import Path
 from tessera.routing.pod_view import INTS_PER_ENTRY, WRAP, PodEngines, PodTotals, PodView, engine_key, signed32
 
 ENV_VAR = "TESSERA_POD_IN_FLIGHT"
-# Engines a worker can count at once (a row's entries). Beyond it, an engine counts in the worker's own view
-# only (router.InFlight keeps its dicts whatever this table takes).
+# Engines a worker can count at once (a row's entries). Beyond it, a request to another engine goes uncounted
+# (that engine's heartbeat load still counts): 4,096 engines with requests in flight from one worker.
 ROW_ENTRIES = 4096
 # Change records a row keeps (a power of two: the written count wraps at 2**32). A request makes three (sent,
 # first token, ended); a reader more than this many behind a writer copies the row instead (O(its entries)).
@@ -115,6 +115,12 @@ class PodInFlight:
             return table
         os.close(fd)
         return None
+
+    @classmethod
+    def private(cls) -> PodInFlight:
+        """A table of one row in this process's memory alone, no file and no lock: a one-worker gateway's counts,
+        kept and read as a pod worker's are (its ring written and never read)."""
+        return cls(-1, mmap.mmap(-1, ROW_BYTES), 0, 1, ("", -1))
 
     def add(self, engine_id: str, requests: int, tokens: int, prefilled_at_s: float | None = None) -> None:
         """Adds to this worker's counts for ``engine_id`` (negative to take away), and with ``prefilled_at_s`` sets
@@ -258,7 +264,8 @@ class PodInFlight:
         self._own.release()
         self._ints.release()
         self._map.close()
-        os.close(self._fd)  # drops this process's lock on the row
+        if self._fd >= 0:  # a table's file (``private()`` has none)
+            os.close(self._fd)  # drops this process's lock on the row
         _claimed_here.discard(self._claim)
 
 

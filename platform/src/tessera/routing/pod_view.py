@@ -12,9 +12,15 @@ A record is an entry's whole state after the change, not a difference: applying 
 row that already holds it, changes nothing. That is what lets a reader copy a row while its writer changes it
 (``replace_row``) and replay the log from before the copy to set right whatever the copy caught half-done.
 
-Only engines whose pod count exceeds their heartbeat's load are in ``requests``: below it no policy's view changes
-(every policy reads max(heartbeat, in flight), local_loads.py), so the policy walks a handful. The sums are by the
-entries' 32-bit keys (``engine_key``); the registry's engines (``PodEngines``, from the last read) map them to ids.
+Only engines whose count exceeds their heartbeat's load are in ``requests_above`` (requests sent since the
+engine's last heartbeat counted them): below it no policy's view changes (every policy reads max(heartbeat, in
+flight), policies.py), so the policy walks a handful, not every engine with a request in flight (~35 µs a decision
+at 1,000 engines with 250 of them, docs/routing.md "Latest run"). The set is kept per change and found again when
+a registry read brings new heartbeats (``use``). The sums are by the entries' 32-bit keys (``engine_key``); the
+registry's engines (``PodEngines``, from the last read) map them to ids.
+
+A one-worker gateway keeps the same view over a table of its own (``PodInFlight.private``, one row, no file), so
+both count and decide by one code path.
 """
 
 from __future__ import annotations
@@ -69,7 +75,8 @@ Entry = tuple[int, int, int]
 class PodView:
     """Every row's entries (key -> ``Entry``) and the pod's sums over them, kept per change (``set``)."""
 
-    __slots__ = ("_by_key", "_heartbeat", "_requests", "_rows", "_tokens", "engines", "requests_above", "tokens")
+    __slots__ = ("_by_key", "_heartbeat", "_requests", "_rows", "_stamps", "_tokens", "_totals", "_waiting",
+                 "_waits", "engines", "requests_above", "tokens")
 
     def __init__(self, num_rows: int) -> None:
         self._rows: list[dict[int, Entry]] = [{} for _ in range(num_rows)]
@@ -77,12 +84,18 @@ class PodView:
         # transient of the writer's updates would leave them.
         self._requests: dict[int, int] = {}
         self._tokens: dict[int, int] = {}
+        # key -> {row: prefilled-at stamp} for the rows with tokens to prefill there and a stamp (the waits' terms)
+        self._stamps: dict[int, dict[int, int]] = {}
         self.engines = PodEngines(())
         self._by_key = self.engines.by_key
         self._heartbeat = self.engines.heartbeat
-        # By engine id, for the registry's engines: requests above the heartbeat's load, and prompt tokens.
+        # By engine id, for the registry's engines: requests above the heartbeat's load, prompt tokens, and the
+        # stamps (the same dicts as ``_stamps``').
         self.requests_above: dict[str, int] = {}
         self.tokens: dict[str, int] = {}
+        self._waiting: dict[str, dict[int, int]] = {}
+        self._waits = PodWaits(self._waiting, 0)
+        self._totals = PodTotals(self.requests_above, self.tokens, self._waits)
 
     def use(self, engines: PodEngines) -> None:
         """Sums by id for these engines from now on (a registry read's): O(engines in flight), once a read."""
@@ -95,6 +108,9 @@ class PodView:
                 above[engine_id] = num
         self.requests_above = above
         self.tokens = {by_key[key]: num for key, num in self._tokens.items() if key in by_key}
+        self._waiting = {by_key[key]: stamps for key, stamps in self._stamps.items() if key in by_key}
+        self._waits = PodWaits(self._waiting, 0)
+        self._totals = PodTotals(self.requests_above, self.tokens, self._waits)
 
     def set(self, row: int, key: int, requests: int, tokens: int, prefilled_at: int) -> None:
         """Row ``row``'s entry for ``key`` is now this (all zero: it has none). On every change another worker
@@ -106,6 +122,21 @@ class PodView:
         elif old is not None:
             del entries[key]
         old_requests, old_tokens = (0, 0) if old is None else (old[0], old[1])
+        if tokens > 0 and prefilled_at:
+            stamps = self._stamps.get(key)
+            if stamps is None:
+                self._stamps[key] = stamps = {}
+                if (engine_id := self._by_key.get(key)) is not None:
+                    self._waiting[engine_id] = stamps
+            stamps[row] = prefilled_at
+        elif old is not None and old_tokens > 0 and old[2]:
+            stamps = self._stamps.get(key)
+            if stamps is not None:
+                stamps.pop(row, None)
+                if not stamps:
+                    del self._stamps[key]
+                    if (engine_id := self._by_key.get(key)) is not None:
+                        self._waiting.pop(engine_id, None)
         delta = (requests if requests > 0 else 0) - (old_requests if old_requests > 0 else 0)
         if delta:
             total = self._requests.get(key, 0) + delta
@@ -143,36 +174,36 @@ class PodView:
             self.set(row, key, requests, tokens, at)
 
     def totals(self, now: int) -> PodTotals:
-        """The sums as they stand; ``now``: the reader's stamp (pod_in_flight ``_stamp``) the waits count from."""
-        return PodTotals(self.requests_above, self.tokens, PodWaits(self._rows, self.tokens, self.engines, now))
+        """The sums as they stand; ``now``: the reader's stamp (pod_in_flight ``_stamp``) the waits count from. The
+        view's own objects, not copies (a decision's reads cost what a dict's do): read before the view's next
+        change or ``totals``."""
+        self._waits.now = now
+        return self._totals
 
 
 class PodWaits(Mapping[str, float]):
-    """Seconds until the pod's prompts at an engine should be prefilled, each row's remainder summed, worked out
-    for the engines a decision asks about (a handful) rather than for all: engines with none are absent."""
+    """Seconds from ``now`` until the pod's prompts at an engine should be prefilled, each row's remainder summed,
+    worked out for the engines a decision asks about (a handful) rather than for all: engines with none are
+    absent."""
 
-    __slots__ = ("_engines", "_now", "_rows", "_tokens")
+    __slots__ = ("_waiting", "now")
 
-    def __init__(self, rows: list[dict[int, Entry]], tokens: Mapping[str, int], engines: PodEngines,
-                 now: int) -> None:
-        self._rows = rows
-        self._tokens = tokens
-        self._engines = engines
-        self._now = now
+    def __init__(self, waiting: Mapping[str, Mapping[int, int]], now: int) -> None:
+        self._waiting = waiting  # engine id -> {row: prefilled-at stamp}
+        self.now = now
 
     def get(self, engine_id: str, default: float | None = None) -> float | None:  # type: ignore[override]
-        key = self._engines.key_of.get(engine_id)
-        if key is None or engine_id not in self._tokens:
+        # On the policy's path, several times a decision: one dict read where nothing is waiting there.
+        stamps = self._waiting.get(engine_id)
+        if stamps is None:
             return default
-        wait_us = 0
-        for entries in self._rows:
-            entry = entries.get(key)
-            # A row's stamp counts while that row has tokens there to prefill; a stamp a stamp-width away is
-            # read modulo 2**32 (a prefill queue is seconds long, the stamp wraps every ~71 minutes).
-            if entry is not None and entry[1] > 0 and entry[2]:
-                left = (entry[2] - self._now + HALF) % WRAP - HALF
-                if left > 0:
-                    wait_us += left
+        now, wait_us = self.now, 0
+        for at in stamps.values():
+            # A stamp a stamp-width away is read modulo 2**32 (a prefill queue is seconds long, the stamp wraps
+            # every ~71 minutes); one already past counts nothing.
+            left = (at - now + HALF) % WRAP - HALF
+            if left > 0:
+                wait_us += left
         return wait_us / 1e6 if wait_us > 0 else default
 
     def __getitem__(self, engine_id: str) -> float:
@@ -185,7 +216,7 @@ class PodWaits(Mapping[str, float]):
         return isinstance(engine_id, str) and self.get(engine_id) is not None
 
     def __iter__(self) -> Iterator[str]:
-        return iter([engine_id for engine_id in self._tokens if self.get(engine_id) is not None])
+        return iter([engine_id for engine_id in self._waiting if self.get(engine_id) is not None])
 
     def __len__(self) -> int:
         return sum(1 for _ in self)

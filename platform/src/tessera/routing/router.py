@@ -1,5 +1,6 @@
 """The gateway-side adapter around the pure policies: reads the registry and prefix index from Redis,
-keeps this process's in-flight counts, and asks the configured policy for a ranking.
+counts the requests in flight (its pod's shared table, or one of its own), and asks the configured policy for a
+ranking.
 
 Redis cost per request: one Lua call for the prefix lookup (only for policies that use it), which the
 gateway sends in the same round trip as the admission (see ``plan``/``decide``). The registry
@@ -26,7 +27,6 @@ from tessera.refresher import REFRESHER_IDLE_S, UsageRefresher
 from tessera.registry import EngineRecord, EngineRegistry
 from tessera.routing.local_feed import LocalIndexFeed
 from tessera.routing.local_index import LocalPrefixIndex
-from tessera.routing.local_loads import LocalLoads
 from tessera.routing.pod_in_flight import PodInFlight
 from tessera.routing.pod_view import PodEngines
 from tessera.routing.policies import make_policy, prepare_policy
@@ -105,23 +105,19 @@ Routed = tuple[RouteDecision, dict[str, EngineRecord]]
 class InFlight:
     """``with router.in_flight(engine_id, prefill_tokens) as flight:`` counts a request this process sent to
     an engine until it ends, and its prompt tokens to prefill there until ``flight.prefilled()`` (its first
-    token) or its end; the policies see both (fresher than heartbeats), and so do the pod's other workers
-    through ``pod`` (pod_in_flight.py), which then holds them instead of ``loads`` and ``pending``. The
-    prompt's dispatch and first token also go to ``clock`` (prefill_clock.py: the engine's prefill wait and the
-    fit), and its wait to the pod's table. A plain class: the request path pays no generator frame for it."""
+    token) or its end, in ``loads`` (pod_in_flight.py: the pod's table, whose other workers see them too, or a
+    one-worker gateway's private one), which the policies read (fresher than heartbeats). The prompt's
+    dispatch and first token also go to ``clock`` (prefill_clock.py: the engine's prefill wait and the fit),
+    and its wait to ``loads``. A plain class: the request path pays no generator frame for it."""
 
-    __slots__ = ("_clock", "_engine_id", "_isolated", "_loads", "_pending", "_pod", "_ticket", "_tokens")
+    __slots__ = ("_clock", "_engine_id", "_isolated", "_loads", "_ticket", "_tokens")
 
-    def __init__(self, loads: LocalLoads, engine_id: str, pending: dict[str, int],
-                 tokens: int = 0, pod: PodInFlight | None = None, clock: PrefillClock | None = None,
+    def __init__(self, loads: PodInFlight, engine_id: str, tokens: int = 0, clock: PrefillClock | None = None,
                  isolated: bool = False) -> None:
-        """``loads``: this process's requests in flight (local_loads.py; unused with ``pod``); ``isolated``: the
-        engine had nothing of the pod's to prefill as last seen (the fit's samples)."""
+        """``isolated``: the engine had nothing of the pod's to prefill as last seen (the fit's samples)."""
         self._loads = loads
         self._engine_id = engine_id
-        self._pending = pending
         self._tokens = tokens
-        self._pod = pod
         self._clock = clock
         self._isolated = isolated
         self._ticket = -1
@@ -130,12 +126,7 @@ class InFlight:
         clock, engine_id, tokens = self._clock, self._engine_id, self._tokens
         if clock is not None and tokens:
             self._ticket = clock.dispatch(engine_id, tokens, time.monotonic(), self._isolated)
-        if self._pod is not None:  # the pod's table is what the policies read: the dicts would go unread
-            self._pod.add(engine_id, 1, tokens, clock.done_at(engine_id) if clock is not None and tokens else None)
-            return self
-        self._loads.add(engine_id, 1)
-        if tokens:
-            self._pending[engine_id] = self._pending.get(engine_id, 0) + tokens
+        self._loads.add(engine_id, 1, tokens, clock.done_at(engine_id) if clock is not None and tokens else None)
         return self
 
     def prefilled(self) -> None:
@@ -153,23 +144,13 @@ class InFlight:
                 clock.first_token(self._engine_id, self._ticket, time.monotonic())
             else:
                 clock.drop(self._engine_id, self._ticket)
-        if self._pod is not None:
-            self._pod.add(self._engine_id, 0, -self._tokens,
-                          clock.done_at(self._engine_id) if clock is not None else None)
-        else:
-            left = self._pending[self._engine_id] - self._tokens
-            if left > 0:
-                self._pending[self._engine_id] = left
-            else:
-                del self._pending[self._engine_id]
+        self._loads.add(self._engine_id, 0, -self._tokens,
+                        clock.done_at(self._engine_id) if clock is not None else None)
         self._tokens = 0
 
     def __exit__(self, *_: object) -> None:
         self._settle(False)
-        if self._pod is not None:
-            self._pod.add(self._engine_id, -1, 0)
-            return
-        self._loads.add(self._engine_id, -1)
+        self._loads.add(self._engine_id, -1, 0)
 
 
 class Router:
@@ -185,7 +166,7 @@ class Router:
         local index's cap; ``feed_wire``: a lean connection for the local index feed's blocking reads alone
         (``LocalIndexFeed``'s ``wire``; never ``wire``, whose calls a blocking read would hold up); ``pod``: the
         pod's in-flight table (pod_in_flight.py), through which the policies see every worker's requests in
-        flight, not this one's alone (None: this process's own)."""
+        flight, not this one's alone (None: a table of this process's own, ``PodInFlight.private``)."""
         if index_source not in INDEX_SOURCES:
             raise ValueError(f"unknown prefix index source {index_source!r}; valid: {', '.join(INDEX_SOURCES)}")
         self._registry = EngineRegistry(redis, wire=wire)
@@ -200,16 +181,16 @@ class Router:
         self._sweep_task: asyncio.Task[None] | None = None
         self._refresher = UsageRefresher("registry", self._read_registry,
                                          REGISTRY_CACHE_S if refresh_s is None else refresh_s, REFRESHER_IDLE_S)
-        self._in_flight = LocalLoads()
-        # engine id -> prompt tokens this process sent there that await their first token (InFlight.prefilled)
-        self._pending_prefill: dict[str, int] = {}
-        self._pod = pod
+        # Requests in flight per engine and their prompt tokens awaiting a first token: the pod's table, or this
+        # process's own one-row table (no file: freed with the router, not closed, as a request ending after the
+        # router's close still counts its end).
+        self._loads = pod if pod is not None else PodInFlight.private()
         # This process's prompts awaiting their first token, with dispatch times, and the prefill-time fit
         # learned from them (prefill_clock.py); and the pod's engines with prompts awaiting one as the last
         # decision read them (whether a dispatch is a sample of the fit: ``in_flight``).
         self._clock = PrefillClock()
         self._pod_pending: Mapping[str, int] = {}
-        self._pod_engines = PodEngines(())  # the pod table's view of the engines, at the last registry read
+        self._pod_engines = PodEngines(())  # the table's view of the engines, at the last registry read
         self._feed: LocalIndexFeed | None = None
         self._feed_task: asyncio.Task[None] | None = None
         if self._prefix_index is not None and index_source == "local":
@@ -264,11 +245,8 @@ class Router:
         started = time.monotonic()
         self._engines = await self._registry.live_engines()
         self._read_at = started
-        if self._pod is not None:
-            self._pod_engines = PodEngines((e.engine_id for e in self._engines),
-                                           {e.engine_id: e.load for e in self._engines})
-        else:
-            self._in_flight.heartbeats({e.engine_id: e.load for e in self._engines})
+        self._pod_engines = PodEngines((e.engine_id for e in self._engines),
+                                       {e.engine_id: e.load for e in self._engines})
         self._models = _model_views(self._engines)
         # What each decision until the next read needs, built here (by the refresher, off the request path), not
         # by the first request after the read: the policy's fleets and the local index's live-engine masks.
@@ -345,19 +323,11 @@ class Router:
             index = self._feed.index
             mask = self._live_mask(index, model, view) if current else index.live_mask(view.by_id)
             cached = index.longest_prefixes(plan.request.block_hashes, mask)
-        clock = self._clock
-        pending: Mapping[str, int]
-        waits: Mapping[str, float]
-        if self._pod is not None:
-            in_flight, pending, waits = self._pod.totals(self._pod_engines, time.monotonic())
-            self._pod_pending = pending
-        else:
-            # The live counts, not a copy: the policy runs to its answer without yielding, so they cannot
-            # change under it. Only the engines whose count is above their heartbeat's load: below it, no
-            # policy's view changes (local_loads.py).
-            in_flight, pending = self._in_flight.above_heartbeat, self._pending_prefill
-            waits = clock.waits(time.monotonic()) if clock.fit is not None else {}
-        snapshot = RouteSnapshot(view.views, cached, in_flight, pending, waits, clock.fit)
+        # The table's live sums, not copies: the policy runs to its answer without yielding, so they cannot
+        # change under it. Only the engines whose count is above their heartbeat's load (pod_view.py).
+        in_flight, pending, waits = self._loads.totals(self._pod_engines, time.monotonic())
+        self._pod_pending = pending
+        snapshot = RouteSnapshot(view.views, cached, in_flight, pending, waits, self._clock.fit)
         return self._policy(snapshot, plan.request), view.by_id
 
     def _live_mask(self, index: LocalPrefixIndex, model: str, view: _ModelView) -> int:
@@ -372,8 +342,7 @@ class Router:
         # A sample of the fit where neither this process nor (as the last decision read the table) the pod's
         # other workers have a prompt awaiting its first token there.
         isolated = self._clock.idle(engine_id) and engine_id not in self._pod_pending
-        return InFlight(self._in_flight, engine_id, self._pending_prefill, prefill_tokens, self._pod, self._clock,
-                        isolated)
+        return InFlight(self._loads, engine_id, prefill_tokens, self._clock, isolated)
 
     @property
     def prefill_clock(self) -> PrefillClock:

@@ -57,7 +57,7 @@ class RouteSnapshot(NamedTuple):
     cached_prefix_blocks: Mapping[str, int] = _NONE
     # engine_id -> requests this gateway routed there and has not seen finish (fresher than heartbeats); every
     # policy reads max(heartbeat load, this), so a router may leave out the engines at or under their heartbeat's
-    # load (routers do: local_loads.py for one worker, pod_view.py for a pod's).
+    # load (routers do: pod_view.py).
     local_in_flight: Mapping[str, int] = _NONE
     # engine_id -> prompt tokens of those requests not yet past their first token (fresher than heartbeats).
     local_pending_prefill_tokens: Mapping[str, int] = _NONE

@@ -1,4 +1,4 @@
-"""A one-worker router's requests in flight (routing/local_loads.py): the engines above their heartbeat's load
+"""Only the engines whose requests in flight exceed their heartbeat's load reach a policy (routing/pod_view.py):
 kept as requests start and end and found again at each registry read, and every policy's decision the same
 with only those as with every count."""
 
@@ -9,7 +9,8 @@ import random
 import pytest
 
 from tessera.routing import policies
-from tessera.routing.local_loads import LocalLoads
+from tessera.routing.pod_in_flight import PodInFlight
+from tessera.routing.pod_view import PodEngines
 from tessera.routing.policies import make_policy, policy_names
 from tessera.routing.snapshot import EngineView, RouteRequest, RouteSnapshot
 
@@ -19,45 +20,47 @@ def above(counts: dict[str, int], heartbeat: dict[str, int]) -> dict[str, int]:
 
 
 def test_the_engines_above_their_heartbeat_follow_every_start_end_and_registry_read() -> None:
+    """A one-worker router's own table (``PodInFlight.private``), as the router reads it at each decision."""
     rng = random.Random(7)
     engine_ids = [f"e{i}" for i in range(12)]
-    loads = LocalLoads()
+    loads = PodInFlight.private()
     counts: dict[str, int] = {}
     heartbeat: dict[str, int] = {}
+    engines = PodEngines(engine_ids, heartbeat)
     for step in range(3000):
         if step % 200 == 0:  # a registry read: heartbeats that caught up with some requests, missed others
             heartbeat = {e: rng.randrange(6) for e in engine_ids if rng.random() < 0.9}
-            loads.heartbeats(heartbeat)
+            engines = PodEngines(engine_ids, heartbeat)
         engine_id = rng.choice(engine_ids)
         if counts.get(engine_id) and rng.random() < 0.5:
             counts[engine_id] -= 1
             if not counts[engine_id]:
                 del counts[engine_id]
-            loads.add(engine_id, -1)
+            loads.add(engine_id, -1, 0)
         else:
             counts[engine_id] = counts.get(engine_id, 0) + 1
-            loads.add(engine_id, 1)
-        assert loads.counts == counts
-        assert loads.above_heartbeat == above(counts, heartbeat)
+            loads.add(engine_id, 1, 0)
+        assert dict(loads.totals(engines, 0.0).requests) == above(counts, heartbeat)
 
 
 def test_before_the_first_registry_read_every_count_is_above() -> None:
-    loads = LocalLoads()
-    loads.add("a", 1)
-    loads.add("a", 1)
-    assert loads.above_heartbeat == {"a": 2}
-    loads.heartbeats({"a": 2})
-    assert loads.above_heartbeat == {}
-    loads.add("a", 1)
-    assert loads.above_heartbeat == {"a": 3}
-    loads.add("a", -1)
-    loads.add("a", -2)
-    assert loads.counts == {} and loads.above_heartbeat == {}
+    loads = PodInFlight.private()
+    unread = PodEngines(["a"])  # a read without heartbeats: every load 0
+    loads.add("a", 1, 0)
+    loads.add("a", 1, 0)
+    assert dict(loads.totals(unread, 0.0).requests) == {"a": 2}
+    read = PodEngines(["a"], {"a": 2})
+    assert dict(loads.totals(read, 0.0).requests) == {}
+    loads.add("a", 1, 0)
+    assert dict(loads.totals(read, 0.0).requests) == {"a": 3}
+    loads.add("a", -1, 0)
+    loads.add("a", -2, 0)
+    assert dict(loads.totals(read, 0.0).requests) == {} and loads._own[0] == 0
 
 
 def test_every_policy_decides_the_same_with_only_the_engines_above_their_heartbeat(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    # The reason a one-worker router may leave the others out of the snapshot: each policy reads an engine's
+    # The reason a router may leave the others out of the snapshot: each policy reads an engine's
     # load as max(heartbeat, in flight). Two instances of each policy see the same requests, one every count,
     # the other only those above the heartbeat; their random tie-breaks are seeded alike.
     unseeded = random.Random
