@@ -222,6 +222,9 @@ async def test_a_router_routes_around_the_requests_another_worker_has_in_flight(
     second = Router(redis, "least_loaded", pod=second_pod)
     request = RouteRequest(tenant="t", model=model, num_prompt_tokens=10, block_hashes=())
     try:
+        # The registry read hands its engines to the table's view then, not to the next decision to do.
+        await first.num_live_engines()
+        assert first_pod._view.engines is first._pod_engines and len(first._pod_engines.key_of) >= 2
         busy = (await first.route(request))[0].ranked[0]
         idle = b if busy == a else a
         with first.in_flight(busy), first.in_flight(busy):

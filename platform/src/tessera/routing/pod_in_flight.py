@@ -195,6 +195,12 @@ class PodInFlight:
         own[base + 3] = at
         own[_WRITTEN] = signed32(written + 1)
 
+    def use(self, engines: PodEngines) -> None:
+        """The engines of a registry read, for the sums by id from now on (O(engines in flight)): called at the
+        read, off the request path, so the next decision does not pay for it."""
+        if engines is not self._view.engines:
+            self._view.use(engines)
+
     def totals(self, engines: PodEngines, now_s: float) -> PodTotals:
         """The pod's requests (where above the engine's heartbeat load), prefill tokens and prefill wait (seconds
         from ``now_s``, a ``time.monotonic()`` reading) per engine, every row summed, for the engines of

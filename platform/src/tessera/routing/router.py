@@ -247,6 +247,7 @@ class Router:
         self._read_at = started
         self._pod_engines = PodEngines((e.engine_id for e in self._engines),
                                        {e.engine_id: e.load for e in self._engines})
+        self._loads.use(self._pod_engines)
         self._models = _model_views(self._engines)
         # What each decision until the next read needs, built here (by the refresher, off the request path), not
         # by the first request after the read: the policy's fleets and the local index's live-engine masks.
