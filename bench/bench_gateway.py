@@ -102,7 +102,8 @@ async def one_gateway(session: aiohttp.ClientSession, url: str, key: str, n: int
 async def phase(rate: float, length: int, engine_url: str, gateway_url: str, key: str, ids: list[int],
                 gateway_proc: psutil.Process) -> dict[str, Any]:
     rng = random.Random(int(rate * 1000) + length)
-    schedule, t = [], 0.0
+    schedule: list[float] = []
+    t = 0.0
     while t < PHASE_S or len(schedule) < MIN_PHASE_REQUESTS:
         t += rng.expovariate(rate)
         schedule.append(t)
@@ -148,7 +149,7 @@ async def main_async(engine_url: str, gateway_url: str, key: str, ids: list[int]
     return phases, await chunk_cost(gateway_url, key, proc, "tessera-small")
 
 
-async def chunk_cost(gateway_url: str, key: str, proc: psutil.Process, model: str) -> dict[str, float]:
+async def chunk_cost(gateway_url: str, key: str, proc: psutil.Process, model: str) -> dict[str, Any]:
     """Gateway CPU per streamed chunk from sequential requests that differ only in length: each long stream
     is followed by a short one and an idle wait that make up the same wall time, so (CPU long - CPU short) /
     (chunks long - chunks short) holds neither per-request cost (the mixed phases' least-squares split
@@ -275,13 +276,13 @@ def main() -> None:
     print_chunk_costs(costs)
     print(f"Least-squares split over the mixed phases: {per_request_s * 1e3:.3f} ms per request + "
           f"{per_chunk_s * 1e3:.4f} ms per chunk, beside {idle_ms_per_s:.2f} ms per second of idle background")
-    path = write_results("gateway", {"phases": [{k: v for k, v in p.items() if k != "results"} for p in phases],
+    results_path = write_results("gateway", {"phases": [{k: v for k, v in p.items() if k != "results"} for p in phases],
                                      "summary": summary, "added": added,
                                      "gateway_cpu_ms_per_request": per_request_s * 1e3,
                                      "gateway_cpu_ms_per_chunk": per_chunk_s * 1e3,
                                      "gateway_idle_cpu_ms_per_s": idle_ms_per_s,
                                      "chunk_costs": costs})
-    print(f"results: {path}")
+    print(f"results: {results_path}")
 
 
 if __name__ == "__main__":
