@@ -41,6 +41,7 @@ run: install
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/mypy --config-file pyproject.toml
+	$(BIN)/mypy --config-file pyproject.toml bench
 
 # Two xdist workers overlap the suite's waits (engines starting, streams decoding); tests/support/parallel.py
 # keeps each shared engine in one worker and Ray tests in one. PYTEST_WORKERS=0 runs it in one process.

@@ -158,8 +158,8 @@ async def bench_spans() -> dict[str, dict[str, float]]:
     tracer = provider.get_tracer("bench")
     request_attributes = {"tessera.request_id": "r1", "tessera.tenant": "t", "gen_ai.request.model": "m",
                           "http.route": "/v1/completions"}
-    child_attributes = {"tessera.engine": "e1", "tessera.cached_tokens": 64, "tessera.decision": "admit",
-                        "tessera.reason": "prefix"}
+    child_attributes: dict[str, str | int] = {"tessera.engine": "e1", "tessera.cached_tokens": 64,
+                                              "tessera.decision": "admit", "tessera.reason": "prefix"}
     pending: list[LateTrace] = []
 
     def late_note() -> None:

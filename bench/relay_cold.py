@@ -81,7 +81,8 @@ def gateway_relay(per_token: bool, native: bool = True) -> tuple[Callable[[bytes
     cycle = RequestResponseCycle(scope, client, FlowControl(client), logging.getLogger("relay_cold"),  # type: ignore[arg-type]
                                  logging.getLogger("relay_cold.access"), False, [], asyncio.Event(), False, True,
                                  lambda: None)
-    out = SSEOut(cycle.send, ChunkWriter(True, "chatcmpl-relay", "tessera-small", 1_700_000_000), 1, [])
+    out = SSEOut(cycle.send, ChunkWriter(True, "chatcmpl-relay", "tessera-small", 1_700_000_000), 1,  # type: ignore[arg-type]
+                 [])
     conn = _Connection()
     conn.connection_made(CountingTransport())  # type: ignore[arg-type]
     conn.data_received(ENGINE_HEAD)
