@@ -295,3 +295,16 @@ def test_a_writer_lapping_the_ring_during_a_read_makes_the_reader_copy_the_row(t
         reader._rows[writer.row] = ints
     assert row.lapped
     assert requests == {**{f"engine-{i}": 1 for i in range(10)}, "engine-30": 4}
+
+
+def test_a_private_table_counts_without_change_records() -> None:
+    """A one-worker gateway's own table: the same sums, and no ring writes (no other process reads them)."""
+    loads = PodInFlight.private()
+    engines = PodEngines(ENGINES)
+    loads.add("engine-0", 1, 100, NOW_S + 0.5)
+    loads.add("engine-1", 2, 0)
+    requests, tokens, waits = loads.totals(engines, NOW_S)
+    assert dict(requests) == {"engine-0": 1, "engine-1": 2} and dict(tokens) == {"engine-0": 100}
+    assert waits["engine-0"] == pytest.approx(0.5, abs=2e-6)
+    assert loads._own[2] == 0  # records written
+    loads.close()

@@ -119,7 +119,7 @@ class PodInFlight:
     @classmethod
     def private(cls) -> PodInFlight:
         """A table of one row in this process's memory alone, no file and no lock: a one-worker gateway's counts,
-        kept and read as a pod worker's are (its ring written and never read)."""
+        kept and read as a pod worker's are (no ring: no other process reads it)."""
         return cls(-1, mmap.mmap(-1, ROW_BYTES), 0, 1, ("", -1))
 
     def add(self, engine_id: str, requests: int, tokens: int, prefilled_at_s: float | None = None) -> None:
@@ -186,6 +186,8 @@ class PodInFlight:
         """An entry's new state: into this worker's own sums, then the ring, then counted (readers read the
         count first, so they never apply a record before it is whole)."""
         self._view.set(self.row, key, requests, tokens, at)
+        if self._fd < 0:
+            return  # a private table (``private()``): no other process reads its ring
         own = self._own
         written = own[_WRITTEN]
         base = _LOG_AT + (written % LOG_RECORDS) * INTS_PER_ENTRY
