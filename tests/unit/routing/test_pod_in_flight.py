@@ -67,16 +67,16 @@ def test_each_workers_prefill_wait_is_summed_from_the_shared_clock(pods: tuple[P
     first, second = pods
     now = 1_000.0
     first.add("engine-a", 1, 300)
-    first.set_prefilled_at("engine-a", now + 0.040)
+    first.add("engine-a", 0, 0, now + 0.040)
     second.add("engine-a", 1, 1000)
-    second.set_prefilled_at("engine-a", now + 0.100)
+    second.add("engine-a", 0, 0, now + 0.100)
     second.add("engine-b", 1, 200)
-    second.set_prefilled_at("engine-b", now - 0.010)  # due already (late): no wait, never a negative one
+    second.add("engine-b", 0, 0, now - 0.010)  # due already (late): no wait, never a negative one
     first.add("engine-c", 1, 0)
-    first.set_prefilled_at("engine-c", now + 5.0)  # nothing of it to prefill: no wait either
+    first.add("engine-c", 0, 0, now + 5.0)  # nothing of it to prefill: no wait either
     waits = first.totals(KEYS, now).waits
     assert waits.keys() == {"engine-a"} and waits["engine-a"] == pytest.approx(0.140, abs=2e-6)
-    second.set_prefilled_at("engine-a", 0.0)  # not known (no fit yet): counts nothing
+    second.add("engine-a", 0, 0, 0.0)  # not known (no fit yet): counts nothing
     assert first.totals(KEYS, now).waits["engine-a"] == pytest.approx(0.040, abs=2e-6)
     first.add("engine-a", 0, -300)  # prefilled: its stamp no longer counts
     assert "engine-a" not in second.totals(KEYS, now).waits
@@ -89,7 +89,7 @@ def test_a_wait_reads_right_across_the_stamps_wrap(pods: tuple[PodInFlight, PodI
     wrap_s = 2 ** 32 / 1e6
     now = 7 * wrap_s - 0.002
     first.add("engine-a", 1, 100)
-    first.set_prefilled_at("engine-a", 7 * wrap_s + 0.003)
+    first.add("engine-a", 0, 0, 7 * wrap_s + 0.003)
     assert first.totals(KEYS, now).waits["engine-a"] == pytest.approx(0.005, abs=2e-6)
 
 
@@ -97,7 +97,7 @@ def test_an_entry_moved_in_the_row_keeps_its_wait(pods: tuple[PodInFlight, PodIn
     first, _ = pods
     first.add("engine-a", 1, 0)
     first.add("engine-b", 1, 500)
-    first.set_prefilled_at("engine-b", 10.25)
+    first.add("engine-b", 0, 0, 10.25)
     first.add("engine-a", -1, 0)  # engine-b's entry takes engine-a's place
     assert first.totals(KEYS, 10.0).waits == pytest.approx({"engine-b": 0.25}, abs=2e-6)
 
@@ -224,7 +224,7 @@ async def test_a_router_routes_around_the_requests_another_worker_has_in_flight(
     try:
         # The registry read hands its engines to the table's view then, not to the next decision to do.
         await first.num_live_engines()
-        assert first_pod._view.engines is first._pod_engines and len(first._pod_engines.key_of) >= 2
+        assert first_pod._view.engines is first._counted_engines and len(first._counted_engines.by_key) >= 2
         busy = (await first.route(request))[0].ranked[0]
         idle = b if busy == a else a
         with first.in_flight(busy), first.in_flight(busy):

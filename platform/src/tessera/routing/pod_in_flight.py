@@ -124,7 +124,8 @@ class PodInFlight:
 
     def add(self, engine_id: str, requests: int, tokens: int, prefilled_at_s: float | None = None) -> None:
         """Adds to this worker's counts for ``engine_id`` (negative to take away), and with ``prefilled_at_s`` sets
-        when its prompts there should be prefilled (as ``set_prefilled_at``) in the same record."""
+        when its prompts there should all be prefilled (``time.monotonic()`` seconds; 0.0: not known) in the same
+        record. An engine without an entry here gets one only for a positive count (nothing to record else)."""
         own = self._own
         position = self._positions.get(engine_id)
         if position is None:
@@ -175,12 +176,6 @@ class PodInFlight:
         self._record(key, 0, 0, 0)
         if position != last:
             self._record(moved_key, own[base + 1], own[base + 2], own[base + 3])
-
-    def set_prefilled_at(self, engine_id: str, at_s: float) -> None:
-        """When this worker's prompts at ``engine_id`` should all be prefilled (``time.monotonic()`` seconds;
-        0.0: not known). A no-op for an engine without an entry (nothing in flight, or the row full)."""
-        if engine_id in self._positions:
-            self.add(engine_id, 0, 0, at_s)
 
     def _record(self, key: int, requests: int, tokens: int, at: int) -> None:
         """An entry's new state: into this worker's own sums, then the ring, then counted (readers read the

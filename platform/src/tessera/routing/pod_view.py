@@ -56,16 +56,15 @@ class PodTotals(NamedTuple):
 
 class PodEngines:
     """A registry read's engines as the view needs them, built at the read (off the request path): entry key ->
-    engine id and back, and each engine's heartbeat load. Two ids with one key (a CRC-32 collision) count as the
+    engine id, and each engine's heartbeat load. Two ids with one key (a CRC-32 collision) count as the
     later one, both ways."""
 
-    __slots__ = ("by_key", "heartbeat", "key_of")
+    __slots__ = ("by_key", "heartbeat")
 
     def __init__(self, engine_ids: Iterable[str], heartbeat_loads: Mapping[str, int] | None = None) -> None:
         loads = heartbeat_loads or {}
         self.by_key: dict[int, str] = {engine_key(engine_id): engine_id for engine_id in engine_ids}
-        self.key_of: dict[str, int] = {engine_id: key for key, engine_id in self.by_key.items()}
-        self.heartbeat: dict[str, int] = {engine_id: loads.get(engine_id, 0) for engine_id in self.key_of}
+        self.heartbeat: dict[str, int] = {engine_id: loads.get(engine_id, 0) for engine_id in self.by_key.values()}
 
 
 # An entry's state as a row's record gives it: (requests, prompt tokens, prefilled-at stamp).

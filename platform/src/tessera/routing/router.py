@@ -186,11 +186,11 @@ class Router:
         # router's close still counts its end).
         self._loads = pod if pod is not None else PodInFlight.private()
         # This process's prompts awaiting their first token, with dispatch times, and the prefill-time fit
-        # learned from them (prefill_clock.py); and the pod's engines with prompts awaiting one as the last
+        # learned from them (prefill_clock.py); and the engines with the pod's prompts awaiting one as the last
         # decision read them (whether a dispatch is a sample of the fit: ``in_flight``).
         self._clock = PrefillClock()
-        self._pod_pending: Mapping[str, int] = {}
-        self._pod_engines = PodEngines(())  # the table's view of the engines, at the last registry read
+        self._pending_tokens: Mapping[str, int] = {}
+        self._counted_engines = PodEngines(())  # the counts' engines, at the last registry read
         self._feed: LocalIndexFeed | None = None
         self._feed_task: asyncio.Task[None] | None = None
         if self._prefix_index is not None and index_source == "local":
@@ -245,9 +245,9 @@ class Router:
         started = time.monotonic()
         self._engines = await self._registry.live_engines()
         self._read_at = started
-        self._pod_engines = PodEngines((e.engine_id for e in self._engines),
+        self._counted_engines = PodEngines((e.engine_id for e in self._engines),
                                        {e.engine_id: e.load for e in self._engines})
-        self._loads.use(self._pod_engines)
+        self._loads.use(self._counted_engines)
         self._models = _model_views(self._engines)
         # What each decision until the next read needs, built here (by the refresher, off the request path), not
         # by the first request after the read: the policy's fleets and the local index's live-engine masks.
@@ -326,8 +326,8 @@ class Router:
             cached = index.longest_prefixes(plan.request.block_hashes, mask)
         # The table's live sums, not copies: the policy runs to its answer without yielding, so they cannot
         # change under it. Only the engines whose count is above their heartbeat's load (pod_view.py).
-        in_flight, pending, waits = self._loads.totals(self._pod_engines, time.monotonic())
-        self._pod_pending = pending
+        in_flight, pending, waits = self._loads.totals(self._counted_engines, time.monotonic())
+        self._pending_tokens = pending
         snapshot = RouteSnapshot(view.views, cached, in_flight, pending, waits, self._clock.fit)
         return self._policy(snapshot, plan.request), view.by_id
 
@@ -342,7 +342,7 @@ class Router:
     def in_flight(self, engine_id: str, prefill_tokens: int = 0) -> InFlight:
         # A sample of the fit where neither this process nor (as the last decision read the table) the pod's
         # other workers have a prompt awaiting its first token there.
-        isolated = self._clock.idle(engine_id) and engine_id not in self._pod_pending
+        isolated = self._clock.idle(engine_id) and engine_id not in self._pending_tokens
         return InFlight(self._loads, engine_id, prefill_tokens, self._clock, isolated)
 
     @property
