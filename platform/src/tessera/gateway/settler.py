@@ -1,8 +1,15 @@
 """The settler: bills the requests whose gateway died before it billed them (tenancy/settlement.py).
 
 It runs in every gateway worker, on a slow timer (``settle_interval_s``); a Redis lock, held for the length
-of a pass, keeps two workers from making the same pass at once (a pass that finds nothing due is one read).
-The lock only saves work: finish.lua bills each lease once, whoever asks and however often.
+of a pass, keeps two workers from making the same pass at once. The lock only saves work: finish.lua bills each
+lease once, whoever asks and however often.
+
+A pass first asks whether anything is due (``Admission.any_due``: one round trip over the worker's lean
+connection) and takes the lock only then, which is rarely: a ticket comes due only when its gateway died. Its
+timer falls on the worker's one-second grid (the server's tick and the caches' refreshers wake on it), so an
+idle worker wakes once for all of them. Before both, each pass took the lock, read Redis's clock, read the
+due set and released the lock, four redis-py round trips on a wake-up of its own every 2.5-5 s: ~0.5 ms/s of
+an idle two-worker gateway's ~1.4 (docs/performance.md, section 9).
 
 Why the gateways and not the KV-eviction controller: wherever requests are admitted gateways run, so a settler
 runs too (the controller is optional, one replica, and absent from ``tessera up`` without KV control); a dead
@@ -19,6 +26,7 @@ import asyncio
 import logging
 import random
 import secrets
+import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING
@@ -41,6 +49,17 @@ LOCK_TTL_MS = 60_000
 _RELEASE_LUA = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
 # Tickets read and billed per round trip; a pass goes on until fewer are due.
 BATCH = 200
+# The step of the grid the passes fall on (monotonic seconds): lean_server's tick and refresher.py's timers.
+GRID_S = 1.0
+
+
+def next_pass_in(now: float, interval_s: float, fraction: float) -> float:
+    """Seconds from ``now`` (monotonic) to the next pass: ``fraction`` of the interval (drawn from [0.5, 1.0), so
+    the workers do not all ask at once), then on to the grid's next instant (its step the interval where that is
+    shorter than ``GRID_S``)."""
+    step = min(GRID_S, interval_s)
+    at = now + interval_s * fraction
+    return at + (-at % step) - now
 
 
 @dataclass(slots=True)
@@ -68,11 +87,12 @@ class Settler:
         self._token = secrets.token_hex(8)
 
     async def run(self) -> None:
-        """Tries a pass every ``interval_s`` (jittered, so the workers do not all ask at once) until cancelled."""
+        """Tries a pass every ``interval_s`` or so (``next_pass_in``) until cancelled."""
         while True:
-            await asyncio.sleep(self.interval_s * random.uniform(0.5, 1.0))
+            await asyncio.sleep(next_pass_in(time.monotonic(), self.interval_s, random.uniform(0.5, 1.0)))
             try:
-                if await self._redis.set(LOCK_KEY, self._token, nx=True, px=LOCK_TTL_MS):
+                if (await self._admission.any_due(self.grace_s)
+                        and await self._redis.set(LOCK_KEY, self._token, nx=True, px=LOCK_TTL_MS)):
                     try:
                         await self.settle_due()
                     finally:

@@ -1,0 +1,31 @@
+"""The settler's timer (gateway/settler.py ``next_pass_in``): a pass falls on the workers' one-second grid, where
+the server's tick already wakes the process, within the jittered interval."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from tessera.gateway.settler import GRID_S, next_pass_in
+
+
+@pytest.mark.parametrize("now", [0.0, 0.25, 1234.5678, 98765.999999])
+@pytest.mark.parametrize("fraction", [0.5, 0.73, 0.999])
+def test_a_pass_falls_on_the_grid_within_the_interval_and_a_step(now: float, fraction: float) -> None:
+    wait = next_pass_in(now, 5.0, fraction)
+    at = now + wait
+    assert abs(at - round(at / GRID_S) * GRID_S) < 1e-6  # on the grid
+    assert 5.0 * fraction - 1e-9 <= wait < 5.0 * fraction + GRID_S
+
+
+def test_an_interval_shorter_than_the_grid_is_its_own_step() -> None:
+    wait = next_pass_in(10.03, 0.1, 0.5)
+    assert 0.05 <= wait < 0.15 and math.isclose((10.03 + wait) / 0.1, round((10.03 + wait) / 0.1), abs_tol=1e-6)
+
+
+def test_two_workers_drawing_apart_seldom_ask_in_the_same_second() -> None:
+    # The draw spreads a pass over the whole seconds of half the interval (2.5-5 s of 5 s: 102.7-105.2, four).
+    instants = [round(100.2 + next_pass_in(100.2, 5.0, f / 100)) for f in range(50, 100)]
+    assert sorted(set(instants)) == [103, 104, 105, 106]
+    assert max(instants.count(i) for i in set(instants)) <= 20
