@@ -4,6 +4,7 @@ A tenant sees only its own models and its own usage."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import Iterator
@@ -25,13 +26,20 @@ OTHER_MODEL = "tenancy-other"
 
 
 @pytest.fixture(scope="module")
-async def other_model(tenancy_redis: RestartableRedis, tenancy_engine: EngineHost) -> None:
-    """A second catalog entry (what an engine of another model registers), so /v1/models can be filtered."""
+async def other_model(tenancy_redis: RestartableRedis, tenancy_engine: EngineHost, client: httpx.Client,
+                      tenant: TenantHandle) -> None:
+    """A second catalog entry (what an engine of another model registers), so /v1/models can be filtered; ready once
+    the client's gateway has read it: a name its copy lacks re-reads the catalog at most once a second
+    (gateway/models.py ``MISS_REREAD_S``), and the tenant, allowed only MODEL, then gets 403 for it, not 404."""
     redis = connect(tenancy_redis.url, timeout_s=5.0)
     try:
         await register_model(redis, ModelInfo(OTHER_MODEL, tenancy_engine.config.tokenizer_path, 1024, 32))
     finally:
         await redis.aclose()
+    deadline = time.monotonic() + 10
+    while post(client, tenant, {**completion_body(), "model": OTHER_MODEL}).status_code == 404:
+        assert time.monotonic() < deadline, "the gateway never read the second model's record"
+        await asyncio.sleep(0.1)
 
 
 @pytest.fixture(scope="module")

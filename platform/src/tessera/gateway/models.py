@@ -29,6 +29,11 @@ CATALOG_REFRESH_S = 5.0
 CATALOG_MAX_AGE_S = 15.0
 # How long a model record that failed to load waits before this gateway tries the same record again.
 RETRY_UNLOADABLE_S = 30.0
+# A request naming a model the copy lacks re-reads the catalog at once (a model registered since the last read is
+# served on its first request), but at most once in this long, seconds: the name is checked before admission, so no
+# tenant limit counts such requests, and each one re-read Redis (a tenant over its rate limit sending made-up names
+# made the gateway read Redis as fast as it sent them). A model registered meanwhile waits at most this long.
+MISS_REREAD_S = 1.0
 
 
 # Prompts repeat (a client's fixed system prompt and question set, a benchmark's prompt, retries): the token
@@ -233,6 +238,7 @@ class ModelCatalog:
         self._unloadable: dict[str, tuple[ModelInfo, str, float]] = {}
         self._max_age_s = max_age_s
         self._refreshed_at = -max_age_s
+        self._missed_at = -MISS_REREAD_S  # when a request last re-read the catalog for a name it lacked
         self.refresher = UsageRefresher("model catalog", self.refresh, refresh_s)
 
     async def refresh(self) -> None:
@@ -290,7 +296,12 @@ class ModelCatalog:
     async def get(self, name: str) -> ServedModel | None:
         await self._current()
         if name not in self._models and name not in self._unloadable:
-            await self.refresh()  # a model registered since the last read (a broken one waits for the refresher)
+            # A model registered since the last read (a broken one waits for the refresher); at most one such
+            # re-read in MISS_REREAD_S, however many requests name models nobody serves.
+            now = time.monotonic()
+            if now - self._missed_at >= MISS_REREAD_S:
+                self._missed_at = now
+                await self.refresh()
         return self._models.get(name)
 
     async def names(self) -> list[str]:
