@@ -36,6 +36,15 @@ def redis_server() -> Iterator[EmbeddedRedis]:
     server.stop()
 
 
+@pytest.fixture(scope="module")
+def own_redis() -> Iterator[EmbeddedRedis]:
+    """A Redis of the test module's own: for tests that read what the whole server holds or counts (command
+    statistics, global keys), which the session's shared one mixes with other tests'."""
+    server = EmbeddedRedis().start()
+    yield server
+    server.stop()
+
+
 @pytest.fixture(scope="session")
 def small_model_dir() -> Path:
     """The default small model, generated once per checkout (deterministic from its seed)."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 
 import pytest
 import redis.asyncio as aioredis
@@ -20,13 +20,6 @@ from tessera.tenancy.policy import TenantPolicy
 from tests.support.poll import async_wait_until
 
 POLICY = TenantPolicy(token_budget=100_000, budget_period="day", tokens_per_minute=100_000)
-
-
-@pytest.fixture(scope="module")
-def own_redis() -> Iterator[EmbeddedRedis]:
-    server = EmbeddedRedis().start()
-    yield server
-    server.stop()
 
 
 @pytest.fixture

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import AsyncIterator, Iterable, Iterator
+from collections.abc import AsyncIterator, Iterable
 
 import pytest
 import redis.asyncio as aioredis
@@ -22,13 +22,6 @@ from tessera.routing.router import InFlight, Router, engine_view
 from tessera.routing.snapshot import EngineView, RouteRequest
 
 MODEL = "m"
-
-
-@pytest.fixture(scope="module")
-def own_redis() -> Iterator[EmbeddedRedis]:
-    server = EmbeddedRedis().start()
-    yield server
-    server.stop()
 
 
 @pytest.fixture
