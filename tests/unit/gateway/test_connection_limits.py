@@ -4,6 +4,8 @@ transport that records what it was sent: each limit crossed by one byte, and wha
 from __future__ import annotations
 
 import asyncio
+import time
+from email.utils import parsedate_to_datetime
 from typing import Any
 
 import orjson
@@ -290,3 +292,16 @@ def test_limits_below_one_are_refused() -> None:
         ConnectionLimits(max_url_bytes=1, max_header_bytes=1, header_timeout_s=1, max_connections=1, max_in_flight=0)
     with pytest.raises(ValueError, match="header_timeout_s"):
         ConnectionLimits(max_url_bytes=1, max_header_bytes=1, header_timeout_s=0, max_connections=1, max_in_flight=1)
+
+
+async def test_a_response_is_dated_to_the_second_between_the_servers_ticks() -> None:
+    # The gateway's server ticks every two seconds (lean_server.SERVER_TICK_S); uvicorn dates responses from the
+    # default headers its tick refreshed. Left as the last tick dated them, a response could be two seconds old.
+    stack = Stack()
+    stack.state.default_headers = [(b"date", b"Thu, 01 Jan 1970 00:00:00 GMT")]
+    protocol, transport = stack.connect()
+    protocol.data_received(b"GET /dated HTTP/1.1\r\nhost: x\r\n\r\n")
+    await async_wait_until(lambda: b"\r\n\r\nok" in transport.sent, 5.0, "the response")
+    head = bytes(transport.sent).split(b"\r\n\r\n")[0].decode()
+    (date,) = [line.split(": ", 1)[1] for line in head.split("\r\n") if line.lower().startswith("date:")]
+    assert abs(parsedate_to_datetime(date).timestamp() - time.time()) <= 2.0, date

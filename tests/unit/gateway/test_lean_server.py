@@ -1,5 +1,5 @@
-"""The gateway workers' uvicorn Server: one housekeeping tick a second, the date header still refreshed on
-each, a shutdown noticed within a tick."""
+"""The gateway workers' uvicorn Server: one housekeeping tick every two seconds (one where a short stall limit
+needs it), the date header still refreshed on each, a shutdown signal noticed at once."""
 
 from __future__ import annotations
 
@@ -78,10 +78,30 @@ async def test_each_tick_writes_the_requests_completed_since_the_last_to_the_met
 
 
 def test_the_ticks_fall_on_the_refreshers_grid() -> None:
-    """The refreshers wake at multiples of their period; the server's 1 s tick is one of them."""
+    """The refreshers wake at multiples of their period (1 s); every server tick is one of those instants."""
     from tessera.routing.router import REGISTRY_CACHE_S
 
-    assert REGISTRY_CACHE_S % lean_server.SERVER_TICK_S == 0
+    for limit_s in (0.0, 2.0, 5.0, 10.0, 60.0):
+        assert lean_server.tick_period_s(limit_s) % REGISTRY_CACHE_S == 0
+
+
+@pytest.mark.parametrize(("limit_s", "period_s"), [(0.0, 2.0), (10.0, 2.0), (8.0, 2.0), (7.9, 1.0), (5.0, 1.0),
+                                                   (1.0, 1.0)])
+def test_the_tick_beats_at_least_four_times_within_the_stall_limit_where_it_can(limit_s: float,
+                                                                                 period_s: float) -> None:
+    assert lean_server.tick_period_s(limit_s) == period_s
+
+
+async def test_a_shutdown_signal_ends_the_ticks_sleep_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(lean_server, "tick_period_s", lambda _limit_s: 60.0)  # the next tick a minute away
+    server = LeanServer(uvicorn.Config(app=lambda *_: None), watch_in_thread=False)
+    server.server_state.default_headers = []
+    loop = asyncio.ensure_future(server.main_loop())
+    await asyncio.sleep(0.2)
+    signalled = time.monotonic()
+    server.handle_exit(15, None)  # SIGTERM, as uvicorn's signal handler calls it
+    await asyncio.wait_for(loop, 5.0)  # (without the wake-up: the minute's sleep, and a timeout here)
+    assert time.monotonic() - signalled < 1.0
 
 
 def test_a_worker_makes_its_server_before_its_ping_thread_can(monkeypatch: pytest.MonkeyPatch) -> None:

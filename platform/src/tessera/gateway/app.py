@@ -213,7 +213,7 @@ class Gateway:
         await respond(send, 200, report, request_id)
 
     def _each_tick(self) -> None:
-        """The server's tick (once a second, lean_server.py): the metrics' flush, and the request spans' lines,
+        """The server's tick (every two seconds, lean_server.py): the metrics' flush, and the request spans' lines,
         which the tick writes from its first call on instead of a thread of their own (span_lines.py)."""
         self.metrics.flush()
         if (lines := span_lines()) is not None:

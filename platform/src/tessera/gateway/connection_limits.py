@@ -47,6 +47,7 @@ from uvicorn.server import ServerState
 from tessera.asgi import Receive, Scope, Send
 from tessera.gateway.errors import error_body
 from tessera.gateway.metrics import metrics_app
+from tessera.gateway.response_date import RESPONSE_DATE
 
 # A connection refused before its head was complete closes this long after its answer, seconds (see the
 # module docstring).
@@ -91,7 +92,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol within ``ConnectionLimits``; uvicorn builds one per connection
     (``launch.py`` passes it as ``http=`` with the limits bound).
 
-    NOTE: it overrides two methods only, ``data_received`` and ``on_headers_complete``: each parser callback
+    NOTE: it overrides two methods only, ``data_received`` and ``on_headers_complete`` (which also dates the
+    response: response_date.py): each parser callback
     overridden in Python costs a call per request or per header (``make bench-flood`` prints the protocol's
     CPU per request beside uvicorn's). Whether a head is incomplete is read from uvicorn's own state: a
     message began (``on_message_begin`` made a new ``scope``) that no request cycle holds yet."""
@@ -162,6 +164,9 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         if app is self._connection_app and (self._over_cap or len(self.tasks) >= self._limits.max_in_flight):
             app = self._answer_busy
         self._num_head_bytes_low = self._num_head_bytes_high = 0
+        # The response's date to the second: the server ticks every two seconds (response_date.py). Before uvicorn's
+        # request cycle copies the default headers.
+        RESPONSE_DATE.refresh(self.server_state, self.config)
         # uvicorn's on_headers_complete starts ``self.app`` for the request.
         self.app = app
         super().on_headers_complete()
@@ -222,6 +227,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             self.transport.close()
             return
         self.transport.pause_reading()
+        RESPONSE_DATE.refresh(self.server_state, self.config)
         self.transport.write(raw_error_response(status, code, message, self.server_state.default_headers))
         if self.transport.can_write_eof():
             self.transport.write_eof()

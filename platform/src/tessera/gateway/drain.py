@@ -6,7 +6,7 @@ new connections) each worker of ``tessera gateway``:
 1. begins draining at the signal itself (``LeanServer.handle_exit``): ``/ready`` answers 503 ``draining``
    and a new generation request is refused with 503 ``gateway_draining`` and ``Retry-After`` (a client
    retries it on a new connection, which lands on another pod);
-2. within one server tick (``lean_server.SERVER_TICK_S``) stops accepting: uvicorn closes the listening
+2. at once (the signal ends the server tick's sleep, ``lean_server``) stops accepting: uvicorn closes the listening
    socket (with ``--workers`` > 1 the supervisor closes its copy too, ``lean_server.LeanSupervisor``, so a
    new connection is refused rather than left in the kernel's backlog), closes idle keep-alive connections
    and lets each open response finish on a connection that then closes;

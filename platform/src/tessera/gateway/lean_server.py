@@ -1,13 +1,21 @@
-"""uvicorn's ``Server`` for the gateway's workers, waking once a second rather than ten times.
+"""uvicorn's ``Server`` for the gateway's workers, waking every two seconds rather than ten times a second.
 
 uvicorn's main loop ticks every 0.1 s, so an idle worker wakes ten times a second (about 1.3 ms/s of CPU on
 this project's VMs, more than everything else an idle gateway does). Its tick does three things:
 
-- refreshes the ``date`` header once a second: it still does, on every tick here, so the header is right to
-  the second as uvicorn's is;
-- notices a shutdown signal (uvicorn's handler only sets ``should_exit``): a worker now starts its graceful
-  shutdown within ``SERVER_TICK_S`` of SIGTERM/SIGINT instead of 0.1 s;
+- refreshes the ``date`` header once a second: it still does on every tick here, and between ticks the first
+  request head of each new second does (``response_date.py``), so the header is right to the second as
+  uvicorn's is;
+- notices a shutdown signal (uvicorn's handler only sets ``should_exit``): ``handle_exit`` wakes the loop
+  at once here, so a worker starts its graceful shutdown as SIGTERM/SIGINT comes, not at the next tick;
 - counts requests for ``limit_max_requests``, which the gateway does not set.
+
+Why two seconds (``SERVER_TICK_S``; one was the period until 2026-12-06): a tick is a wake-up, which on this
+project's VMs costs more CPU than the tick's work, and nothing the tick does needs it more often (the metrics
+and spans it writes are read every few seconds at best). Side by side at bench-stack's 4 req/s pace, two
+workers: ~0.15 ms a request and ~0.25 ms/s idle less (docs/performance.md, section 9). It stays a multiple of
+the refreshers' one-second grid, so a busy worker's tick shares their wake-up, and a short loop-stall limit
+(under four ticks) brings it back to one second (``tick_period_s``).
 
 It also drives the worker's drain (``drain.py``): the signal itself begins it (``/ready`` goes 503 before
 the listening socket closes), and uvicorn's graceful shutdown runs beside the cut at the deadline.
@@ -48,8 +56,19 @@ from tessera.gateway.metrics import FLUSH_STATE_KEY, gc_pause_exporter
 from tessera.settings import load_settings
 from tessera.telemetry.gc_heap import freeze_startup_heap, process_gc_pauses
 
-# A worker's housekeeping period (the date header, the shutdown check), seconds.
-SERVER_TICK_S = 1.0
+# A worker's housekeeping period (the date header, metrics, spans, the watchdog's beat), seconds: a multiple of
+# the refreshers' grid (refresher.py), so a busy worker's tick falls on their wake-up.
+SERVER_TICK_S = 2.0
+# The refreshers' grid step, and the tick where a short loop-stall limit needs beats more often than SERVER_TICK_S.
+GRID_S = 1.0
+
+
+def tick_period_s(stall_limit_s: float) -> float:
+    """The tick's period for a loop-stall limit (0: none): SERVER_TICK_S where the watchdog still sees at least four
+    beats within the limit, else GRID_S (the period before SERVER_TICK_S grew)."""
+    return SERVER_TICK_S if stall_limit_s <= 0 or stall_limit_s / 4 >= SERVER_TICK_S else GRID_S
+
+
 # uvicorn's ``on_tick`` refreshes the date header when its counter is a multiple of 10 (ten 0.1 s ticks).
 _TICKS_PER_DATE = 10
 _COUNTER_WRAP = 864_000
@@ -68,6 +87,9 @@ class LeanServer(uvicorn.Server):
         super().__init__(config)
         self.watchdog = LoopWatchdog(load_settings().loop_stall_limit_s)
         self._watch_in_thread = watch_in_thread
+        # The tick's sleep, which ``handle_exit`` ends early, and the loop it runs on.
+        self._wake: asyncio.Future[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets)
@@ -82,10 +104,15 @@ class LeanServer(uvicorn.Server):
         watchdog = self.watchdog
         watchdog.beat()
         stop_watching = watchdog.watch_in_thread() if self._watch_in_thread else None
+        period_s = tick_period_s(watchdog.limit_s)
+        self._loop = loop = asyncio.get_running_loop()
         try:
             should_exit = await self.on_tick(counter)
             while not should_exit:
-                await asyncio.sleep(SERVER_TICK_S - time.monotonic() % SERVER_TICK_S)
+                self._wake = wake = loop.create_future()
+                timer = loop.call_later(period_s - time.monotonic() % period_s, _resolve, wake)
+                await wake
+                timer.cancel()
                 if not self.should_exit:  # a signal came: the watchdog stays down (handle_exit)
                     watchdog.beat()
                 counter = (counter + _TICKS_PER_DATE) % _COUNTER_WRAP
@@ -103,12 +130,15 @@ class LeanServer(uvicorn.Server):
                 stop_watching()
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        # The signal handler: the drain (and its deadline) starts now, not at the next tick.
+        # The signal handler: the drain (and its deadline) starts now, and the tick's sleep ends, so uvicorn's
+        # graceful shutdown starts now too, not at the next tick.
         self.watchdog.disarm()
         drain = self._drain()
         if drain is not None:
             drain.begin()
         super().handle_exit(sig, frame)
+        if self._wake is not None and self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(_resolve, self._wake)
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         """uvicorn's graceful shutdown (stop accepting, let open responses finish, lifespan shutdown), with
@@ -178,6 +208,11 @@ class LeanSupervisor(multiprocess.Multiprocess):
         logger.info("Stopping parent process [%d]", os.getpid())
 
 
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
 def _read_all(sock: socket.socket) -> None:
     """Empties a non-blocking socket (the signals' wake-up bytes: which signals came is uvicorn's queue)."""
     try:
@@ -213,4 +248,4 @@ class LeanWorker(multiprocess.Process):
             server.watchdog.check()  # a stuck loop: stacks to stderr, exit; the supervisor starts a new worker
 
 
-__all__ = ["SERVER_TICK_S", "LeanServer", "LeanSupervisor", "LeanWorker"]
+__all__ = ["SERVER_TICK_S", "LeanServer", "LeanSupervisor", "LeanWorker", "tick_period_s"]

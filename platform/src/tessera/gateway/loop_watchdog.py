@@ -6,12 +6,12 @@ its connections, and every connection the kernel hands it hangs. Nothing noticed
 pings each worker, but the worker answers from a thread of its own, so a stuck loop still looks alive; and
 the pod's liveness probe reaches whichever worker accepts its connection, so it fails only now and then.
 
-How: the worker's server tick (``lean_server``, once a second) notes the time (``beat``). A thread outside
-the loop compares it with the clock (``check``): with several workers, the thread that answers the
-supervisor's pings (``LeanWorker.pong``; no new wake-ups); with one worker, a thread of its own; either
-every ``check_period_s`` (a quarter of the limit, at most 2.5 s). When the last beat is older than
-``TESSERA_LOOP_STALL_LIMIT_S``, it writes every thread's stack to stderr (where the loop is stuck: the log
-says what to fix) and ends the process with ``STALLED_EXIT_CODE``.
+How: the worker's server tick (``lean_server``, every two seconds, or one where the limit is under 8 s) notes
+the time (``beat``). A thread outside the loop compares it with the clock (``check``): with several workers,
+the thread that answers the supervisor's pings (``LeanWorker.pong``; no new wake-ups); with one worker, a
+thread of its own; either every ``check_period_s`` (a quarter of the limit, at most 2.5 s). When the last beat
+is older than ``TESSERA_LOOP_STALL_LIMIT_S``, it writes every thread's stack to stderr (where the loop is stuck:
+the log says what to fix) and ends the process with ``STALLED_EXIT_CODE``.
 uvicorn's supervisor then starts a new worker; a one-worker gateway exits and Kubernetes restarts its
 container. The streams the worker held are cut as a SIGKILL would cut them, and billed the same way (the
 settler charges them from the engines' records once their lease lapses: docs/kubernetes.md "Durability").

@@ -7,7 +7,7 @@ by the port a connection came to). It sums every worker's samples (prometheus_cl
 which ``launch.py`` sets up before the workers start).
 
 A request's completion is tallied in the worker (``completed``: a few additions) and written to the series
-on the worker's server tick (``flush``, once a second: lean_server.py), one write per series and tenant
+on the worker's server tick (``flush``, every two seconds: lean_server.py), one write per series and tenant
 whatever the number of requests. Written per request, each of its six values (two counters, two histograms'
 bucket and sum) took the multiprocess value's lock and a ``getpid`` system call to notice a fork: 5-6 % of a
 streamed request's samples in profiles of the gateway (docs/performance.md section 9). A scrape therefore sees

@@ -53,7 +53,7 @@ class SpanLines(SpanProcessor):
 
     def flush_from_caller(self) -> None:
         """Writes what waits, now, and leaves the writing to the caller from then on. A process with a periodic
-        tick of its own calls it each tick (a gateway worker, once a second: ``lean_server``), and the batch
+        tick of its own calls it each tick (a gateway worker, every two seconds: ``lean_server``), and the batch
         thread's two wake-ups a batch go (~0.5 ms/s of a worker's CPU at 4 requests a second on this project's
         VMs, docs/performance.md section 9); the lines reach the file within a tick instead of ``delay_s``."""
         self._batches.hand_to_caller()
