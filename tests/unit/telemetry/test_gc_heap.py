@@ -21,7 +21,7 @@ from tessera.telemetry.gc_heap import freeze_startup_heap
 heap = [[i] for i in range(200_000)]  # what a process holds once started
 frozen = freeze_startup_heap()
 started = time.perf_counter(); gc.collect(); full_s = time.perf_counter() - started
-print(json.dumps({"frozen": frozen, "full_collection_s": full_s}))
+print(json.dumps({"frozen": frozen, "full_collection_s": full_s, "young_threshold": gc.get_threshold()[0]}))
 """
 
 
@@ -42,6 +42,24 @@ def test_the_startup_heap_is_frozen_and_a_full_collection_no_longer_walks_it() -
     # Not a timing goal (benchmarks measure time): the frozen heap's full collection skips 200,000 objects,
     # which on any machine is many times less work than walking them.
     assert frozen["full_collection_s"] < unfrozen["full_collection_s"]
+
+
+def test_once_started_the_young_generation_is_collected_less_often() -> None:
+    # A request's thousands of short-lived objects: at Python's 700 the young generation was walked several times a
+    # request (gc_heap.YOUNG_THRESHOLD).
+    assert _probe()["young_threshold"] == gc_heap.YOUNG_THRESHOLD > 700
+    assert _probe(TESSERA_GC_FREEZE="0")["young_threshold"] == gc_heap.YOUNG_THRESHOLD
+    assert _probe(TESSERA_GC_YOUNG_THRESHOLD="700")["young_threshold"] == 700
+
+
+@pytest.mark.parametrize("raw", ["lots", "-5", "0", "1.5"])
+def test_a_young_threshold_that_is_no_count_says_what_to_give(raw: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(gc_heap.YOUNG_THRESHOLD_ENV, raw)
+    monkeypatch.setenv(gc_heap.FREEZE_ENV, "0")  # (this test process's heap stays unfrozen)
+    before = gc.get_threshold()
+    with pytest.raises(ValueError, match="whole number of allocations"):
+        gc_heap.freeze_startup_heap()
+    assert gc.get_threshold() == before
 
 
 def test_pauses_fall_in_their_buckets_cumulatively() -> None:

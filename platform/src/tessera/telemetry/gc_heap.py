@@ -37,6 +37,14 @@ METRIC_HELP = ("Time the Python garbage collector held this process, per collect
                "startup heap is frozen, so a full collection walks only what was allocated since)")
 # Set to 0 to leave the heap unfrozen (to measure what freezing buys: make bench-soak reports the pauses).
 FREEZE_ENV = "TESSERA_GC_FREEZE"
+# The young generation's threshold once started (Python's default: 700 allocations net of frees). A gateway request
+# allocates a few thousand tracked objects, nearly all freed by reference counting within the request, so at 700
+# the collector walked the young generation several times a request for little to free; at 20,000 about once
+# every few requests. Side by side at bench-stack's 4 req/s pace: ~0.4 ms a request less of the gateway's ~3.7-4.1
+# (docs/performance.md, section 9). The cyclic garbage it lets wait is bounded by the threshold (a few MB).
+# ``TESSERA_GC_YOUNG_THRESHOLD`` sets another (700: Python's).
+YOUNG_THRESHOLD = 20_000
+YOUNG_THRESHOLD_ENV = "TESSERA_GC_YOUNG_THRESHOLD"
 # Pauses kept for an exporter between two of its takes (a process collects generation 0 a few hundred times
 # a second under load; the gateway takes them every server tick).
 MAX_PENDING_PAUSES = 10_000
@@ -54,13 +62,22 @@ def freeze_startup_heap() -> int:
     """Move every object alive now to the collector's permanent generation; returns how many it holds.
 
     Collect first, oldest generation last, so garbage of the start-up is freed rather than frozen.
-    ``TESSERA_GC_FREEZE=0`` skips it (returns what is frozen: 0, unless something else froze the heap)."""
+    ``TESSERA_GC_FREEZE=0`` skips it (returns what is frozen: 0, unless something else froze the heap). Either way
+    the young generation's threshold becomes ``YOUNG_THRESHOLD`` from here on."""
+    raw = os.environ.get(YOUNG_THRESHOLD_ENV, str(YOUNG_THRESHOLD))
+    if not raw.strip().isdigit() or int(raw) < 1:
+        raise ValueError(f"{YOUNG_THRESHOLD_ENV}={raw!r}: give the young generation's collection threshold as a "
+                         f"whole number of allocations, at least 1 ({YOUNG_THRESHOLD} by default, 700 is Python's)")
+    threshold = int(raw)
+    _, older, oldest = gc.get_threshold()
     if os.environ.get(FREEZE_ENV, "1") == "0":
+        gc.set_threshold(threshold, older, oldest)
         return note_frozen_heap()
     gc.collect(0)
     gc.collect(1)
     gc.collect(2)
     gc.freeze()
+    gc.set_threshold(threshold, older, oldest)
     return note_frozen_heap()
 
 
