@@ -6,8 +6,8 @@ lease once, whoever asks and however often.
 
 A pass first asks whether anything is due (``Admission.any_due``: one round trip over the worker's lean
 connection) and takes the lock only then, which is rarely: a ticket comes due only when its gateway died. Its
-timer falls on the worker's one-second grid (the server's tick and the caches' refreshers wake on it), so an
-idle worker wakes once for all of them. Before both, each pass took the lock, read Redis's clock, read the
+timer falls on the server tick's grid (``GRID_S``; the caches' refreshers wake on its instants too), so an idle
+worker wakes once for all of them. Before both, each pass took the lock, read Redis's clock, read the
 due set and released the lock, four redis-py round trips on a wake-up of its own every 2.5-5 s: ~0.5 ms/s of
 an idle two-worker gateway's ~1.4 (docs/performance.md, section 9).
 
@@ -49,8 +49,9 @@ LOCK_TTL_MS = 60_000
 _RELEASE_LUA = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
 # Tickets read and billed per round trip; a pass goes on until fewer are due.
 BATCH = 200
-# The step of the grid the passes fall on (monotonic seconds): lean_server's tick and refresher.py's timers.
-GRID_S = 1.0
+# The step of the grid the passes fall on (monotonic seconds): the server's tick (lean_server.SERVER_TICK_S), whose
+# instants the caches' refreshers (refresher.py, every second while requests come) share.
+GRID_S = 2.0
 
 
 def next_pass_in(now: float, interval_s: float, fraction: float) -> float:
