@@ -41,7 +41,7 @@ from tessera.routing.prefill_clock import MIN_SAMPLES
 from tessera.routing.prefix_index import PrefixIndex, pack_hashes, unpack_hashes
 from tessera.routing.router import Router, engine_view
 from tessera.routing.snapshot import RouteRequest, RouteSnapshot
-from tessera.telemetry.gc_heap import YOUNG_THRESHOLD
+from tessera.telemetry.gc_heap import freeze_startup_heap
 
 BLOCK = 16
 CHAIN_BLOCKS = 64
@@ -217,15 +217,12 @@ async def measure_route(redis_url: str, num_engines: int, num_blocks: int, worke
     # the routes: the 64-engine p99 was 78-81 us with them made in the loop, 30-35 us made before it
     # (docs/routing.md, "Latest run").
     routed = [request() for _ in range(6 * 500)]
-    # A gateway worker freezes its startup heap (gateway/lean_server.py), so a collection walks only what it
-    # made since; this bench's own scaffolding (the fleet's 100k-1M synthetic chains and the requests above,
-    # tuples a collection would walk) is no gateway's, so it is frozen too, and the routes meet the
-    # collections a gateway's do.
-    gc.collect()
-    gc.freeze()
-    # ... and collects its young generation as seldom as a started gateway worker does (gc_heap.YOUNG_THRESHOLD).
+    # A gateway worker freezes its startup heap and raises its young generation's threshold once started
+    # (gateway/lean_server.py, telemetry/gc_heap.py), so a collection walks only what it made since; this bench's
+    # own scaffolding (the fleet's 100k-1M synthetic chains and the requests above, tuples a collection would walk)
+    # is no gateway's, so the same call freezes it too, and the routes meet the collections a gateway's do.
     thresholds = gc.get_threshold()
-    gc.set_threshold(YOUNG_THRESHOLD, *thresholds[1:])
+    freeze_startup_heap()
     route_us: list[float] = []
     hits = 0
     for batch in range(6):

@@ -7,8 +7,8 @@ import math
 
 import pytest
 
-from tessera.gateway import lean_server
-from tessera.gateway.settler import GRID_S, next_pass_in
+from tessera.gateway.lean_server import SERVER_TICK_S
+from tessera.gateway.settler import next_pass_in
 
 
 @pytest.mark.parametrize("now", [0.0, 0.25, 1234.5678, 98765.999999])
@@ -16,12 +16,8 @@ from tessera.gateway.settler import GRID_S, next_pass_in
 def test_a_pass_falls_on_the_grid_within_the_interval_and_a_step(now: float, fraction: float) -> None:
     wait = next_pass_in(now, 5.0, fraction)
     at = now + wait
-    assert abs(at - round(at / GRID_S) * GRID_S) < 1e-6  # on the grid
-    assert 5.0 * fraction - 1e-9 <= wait < 5.0 * fraction + GRID_S
-
-
-def test_the_grid_is_the_server_ticks() -> None:
-    assert GRID_S == lean_server.SERVER_TICK_S
+    assert abs(at - round(at / SERVER_TICK_S) * SERVER_TICK_S) < 1e-6  # on the tick's grid
+    assert 5.0 * fraction - 1e-9 <= wait < 5.0 * fraction + SERVER_TICK_S
 
 
 def test_an_interval_shorter_than_the_grid_is_its_own_step() -> None:  # (tests' settlers)

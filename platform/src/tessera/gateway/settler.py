@@ -6,9 +6,9 @@ lease once, whoever asks and however often.
 
 A pass first asks whether anything is due (``Admission.any_due``: one round trip over the worker's lean
 connection) and takes the lock only then, which is rarely: a ticket comes due only when its gateway died. Its
-timer falls on the server tick's grid (``GRID_S``; the caches' refreshers wake on its instants too), so an idle
-worker wakes once for all of them. Before both, each pass took the lock, read Redis's clock, read the
-due set and released the lock, four redis-py round trips on a wake-up of its own every 2.5-5 s: ~0.5 ms/s of
+timer falls on the server tick's grid (``lean_server.SERVER_TICK_S``; the caches' refreshers wake on its instants
+too), so an idle worker wakes once for all of them. Before both, each pass took the lock, read Redis's clock, read
+the due set and released the lock, four redis-py round trips on a wake-up of its own every 2.5-5 s: ~0.5 ms/s of
 an idle two-worker gateway's ~1.4 (docs/performance.md, section 9).
 
 Why the gateways and not the KV-eviction controller: wherever requests are admitted gateways run, so a settler
@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 
 from tessera.engine.protocol import parse_usage, usage_record_key
 from tessera.gateway.errors import STORE_ERRORS
+from tessera.gateway.lean_server import SERVER_TICK_S
 from tessera.tenancy.settlement import AttemptUsage, SettleKind, decide
 
 if TYPE_CHECKING:
@@ -49,16 +50,13 @@ LOCK_TTL_MS = 60_000
 _RELEASE_LUA = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
 # Tickets read and billed per round trip; a pass goes on until fewer are due.
 BATCH = 200
-# The step of the grid the passes fall on (monotonic seconds): the server's tick (lean_server.SERVER_TICK_S), whose
-# instants the caches' refreshers (refresher.py, every second while requests come) share.
-GRID_S = 2.0
 
 
 def next_pass_in(now: float, interval_s: float, fraction: float) -> float:
     """Seconds from ``now`` (monotonic) to the next pass: ``fraction`` of the interval (drawn from [0.5, 1.0), so
-    the workers do not all ask at once), then on to the grid's next instant (its step the interval where that is
-    shorter than ``GRID_S``)."""
-    step = min(GRID_S, interval_s)
+    the workers do not all ask at once), then on to the server tick's next instant (``SERVER_TICK_S`` on the
+    monotonic clock, as lean_server.py sleeps; the interval itself where that is shorter)."""
+    step = min(SERVER_TICK_S, interval_s)
     at = now + interval_s * fraction
     return at + (-at % step) - now
 

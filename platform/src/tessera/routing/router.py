@@ -246,7 +246,7 @@ class Router:
         self._engines = await self._registry.live_engines()
         self._read_at = started
         self._counted_engines = PodEngines((e.engine_id for e in self._engines),
-                                       {e.engine_id: e.load for e in self._engines})
+                                           {e.engine_id: e.load for e in self._engines})
         self._loads.use(self._counted_engines)
         self._models = _model_views(self._engines)
         # What each decision until the next read needs, built here (by the refresher, off the request path), not
