@@ -68,16 +68,14 @@ def freeze_startup_heap() -> int:
     if not raw.strip().isdigit() or int(raw) < 1:
         raise ValueError(f"{YOUNG_THRESHOLD_ENV}={raw!r}: give the young generation's collection threshold as a "
                          f"whole number of allocations, at least 1 ({YOUNG_THRESHOLD} by default, 700 is Python's)")
-    threshold = int(raw)
     _, older, oldest = gc.get_threshold()
+    gc.set_threshold(int(raw), older, oldest)
     if os.environ.get(FREEZE_ENV, "1") == "0":
-        gc.set_threshold(threshold, older, oldest)
         return note_frozen_heap()
     gc.collect(0)
     gc.collect(1)
     gc.collect(2)
     gc.freeze()
-    gc.set_threshold(threshold, older, oldest)
     return note_frozen_heap()
 
 
