@@ -37,7 +37,10 @@ events of a request.
 from its CPU per streamed chunk (the goal is set at 16 only). ``--phases`` has the last revision's gateway count
 its main thread's CPU clock by pipeline phase and socket callback (``gateway_phases/sitecustomize.py``, loaded
 first on its ``PYTHONPATH``) and prints it per request: a profiler's share of each phase is inflated by its
-per-call cost, these are the clock's.
+per-call cost, these are the clock's. Its ``background`` rows are the work between requests (each cache
+refresher's reads, the server's tick, the settler's probe, the index feed's own stream reads), per request
+too; an awaiting row counts whatever the loop ran meanwhile, so read them at a pace (``--pause-ms``), where
+little else runs.
 
 ``--workers N`` starts each gateway with N workers, as ``tessera up`` does with 2 (the figures are then the
 supervisor's and the workers' CPU together), and ``--pause-ms MS`` has the client wait after each request (250:
@@ -146,7 +149,13 @@ PHASE_ROWS = (("request", "the request (Gateway.__call__), all below"), ("read",
               ("redis reads", "    Redis replies (also in settle)"), ("route", "  route"),
               ("call_engine", "  call the engine, stream to the client"),
               ("engine reads", "    engine chunks read and relayed"), ("settle", "  settle: metrics, spans, billing"),
-              ("client reads", "client request bytes parsed (uvicorn)"), ("process", "the process, all threads"))
+              ("client reads", "client request bytes parsed (uvicorn)"),
+              ("background: registry", "background: the registry's refresh"),
+              ("background: key cache", "background: the key cache's refresh"),
+              ("background: model catalog", "background: the model catalog's refresh"),
+              ("background: index feed read", "background: the index feed's own reads"),
+              ("background: settler probe", "background: the settler's probe"),
+              ("background: tick", "background: the server's tick"), ("process", "the process, all threads"))
 
 
 def phase_table(runs: list[dict[str, dict[str, Any]]], rev: str) -> list[list[str]]:

@@ -82,6 +82,26 @@ def _install() -> None:
         "redis reads", redis_wire._Protocol.data_received)
     http_wire._Connection.data_received = timed(  # type: ignore[method-assign]
         "engine reads", http_wire._Connection.data_received)
+    # The background between requests: each refresher's reads (by its name), the server's tick, the settler's
+    # probe and the local index feed's own stream reads (a read that rides an admission is in ``admit``).
+    from tessera import refresher
+    from tessera.gateway import lean_server
+    from tessera.routing import local_feed
+    from tessera.tenancy import admission
+
+    refresher_init = refresher.UsageRefresher.__init__
+
+    def timed_refresher(self: Any, name: str, refresh: Callable[[], Awaitable[None]], *args: Any,
+                        **kwargs: Any) -> None:
+        refresher_init(self, name, timed_async(f"background: {name}", refresh), *args, **kwargs)
+
+    refresher.UsageRefresher.__init__ = timed_refresher  # type: ignore[method-assign]
+    lean_server.LeanServer.on_tick = timed_async(  # type: ignore[method-assign, assignment]
+        "background: tick", lean_server.LeanServer.on_tick)
+    admission.Admission.any_due = timed_async(  # type: ignore[method-assign, assignment]
+        "background: settler probe", admission.Admission.any_due)
+    local_feed.LocalIndexFeed.poll = timed_async(  # type: ignore[method-assign, assignment]
+        "background: index feed read", local_feed.LocalIndexFeed.poll)
 
     def restart(*_: object) -> None:
         spent.clear()
