@@ -13,6 +13,14 @@ handle both clients alike (``NoScriptError`` for NOSCRIPT, ``OutOfMemoryError`` 
 ``BusyLoadingError`` — a ``ConnectionError``, so "Redis unavailable" — for a server still loading its data
 after a restart or busy in a long script, ``ResponseError`` for the other error replies).
 
+Unhurried calls (``send_unhurried``). A caller that needs its reply only eventually (the gateway's finish, sent
+after the response is complete: Redis applies it on receipt, the reply only says whether it did) gets its
+reply's future back as soon as the commands are written. While no other caller waits, the connection stops
+reading, so the reply does not wake the process on its own: on this project's VMs a wake-up costs 90-220 us of
+CPU (docs/performance.md, "Wake-ups"), a third of a finish's whole cost. The reply is read with the next
+caller's (every request's admission) or at the next whole second of the monotonic clock (``GRID_S``, when the
+process wakes for its refreshers), whichever comes first; its timeout counts from that second.
+
 Failover. With a ``redis+sentinel://`` URL each new connection first asks the Sentinels for the primary
 (``redis_sentinel.SentinelResolver``) and checks ``ROLE`` with its AUTH/SELECT before any command is sent: a
 server that is not (or no longer) the primary is refused as a failed connection. A ``READONLY`` reply (the
@@ -28,6 +36,7 @@ availability").
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import deque
 from typing import Any
 
@@ -39,6 +48,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from tessera.redis_sentinel import SentinelResolver, is_sentinel_url, parse_sentinel_url
 from tessera.redis_tls import tls_context
+from tessera.refresher import GRID_S
 from tessera.resp import Command, pack_commands
 
 # Replies from a server that is up but cannot run commands yet: loading its append-only file or snapshot
@@ -70,12 +80,13 @@ NOT_WRITABLE = ("READONLY", "NOREPLICAS")
 class _Call:
     """One caller's commands in flight: its replies so far, and the future that gets all of them."""
 
-    __slots__ = ("future", "remaining", "replies")
+    __slots__ = ("future", "hurried", "remaining", "replies")
 
-    def __init__(self, future: asyncio.Future[list[Any]], num_commands: int) -> None:
+    def __init__(self, future: asyncio.Future[list[Any]], num_commands: int, hurried: bool = True) -> None:
         self.future = future
         self.remaining = num_commands
         self.replies: list[Any] = []
+        self.hurried = hurried  # its caller awaits the reply now (False: ``send_unhurried``)
 
 
 class _Protocol(asyncio.Protocol):
@@ -84,9 +95,33 @@ class _Protocol(asyncio.Protocol):
         self.waiting: deque[_Call] = deque()
         self.transport: asyncio.Transport | None = None
         self.lost: BaseException | None = None
+        # Reading stopped while only unhurried calls wait, and the timer that starts it again at the grid.
+        self.holding = False
+        self._grid_timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+
+    def hold_replies(self) -> None:
+        """Stops reading where no caller awaits a reply now, until ``read_now`` or the next whole second."""
+        if self.transport is None or any(call.hurried for call in self.waiting):
+            return  # a reply someone awaits is on its way: the held ones come with it
+        if not self.holding:
+            self.holding = True
+            self.transport.pause_reading()
+        if self._grid_timer is None:
+            loop = asyncio.get_running_loop()
+            self._grid_timer = loop.call_later(GRID_S - time.monotonic() % GRID_S, self.read_now)
+
+    def read_now(self) -> None:
+        """Reads again (the held replies first, in order)."""
+        if self._grid_timer is not None:
+            self._grid_timer.cancel()
+            self._grid_timer = None
+        if self.holding:
+            self.holding = False
+            if self.transport is not None and not self.transport.is_closing():
+                self.transport.resume_reading()
 
     def data_received(self, data: bytes) -> None:
         self.reader.feed(data)
@@ -108,6 +143,9 @@ class _Protocol(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = RedisConnectionError(f"connection to Redis lost: {exc or 'closed by the server'}")
         self.fail_all(self.lost)
+        if self._grid_timer is not None:
+            self._grid_timer.cancel()
+            self._grid_timer = None
 
     def not_writable(self, message: str) -> None:
         """The server takes no writes as a primary (``NOT_WRITABLE``): this connection is done."""
@@ -155,6 +193,8 @@ class RedisWire:
         protocol.waiting.append(_Call(future, len(commands)))
         assert protocol.transport is not None
         protocol.transport.write(pack_commands(commands))
+        if protocol.holding:
+            protocol.read_now()
         # A plain timer rather than ``asyncio.timeout``: one call_later and one cancel, on every request.
         limit_s = self._timeout_s if timeout_s is None else timeout_s
         timer = loop.call_later(limit_s, self._time_out, protocol, future, limit_s)
@@ -162,6 +202,28 @@ class RedisWire:
             return await future
         finally:
             timer.cancel()
+
+    async def send_unhurried(self, commands: list[Command]) -> asyncio.Future[list[Any]]:
+        """Writes the commands and returns the future of their replies, read with the next caller's or at the
+        next whole second (module docstring): returns once written (or raises as ``execute`` does when there is
+        no connection). The reply's timeout counts from that second. Await the future, or ``read_replies`` to
+        have it read now."""
+        protocol = await self._connected()
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[list[Any]] = loop.create_future()
+        protocol.waiting.append(_Call(future, len(commands), hurried=False))
+        assert protocol.transport is not None
+        protocol.transport.write(pack_commands(commands))
+        protocol.hold_replies()
+        limit_s = self._timeout_s + GRID_S
+        timer = loop.call_later(limit_s, self._time_out, protocol, future, limit_s)
+        future.add_done_callback(lambda _: timer.cancel())
+        return future
+
+    def read_replies(self) -> None:
+        """Reads the unhurried calls' replies now (a shutdown that waits for them)."""
+        if self._protocol is not None:
+            self._protocol.read_now()
 
     def _time_out(self, protocol: _Protocol, future: asyncio.Future[list[Any]], limit_s: float) -> None:
         if not future.done():
@@ -173,6 +235,7 @@ class RedisWire:
 
     def _drop(self, protocol: _Protocol, exc: BaseException) -> None:
         protocol.fail_all(exc)
+        protocol.read_now()  # stops its grid timer
         if protocol.transport is not None:
             protocol.transport.abort()
         if self._protocol is protocol:

@@ -5,6 +5,7 @@ cancelled caller or a restarted server never hands one caller another's reply.""
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from collections.abc import AsyncIterator
 
@@ -16,6 +17,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from tessera.redis_conn import EmbeddedRedis, connect
 from tessera.redis_wire import RedisWire
+from tessera.refresher import GRID_S
 
 SCRIPT = "return {KEYS[1], tonumber(ARGV[1]) + 1, redis.call('EXISTS', KEYS[1])}"
 
@@ -135,3 +137,56 @@ async def test_password_and_database_from_the_url() -> None:
             await wrong.execute([("PING",)])
     finally:
         server.stop()
+
+
+async def _just_after_a_whole_second() -> None:
+    """Waits until the monotonic clock is 10 ms past a whole second, so the next ``GRID_S`` is ~1 s away."""
+    await asyncio.sleep(GRID_S - time.monotonic() % GRID_S + 0.01)
+
+
+async def test_an_unhurried_reply_waits_for_the_next_callers_and_comes_first(
+        redis_server: EmbeddedRedis, client: aioredis.Redis) -> None:
+    """Redis runs an unhurried call on receipt, but its reply is not read on its own (no wake-up for it): it is
+    read with the next caller's, in order."""
+    key = f"wire-{uuid.uuid4().hex}"
+    wire = RedisWire(redis_server.url, timeout_s=2.0)
+    await wire.execute([("PING",)])
+    await _just_after_a_whole_second()
+    held = await wire.send_unhurried([("SET", key, "1"), ("INCR", key)])
+    await asyncio.sleep(0.2)
+    assert await client.get(key) == b"2"  # applied...
+    assert not held.done()  # ...its reply not read: the connection stopped reading
+    assert await wire.execute([("INCR", key)]) == [3]
+    assert held.done() and held.result() == [b"OK", 2]
+    await wire.close()
+
+
+async def test_an_unhurried_reply_is_read_by_the_next_whole_second(redis_server: EmbeddedRedis) -> None:
+    key = f"wire-{uuid.uuid4().hex}"
+    wire = RedisWire(redis_server.url, timeout_s=2.0)
+    await wire.execute([("PING",)])
+    await _just_after_a_whole_second()
+    held = await wire.send_unhurried([("INCR", key)])
+    await asyncio.sleep(0.2)
+    assert not held.done()
+    assert await asyncio.wait_for(held, GRID_S) == [1]  # at the second, with nobody else calling
+    # An error reply comes back in its place, as ``execute`` returns it.
+    failed = await wire.send_unhurried([("EVALSHA", "0" * 40, 0)])
+    wire.read_replies()
+    (reply,) = await asyncio.wait_for(failed, 1.0)
+    assert isinstance(reply, NoScriptError)
+    await wire.close()
+
+
+async def test_a_connection_lost_while_replies_are_held_fails_them_and_the_next_call_reconnects(
+        redis_server: EmbeddedRedis, client: aioredis.Redis) -> None:
+    key = f"wire-{uuid.uuid4().hex}"
+    wire = RedisWire(redis_server.url, timeout_s=2.0)
+    await wire.execute([("CLIENT", "SETNAME", key)])
+    held = await wire.send_unhurried([("BLPOP", f"{key}-empty", 0)])  # no reply until the list gets an item
+    clients = await client.client_list()
+    await client.client_kill_filter(_id=next(c["id"] for c in clients if c.get("name") == key))
+    with pytest.raises(RedisConnectionError):
+        await asyncio.wait_for(held, GRID_S + 1.0)  # seen when reading resumes, at the latest at the second
+    assert await wire.execute([("INCR", key)]) == [1]
+    await wire.close()

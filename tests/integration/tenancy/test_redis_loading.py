@@ -111,6 +111,7 @@ async def test_a_loading_redis_fails_admission_closed_and_the_finish_waits_until
     # The finish is parked, not dropped...
     queue = FinishQueue(admission, _is_store_error)
     await queue.finish(lease, 10, 20)
+    await queue.read_replies()  # an unhurried finish: its LOADING reply read now, not at the second
     assert queue.num_parked == 1
     # ...and recorded once the load is done.
     release_loading(node)

@@ -33,6 +33,12 @@ class FlakyAdmission:
         self.recorded.append((lease.lease_id, prompt, completion, now))
         return True
 
+    async def send_finish(self, lease: Lease, prompt: int, completion: int, now: datetime) -> None:
+        await self.finish(lease, prompt, completion, now)  # as ``Admission`` without a lean connection
+
+    def read_replies(self) -> None:
+        pass
+
 
 @pytest.fixture(autouse=True)
 def fast_retries(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -53,14 +53,13 @@ from uvicorn.supervisors import multiprocess
 from tessera.gateway.drain import DRAIN_STATE_KEY, GatewayDrain
 from tessera.gateway.loop_watchdog import LoopWatchdog, check_period_s
 from tessera.gateway.metrics import FLUSH_STATE_KEY, gc_pause_exporter
+from tessera.refresher import GRID_S
 from tessera.settings import load_settings
 from tessera.telemetry.gc_heap import freeze_startup_heap, process_gc_pauses
 
 # A worker's housekeeping period (the date header, metrics, spans, the watchdog's beat), seconds: a multiple of
-# the refreshers' grid (refresher.py), so a busy worker's tick falls on their wake-up.
+# the refreshers' grid (refresher.py ``GRID_S``), so a busy worker's tick falls on their wake-up.
 SERVER_TICK_S = 2.0
-# The refreshers' grid step, and the tick where a short loop-stall limit needs beats more often than SERVER_TICK_S.
-GRID_S = 1.0
 
 
 def tick_period_s(stall_limit_s: float) -> float:

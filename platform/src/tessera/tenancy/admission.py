@@ -13,13 +13,16 @@ Invariants (tested exactly in tests/integration/tenancy/test_admission.py):
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from importlib import resources
+from typing import Any
 
 import redis.asyncio as aioredis
+from redis.exceptions import NoScriptError
 
 from tessera.redis_wire import RedisWire, run_script
 from tessera.tenancy.periods import PERIODS, USAGE_RETENTION_S, check_period, period_window
@@ -145,6 +148,8 @@ class Admission:
         self.demotion_shards = demotion_shards
         self._admit = redis.register_script(_lua("admission.lua"))
         self._finish = redis.register_script(_lua("finish.lua"))
+        # Whether finish.lua is known loaded where the lean connection sends it (``send_finish``).
+        self._finish_loaded = False
         self._renew = redis.register_script(_lua("renew.lua"))
         self._any_due = redis.register_script(_lua("any_due.lua"))
         self._lease_ids = UniqueIds()  # a random prefix per Admission and a counter
@@ -227,14 +232,47 @@ class Admission:
         lease = Lease(ticket.lease_id, ticket.tenant, ticket.reserved_tokens, keys)
         return await self._bill(lease, charge, when, SETTLED_MARKER_TTL_S)
 
+    async def send_finish(self, lease: Lease, prompt_tokens: int, completion_tokens: int,
+                          now: datetime) -> asyncio.Future[list[Any]] | None:
+        """``finish`` as an unhurried call over the lean connection (redis_wire.py): returns once it is written,
+        with the future of its reply ([1]: billed now, [0]: already billed, or an error reply such as
+        NOSCRIPT in its place). Returns None having finished as ``finish`` does (reply awaited) where there is
+        no lean connection, and where the script is not known to be loaded (the first finish, and the first
+        after a NOSCRIPT reply: a Redis that restarted), so that one call loads it and the unhurried ones
+        after it find it."""
+        if self._wire is None or not self._finish_loaded:
+            await self.finish(lease, prompt_tokens, completion_tokens, now)
+            self._finish_loaded = self._wire is not None
+            return None
+        keys, args = self._bill_call(lease, Charge(SettleKind.GATEWAY, prompt_tokens, completion_tokens), now,
+                                     FINISH_MARKER_TTL_S)
+        reply = await self._wire.send_unhurried([("EVALSHA", self._finish.sha, len(keys), *keys, *args)])
+        reply.add_done_callback(self._check_loaded)
+        return reply
+
+    def _check_loaded(self, reply: asyncio.Future[list[Any]]) -> None:
+        if not reply.cancelled() and reply.exception() is None and isinstance(reply.result()[0], NoScriptError):
+            self._finish_loaded = False
+
+    def read_replies(self) -> None:
+        """Has the lean connection read the unhurried calls' replies now (``send_finish``)."""
+        if self._wire is not None:
+            self._wire.read_replies()
+
     async def _bill(self, lease: Lease, charge: Charge, when: datetime, marker_ttl_s: int) -> bool:
+        keys, args = self._bill_call(lease, charge, when, marker_ttl_s)
+        return bool(await run_script(self._wire, self._finish, keys, args))
+
+    def _bill_call(self, lease: Lease, charge: Charge, when: datetime, marker_ttl_s: int
+                   ) -> tuple[list[str], list[str | int]]:
+        """finish.lua's keys and arguments."""
         usage_keys = [usage_key(lease.tenant, self._window(p, when)[0]) for p in PERIODS]
         keys = [*lease.keys, *usage_keys, finish_marker_key(lease.tenant, lease.lease_id), OPEN_TICKETS_KEY,
                 TICKETS_KEY]
         args: list[str | int] = [lease.lease_id, lease.reserved_tokens, charge.total_tokens, charge.prompt_tokens,
                                  charge.completion_tokens, *(USAGE_RETENTION_S[p] for p in PERIODS), marker_ttl_s,
                                  charge.kind.value, lease.ticket]
-        return bool(await run_script(self._wire, self._finish, keys, args))
+        return keys, args
 
     async def any_due(self, grace_s: float) -> bool:
         """Whether ``due_tickets`` would find one: a single round trip (over the lean connection when there is

@@ -1,10 +1,14 @@
 """Usage is never lost: a request's ``finish`` (reconcile + usage) is retried until Redis takes it.
 
 The request path calls ``FinishQueue.finish`` once, after the last token, also when the client went away or
-the engine failed. When Redis does not answer (or is full: OOM under noeviction), the call is parked and
-retried in the background with backoff; ``finish.lua`` is idempotent per lease, so a retry after a lost
-reply does not count twice. A parked finish still holds its concurrency lease and its TPM reservation in
-Redis until then, which errs on the side of the limits (the lease also expires by itself).
+the engine failed. Over the gateway's lean connection it returns as soon as the finish is written: Redis bills
+on receipt, and the reply, read with the next request's admission or at the next whole second (an unhurried
+call, redis_wire.py), only says whether it did; an error there parks the finish as below (NOSCRIPT included:
+the retry loads the script), so the reply costs the request no wake-up of its own. When Redis does not
+answer (or is full: OOM under noeviction), the call is parked and retried in the background with backoff;
+``finish.lua`` is idempotent per lease, so a retry after a lost reply does not count twice. A parked finish
+still holds its concurrency lease and its TPM reservation in Redis until then, which errs on the side of the
+limits (the lease also expires by itself).
 
 A parked finish is also written to a ``FinishJournal`` (gateway/finish_journal.py: a file in the gateway's
 data dir), so neither a SIGKILL nor the end of the shutdown grace loses it: the next start replays it
@@ -15,14 +19,15 @@ done marker expired. ``void`` parks the undoing of an admission whose reply was 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Protocol
+from typing import Any, Protocol
 
-from redis.exceptions import OutOfMemoryError
+from redis.exceptions import NoScriptError, OutOfMemoryError
 
 from tessera.tenancy.admission import SETTLED_MARKER_TTL_S, Admission, Lease
 from tessera.tenancy.settlement import SettleKind
@@ -86,13 +91,58 @@ class FinishQueue:
         self._journal = journal
         self._parked: deque[PendingFinish] = deque()
         self._task: asyncio.Task[None] | None = None
+        # Unhurried finishes whose reply has not been read yet (``finish``).
+        self._unanswered: set[asyncio.Future[list[Any]]] = set()
 
     @property
     def num_parked(self) -> int:
         return len(self._parked)
 
+    @property
+    def num_unanswered(self) -> int:
+        """Finishes sent whose reply has not been read yet."""
+        return len(self._unanswered)
+
     async def finish(self, lease: Lease, prompt_tokens: int, completion_tokens: int) -> None:
-        await self._send_or_park(PendingFinish(lease, prompt_tokens, completion_tokens, datetime.now(UTC)))
+        """Sends the finish; its reply is handled when it comes (module docstring), or now without a lean
+        connection. Raises only what ``_waits`` does not park, and only while sending."""
+        pending = PendingFinish(lease, prompt_tokens, completion_tokens, datetime.now(UTC))
+        try:
+            reply = await self._admission.send_finish(lease, prompt_tokens, completion_tokens, pending.finished_at)
+        except Exception as exc:
+            if not _waits(exc, self._is_transient):
+                raise
+            self._park(pending)
+            return
+        if reply is not None:
+            self._unanswered.add(reply)
+            reply.add_done_callback(functools.partial(self._answered, pending))
+
+    async def read_replies(self, timeout_s: float = 2.0) -> None:
+        """Has the unhurried finishes' replies read now and waits for them (up to ``timeout_s``): those that
+        failed are parked by the time it returns."""
+        if self._unanswered:
+            self._admission.read_replies()
+            await asyncio.wait(list(self._unanswered), timeout=timeout_s)
+
+    def _answered(self, pending: PendingFinish, reply: asyncio.Future[list[Any]]) -> None:
+        """An unhurried finish's reply: nothing to do once billed (or billed before); parked to be sent again
+        on a failure that waits (the lost connection, OOM, NOSCRIPT: the retry loads the script); logged on
+        any other."""
+        self._unanswered.discard(reply)
+        if reply.cancelled():
+            self._park(pending)
+            return
+        failure = reply.exception()
+        if failure is None:
+            failure = next((r for r in reply.result() if isinstance(r, Exception)), None)
+        if failure is None:
+            return
+        if isinstance(failure, NoScriptError) or _waits(failure, self._is_transient):
+            self._park(pending)
+        else:
+            logger.error("usage of lease %s (tenant %s) could not be recorded: %s", pending.lease.lease_id,
+                         pending.lease.tenant, failure)
 
     async def unserved(self, lease: Lease) -> None:
         """Undoes the admission of a request no engine saw (none was live, the route could not be read, or
@@ -170,7 +220,9 @@ class FinishQueue:
                 self._journal.compact(list(self._parked))
 
     async def close(self, timeout_s: float = 2.0) -> None:
-        """Gives parked finishes one last chance (gateway shutdown); logs what could not be recorded."""
+        """Reads the replies still unread, gives parked finishes one last chance (gateway shutdown); logs what
+        could not be recorded."""
+        await self.read_replies(timeout_s)
         if self._task is not None and not self._task.done():
             try:
                 await asyncio.wait_for(asyncio.shield(self._task), timeout_s)
