@@ -179,12 +179,13 @@ def test_layer_rules(importer: str, forbidden: tuple[str, ...]) -> None:
 # modules import nothing of Tessera's; a new arrow is a design decision: add it here and to the doc.
 BASE = ("tessera.asgi", "tessera.cpu_info", "tessera.redis_conn", "tessera.redis_wire", "tessera.redis_tls",
         "tessera.redis_sentinel", "tessera.refresher", "tessera.registry", "tessera.resp", "tessera.settings",
-        "tessera.engine.protocol", "tessera.unique_ids")
+        "tessera.engine.protocol", "tessera.unique_ids", "tessera.wake_grid")
 MAY_IMPORT: dict[str, tuple[str, ...]] = {
     **{base: () for base in BASE},
     # a rediss:// URL's TLS options, as redis-py reads them; a redis+sentinel:// URL and its primary; the
     # commands' bytes (resp: the one packer, which the Sentinel resolver writes with too)
-    "tessera.redis_wire": ("tessera.redis_tls", "tessera.redis_sentinel", "tessera.resp"),
+    "tessera.redis_wire": ("tessera.redis_tls", "tessera.redis_sentinel", "tessera.resp", "tessera.wake_grid"),
+    "tessera.refresher": ("tessera.wake_grid",),  # the instants periodic work shares
     "tessera.redis_sentinel": ("tessera.resp",),
     "tessera.redis_conn": ("tessera.redis_sentinel",),  # a redis+sentinel:// URL
     "tessera.registry": ("tessera.redis_wire",),  # gateways read the registry over the lean connection
@@ -200,7 +201,7 @@ MAY_IMPORT: dict[str, tuple[str, ...]] = {
     "tessera.gateway": ("tessera.asgi", "tessera.data_plane_auth", "tessera.engine.protocol", "tessera.redis_conn",
                         "tessera.redis_wire",
                         "tessera.refresher", "tessera.registry", "tessera.routing", "tessera.settings",
-                        "tessera.telemetry", "tessera.tenancy", "tessera.unique_ids"),
+                        "tessera.telemetry", "tessera.tenancy", "tessera.unique_ids", "tessera.wake_grid"),
     "tessera.local": ("tessera.cpu_info", "tessera.data_plane_auth", "tessera.engine", "tessera.gateway",
                       "tessera.redis_conn", "tessera.registry",
                       "tessera.tenancy", "tessera.settings", "tessera.telemetry"),

@@ -18,7 +18,7 @@ after the response is complete: Redis applies it on receipt, the reply only says
 reply's future back as soon as the commands are written. While no other caller waits, the connection stops
 reading, so the reply does not wake the process on its own: on this project's VMs a wake-up costs 90-220 us of
 CPU (docs/performance.md, "Wake-ups"), a third of a finish's whole cost. The reply is read with the next
-caller's (every request's admission) or at the next whole second of the monotonic clock (``GRID_S``, when the
+caller's (every request's admission) or at the next whole second of the monotonic clock (wake_grid.py, when the
 process wakes for its refreshers), whichever comes first; its timeout counts from that second.
 
 Failover. With a ``redis+sentinel://`` URL each new connection first asks the Sentinels for the primary
@@ -36,7 +36,6 @@ availability").
 from __future__ import annotations
 
 import asyncio
-import time
 from collections import deque
 from typing import Any
 
@@ -48,8 +47,8 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from tessera.redis_sentinel import SentinelResolver, is_sentinel_url, parse_sentinel_url
 from tessera.redis_tls import tls_context
-from tessera.refresher import GRID_S
 from tessera.resp import Command, pack_commands
+from tessera.wake_grid import GRID_S, until_next
 
 # Replies from a server that is up but cannot run commands yet: loading its append-only file or snapshot
 # (a restarted Redis accepts connections before its data is back), or blocked in a long script. redis-py
@@ -111,7 +110,7 @@ class _Protocol(asyncio.Protocol):
             self.transport.pause_reading()
         if self._grid_timer is None:
             loop = asyncio.get_running_loop()
-            self._grid_timer = loop.call_later(GRID_S - time.monotonic() % GRID_S, self.read_now)
+            self._grid_timer = loop.call_later(until_next(GRID_S), self.read_now)
 
     def read_now(self) -> None:
         """Reads again (the held replies first, in order)."""

@@ -23,12 +23,10 @@ from collections.abc import Awaitable, Callable
 
 from redis.exceptions import RedisError
 
+from tessera.wake_grid import until_next
+
 logger = logging.getLogger(__name__)
 
-# The grid the refreshers' intervals (0.5, 1 and 5 s) all fall on: whole seconds of the monotonic clock, when a
-# process that has been used in the last ``REFRESHER_IDLE_S`` wakes anyway. Other periodic work of the gateway
-# keeps to it too (lean_server's tick, the lean Redis connection's unhurried replies), to share that wake-up.
-GRID_S = 1.0
 # The refresher stops after this long without a request.
 REFRESHER_IDLE_S = 10.0
 # However short the period asked for, the loop yields this long between reads (a period of 0 must not spin).
@@ -68,7 +66,7 @@ class UsageRefresher:
 
     async def _run(self) -> None:
         while not self._closed and time.monotonic() - self._used_at < self._idle_s:
-            await asyncio.sleep(self.interval_s - time.monotonic() % self.interval_s)
+            await asyncio.sleep(until_next(self.interval_s))
             if self._closed:
                 return
             try:

@@ -17,7 +17,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from tessera.redis_conn import EmbeddedRedis, connect
 from tessera.redis_wire import RedisWire
-from tessera.refresher import GRID_S
+from tessera.wake_grid import GRID_S
 
 SCRIPT = "return {KEYS[1], tonumber(ARGV[1]) + 1, redis.call('EXISTS', KEYS[1])}"
 

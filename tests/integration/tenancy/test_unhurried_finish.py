@@ -15,10 +15,10 @@ import redis.asyncio as aioredis
 from tessera.gateway.errors import STORE_ERRORS
 from tessera.redis_conn import EmbeddedRedis, connect
 from tessera.redis_wire import RedisWire
-from tessera.refresher import GRID_S
 from tessera.tenancy.admission import Admission, Lease
 from tessera.tenancy.billing import FinishQueue
 from tessera.tenancy.policy import TenantPolicy
+from tessera.wake_grid import GRID_S
 from tests.support.poll import async_wait_until
 
 POLICY = TenantPolicy(token_budget=100_000, budget_period="day", tokens_per_minute=100_000)

@@ -41,7 +41,6 @@ import logging
 import os
 import signal
 import socket
-import time
 from collections.abc import Callable
 from multiprocessing.connection import wait as wait_for_objects
 from types import FrameType
@@ -53,12 +52,12 @@ from uvicorn.supervisors import multiprocess
 from tessera.gateway.drain import DRAIN_STATE_KEY, GatewayDrain
 from tessera.gateway.loop_watchdog import LoopWatchdog, check_period_s
 from tessera.gateway.metrics import FLUSH_STATE_KEY, gc_pause_exporter
-from tessera.refresher import GRID_S
 from tessera.settings import load_settings
 from tessera.telemetry.gc_heap import freeze_startup_heap, process_gc_pauses
+from tessera.wake_grid import GRID_S, until_next
 
 # A worker's housekeeping period (the date header, metrics, spans, the watchdog's beat), seconds: a multiple of
-# the refreshers' grid (refresher.py ``GRID_S``), so a busy worker's tick falls on their wake-up.
+# the refreshers' grid (wake_grid.py), so a busy worker's tick falls on their wake-up.
 SERVER_TICK_S = 2.0
 
 
@@ -109,7 +108,7 @@ class LeanServer(uvicorn.Server):
             should_exit = await self.on_tick(counter)
             while not should_exit:
                 self._wake = wake = loop.create_future()
-                timer = loop.call_later(period_s - time.monotonic() % period_s, _resolve, wake)
+                timer = loop.call_later(until_next(period_s), _resolve, wake)
                 await wake
                 timer.cancel()
                 if not self.should_exit:  # a signal came: the watchdog stays down (handle_exit)

@@ -1,0 +1,20 @@
+"""The instants a process's periodic work shares: whole multiples of a period on the monotonic clock.
+
+On this project's VMs a process pays 90-220 µs of CPU for each wake-up (docs/performance.md section 9,
+"Wake-ups"), more than most of the work it wakes for. So a gateway worker's periodic work does not keep timers
+of its own phase: the cache refreshers wake at multiples of their intervals (0.5, 1 and 5 s), the server's tick
+and the settler every two seconds, and the lean Redis connection reads its unhurried replies by the next whole
+second, all of them instants of one grid, where one wake-up serves them all.
+"""
+
+from __future__ import annotations
+
+import time
+
+# The grid's step: the whole seconds every period above is a multiple or a divisor of.
+GRID_S = 1.0
+
+
+def until_next(period_s: float) -> float:
+    """Seconds from now to the next multiple of ``period_s`` on the monotonic clock (``period_s`` > 0)."""
+    return period_s - time.monotonic() % period_s
