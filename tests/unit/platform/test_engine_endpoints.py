@@ -13,6 +13,7 @@ import orjson
 import pytest
 
 from tessera.data_plane_auth import SIGNATURE_HEADER, ReplicaGuard, Signer
+from tessera.engine import held_head
 from tessera.engine.endpoints import EngineEndpoints
 from tessera.engine.in_flight import InFlightRequests
 from tessera.engine.protocol import Delta, Done, Failed, parse_line
@@ -292,3 +293,63 @@ async def test_finished_requests_feed_speculation_control_and_aborted_ones_do_no
     gate.set()
     await stream
     assert replica.speculation.observed == []
+
+
+class SlowFirstToken(FakeEngine):
+    """Its first output comes ``first_after_s`` after the request (a prefill, or vLLM's queue)."""
+
+    def __init__(self, tokens: list[int], first_after_s: float) -> None:
+        super().__init__(tokens)
+        self.first_after_s = first_after_s
+        self.first_at = 0.0
+
+    async def generate(self, prompt: dict[str, Any], params: Any, request_id: str, priority: int = 0) -> Any:
+        await asyncio.sleep(self.first_after_s)
+        self.first_at = asyncio.get_running_loop().time()
+        async for output in super().generate(prompt, params, request_id, priority):
+            yield output
+
+
+async def timeline(endpoints: EngineEndpoints) -> list[tuple[float, str]]:
+    """(loop time, message type) of each message ``POST /generate`` sends."""
+    sent: list[tuple[float, str]] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append((asyncio.get_running_loop().time(), message["type"]))
+
+    async def receive() -> dict[str, Any]:
+        await asyncio.Event().wait()
+        return {"type": "http.disconnect"}
+
+    body = generate_body()
+    signature = Signer(KEY).sign("POST", "/generate", body).encode()
+    scope = {"type": "http", "method": "POST", "path": "/generate", "headers": [(SIGNATURE_HEADER.encode(), signature)]}
+    messages = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def first_receive() -> dict[str, Any]:
+        return messages.pop(0) if messages else await receive()
+
+    await endpoints.asgi(scope, first_receive, send)
+    return sent
+
+
+async def test_the_head_leaves_with_the_first_line_not_ahead_of_the_prefill() -> None:
+    """One wake-up of the gateway for both (engine/held_head.py): without the hold the 200 went out at once."""
+    engine = SlowFirstToken([7, 8, 9], first_after_s=0.2)
+    endpoints, _, _ = make(engine)
+    sent = await timeline(endpoints)
+    assert [kind for _, kind in sent[:2]] == ["http.response.start", "http.response.body"]
+    assert sent[0][0] >= engine.first_at  # not before the first output existed
+    assert sent[1][0] - sent[0][0] < 0.05
+
+
+async def test_the_head_is_held_no_longer_than_the_hold(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A request that waits in vLLM's queue gets its 200 at ``HEAD_HOLD_S``, as the gateway's head timeout
+    expects of a replica that is alive."""
+    monkeypatch.setattr(held_head, "HEAD_HOLD_S", 0.05)
+    engine = SlowFirstToken([7], first_after_s=0.4)
+    endpoints, _, _ = make(engine)
+    started = asyncio.get_running_loop().time()
+    sent = await timeline(endpoints)
+    assert sent[0][1] == "http.response.start"
+    assert sent[0][0] - started < 0.3 and sent[1][0] >= engine.first_at

@@ -32,6 +32,7 @@ from tessera.asgi import (
 )
 from tessera.data_plane_auth import ReplicaGuard, authenticated_body
 from tessera.engine.generation import traced_generation
+from tessera.engine.held_head import HeldHead
 from tessera.engine.in_flight import InFlightRequests
 from tessera.engine.metrics import render_engine_metrics
 from tessera.engine.protocol import GenerateRequest
@@ -176,8 +177,9 @@ class EngineEndpoints:
         entry = self.in_flight.start(request.request_id, headers.get("x-tessera-tenant", ""), request.priority,
                                      min(request.prefill_tokens, len(request.prompt_token_ids)))
         engine = self.replica.engine
-        await send({"type": "http.response.start", "status": 200, "headers": NDJSON_HEADERS})
-        stream = asyncio.create_task(traced_generation(engine, self.replica.engine_id, request, entry, send, headers))
+        # The 200 leaves with the first line (held_head.py): one wake-up of the gateway for both.
+        held = HeldHead(send, {"type": "http.response.start", "status": 200, "headers": NDJSON_HEADERS})
+        stream = asyncio.create_task(traced_generation(engine, self.replica.engine_id, request, entry, held, headers))
         disconnect = asyncio.create_task(wait_disconnect(receive))
         try:
             done, _ = await asyncio.wait({stream, disconnect}, return_when=asyncio.FIRST_COMPLETED)
@@ -193,5 +195,6 @@ class EngineEndpoints:
                     # Aborted requests carry no draft counts: they would pull the measured acceptance down.
                     speculation.observe(stats, entry.tenant)
         finally:
+            held.close()
             disconnect.cancel()
             self.in_flight.finish(request.request_id)
