@@ -197,7 +197,8 @@ MAY_IMPORT: dict[str, tuple[str, ...]] = {
     # Proposals are EngineConfigs; the engine reads the planner's pure formulas (speculation break-even).
     "tessera.planner": ("tessera.engine.config",),
     "tessera.engine": ("tessera.asgi", "tessera.data_plane_auth", "tessera.planner", "tessera.redis_conn",
-                       "tessera.registry", "tessera.routing", "tessera.settings", "tessera.telemetry"),
+                       "tessera.registry", "tessera.routing", "tessera.settings", "tessera.telemetry",
+                       "tessera.wake_grid"),
     "tessera.gateway": ("tessera.asgi", "tessera.data_plane_auth", "tessera.engine.protocol", "tessera.redis_conn",
                         "tessera.redis_wire",
                         "tessera.refresher", "tessera.registry", "tessera.routing", "tessera.settings",

@@ -9,6 +9,7 @@ second, all of them instants of one grid, where one wake-up serves them all.
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 # The grid's step: the whole seconds every period above is a multiple or a divisor of.
@@ -18,3 +19,36 @@ GRID_S = 1.0
 def until_next(period_s: float) -> float:
     """Seconds from now to the next multiple of ``period_s`` on the monotonic clock (``period_s`` > 0)."""
     return period_s - time.monotonic() % period_s
+
+
+class WakeableSleep:
+    """A sleep on the event loop that ``wake`` ends early (from the loop's thread; ``wake_threadsafe`` from a
+    signal handler or another thread): a server's tick that a shutdown must not wait out."""
+
+    __slots__ = ("_loop", "_wake")
+
+    def __init__(self) -> None:
+        self._wake: asyncio.Future[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def sleep(self, delay_s: float) -> None:
+        self._loop = loop = asyncio.get_running_loop()
+        self._wake = wake = loop.create_future()
+        timer = loop.call_later(delay_s, _resolve, wake)
+        try:
+            await wake
+        finally:
+            timer.cancel()
+
+    def wake(self) -> None:
+        if self._wake is not None:
+            _resolve(self._wake)
+
+    def wake_threadsafe(self) -> None:
+        if self._wake is not None and self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(_resolve, self._wake)
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)

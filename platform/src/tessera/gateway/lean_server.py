@@ -54,7 +54,7 @@ from tessera.gateway.loop_watchdog import LoopWatchdog, check_period_s
 from tessera.gateway.metrics import FLUSH_STATE_KEY, gc_pause_exporter
 from tessera.settings import load_settings
 from tessera.telemetry.gc_heap import freeze_startup_heap, process_gc_pauses
-from tessera.wake_grid import GRID_S, until_next
+from tessera.wake_grid import GRID_S, WakeableSleep, until_next
 
 # A worker's housekeeping period (the date header, metrics, spans, the watchdog's beat), seconds: a multiple of
 # the refreshers' grid (wake_grid.py), so a busy worker's tick falls on their wake-up.
@@ -85,9 +85,8 @@ class LeanServer(uvicorn.Server):
         super().__init__(config)
         self.watchdog = LoopWatchdog(load_settings().loop_stall_limit_s)
         self._watch_in_thread = watch_in_thread
-        # The tick's sleep, which ``handle_exit`` ends early, and the loop it runs on.
-        self._wake: asyncio.Future[None] | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
+        # The tick's sleep, which ``handle_exit`` ends early.
+        self._tick_sleep = WakeableSleep()
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets)
@@ -103,14 +102,10 @@ class LeanServer(uvicorn.Server):
         watchdog.beat()
         stop_watching = watchdog.watch_in_thread() if self._watch_in_thread else None
         period_s = tick_period_s(watchdog.limit_s)
-        self._loop = loop = asyncio.get_running_loop()
         try:
             should_exit = await self.on_tick(counter)
             while not should_exit:
-                self._wake = wake = loop.create_future()
-                timer = loop.call_later(until_next(period_s), _resolve, wake)
-                await wake
-                timer.cancel()
+                await self._tick_sleep.sleep(until_next(period_s))
                 if not self.should_exit:  # a signal came: the watchdog stays down (handle_exit)
                     watchdog.beat()
                 counter = (counter + _TICKS_PER_DATE) % _COUNTER_WRAP
@@ -135,8 +130,7 @@ class LeanServer(uvicorn.Server):
         if drain is not None:
             drain.begin()
         super().handle_exit(sig, frame)
-        if self._wake is not None and self._loop is not None and not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(_resolve, self._wake)
+        self._tick_sleep.wake_threadsafe()
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         """uvicorn's graceful shutdown (stop accepting, let open responses finish, lifespan shutdown), with
@@ -204,11 +198,6 @@ class LeanSupervisor(multiprocess.Multiprocess):
         self.terminate_all()
         self.join_all()
         logger.info("Stopping parent process [%d]", os.getpid())
-
-
-def _resolve(future: asyncio.Future[None]) -> None:
-    if not future.done():
-        future.set_result(None)
 
 
 def _read_all(sock: socket.socket) -> None:

@@ -29,6 +29,7 @@ from tessera.engine.sim.server import SimEndpoints
 from tessera.registry import EngineRecord, ModelInfo
 from tessera.routing.indexer import FeedStats
 from tessera.settings import load_settings
+from tessera.wake_grid import WakeableSleep
 
 logger = logging.getLogger(__name__)
 
@@ -44,31 +45,21 @@ class _QuietServer(uvicorn.Server):
 
     def __init__(self, config: uvicorn.Config) -> None:
         super().__init__(config)
-        self._wake: asyncio.Future[None] | None = None
+        self._tick_sleep = WakeableSleep()
 
     @contextlib.contextmanager
     def capture_signals(self) -> Generator[None, None, None]:
         yield
 
     async def main_loop(self) -> None:
-        loop = asyncio.get_running_loop()
         counter = 0  # on_tick refreshes the Date header where counter % 10 == 0: every tick here
         while not await self.on_tick(counter):
-            self._wake = wake = loop.create_future()
-            timer = loop.call_later(SERVER_TICK_S, _resolve, wake)
-            await wake
-            timer.cancel()
+            await self._tick_sleep.sleep(SERVER_TICK_S)
             counter += 10
 
     def exit(self) -> None:
         self.should_exit = True
-        if self._wake is not None:
-            _resolve(self._wake)
-
-
-def _resolve(future: asyncio.Future[None]) -> None:
-    if not future.done():
-        future.set_result(None)
+        self._tick_sleep.wake()
 
 
 class SimReplica:
