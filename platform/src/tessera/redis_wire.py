@@ -17,7 +17,7 @@ Unhurried calls (``send_unhurried``). A caller that needs its reply only eventua
 after the response is complete: Redis applies it on receipt, the reply only says whether it did) gets its
 reply's future back as soon as the commands are written. While no other caller waits, the connection stops
 reading, so the reply does not wake the process on its own: on this project's VMs a wake-up costs 90-220 us of
-CPU (docs/performance.md, "Wake-ups"), a third of a finish's whole cost. The reply is read with the next
+CPU (docs/performance.md section 9, "Wake-ups"), more than the reply's parsing. The reply is read with the next
 caller's (every request's admission) or at the next whole second of the monotonic clock (wake_grid.py, when the
 process wakes for its refreshers), whichever comes first; its timeout counts from that second.
 
