@@ -5,7 +5,6 @@ so nothing is lost; against a real Redis."""
 from __future__ import annotations
 
 import asyncio
-import time
 import uuid
 from collections.abc import AsyncIterator
 
@@ -18,7 +17,7 @@ from tessera.redis_wire import RedisWire
 from tessera.tenancy.admission import Admission, Lease
 from tessera.tenancy.billing import FinishQueue
 from tessera.tenancy.policy import TenantPolicy
-from tessera.wake_grid import GRID_S
+from tessera.wake_grid import GRID_S, until_next
 from tests.support.poll import async_wait_until
 
 POLICY = TenantPolicy(token_budget=100_000, budget_period="day", tokens_per_minute=100_000)
@@ -57,7 +56,7 @@ async def test_a_finish_is_billed_on_receipt_and_returns_before_its_reply(
     redis, wire = clients
     admission, queue = await warmed_up(redis, wire)
     lease = await admitted(admission)
-    await asyncio.sleep(GRID_S - time.monotonic() % GRID_S + 0.01)  # the next whole second ~1 s away
+    await asyncio.sleep(until_next(GRID_S) + 0.01)  # the next whole second ~1 s away
     await queue.finish(lease, 10, 20)
     assert queue.num_unanswered == 1  # returned with its reply unread: the request ends without waiting for it
     await async_wait_until(lambda: _billed(admission, lease, 30), 2.0, "the finish billed")
