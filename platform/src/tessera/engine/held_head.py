@@ -32,14 +32,17 @@ class HeldHead:
         self._send = send
         self._start = start
         self._head: asyncio.Future[None] | None = None
+        self._head_out = False  # the head's send has completed: every later message goes straight through
         self._timer = asyncio.get_running_loop().call_later(HEAD_HOLD_S if hold_s is None else hold_s,
                                                             self._send_head)
 
     async def __call__(self, message: dict[str, Any]) -> None:
-        self._timer.cancel()
-        self._send_head()
-        assert self._head is not None
-        await self._head  # sent (and flushed) before the first line, never after it
+        if not self._head_out:  # the first line (the per-token messages after it pay one flag read)
+            self._timer.cancel()
+            self._send_head()
+            assert self._head is not None
+            await self._head  # sent (and flushed) before the first line, never after it
+            self._head_out = True
         await self._send(message)
 
     def close(self) -> None:
