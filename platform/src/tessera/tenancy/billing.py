@@ -135,9 +135,10 @@ class FinishQueue:
             return
         failure = reply.exception()
         if failure is None:
-            failure = next((r for r in reply.result() if isinstance(r, Exception)), None)
-        if failure is None:
-            return
+            (answer,) = reply.result()  # one command: finish.lua's EVALSHA
+            if not isinstance(answer, Exception):
+                return
+            failure = answer
         if isinstance(failure, NoScriptError) or _waits(failure, self._is_transient):
             self._park(pending)
         else:
