@@ -85,3 +85,58 @@ def test_a_new_prefix_goes_to_the_home_with_the_shortest_wait_in_time_once_there
     views = tuple(engine(e, running=2 if e == HOMES[0] else 1) for e in IDS)
     decision = make_policy("prefix_affinity")(RouteSnapshot(views, prefill_wait_s=near, prefill_fit=FIT), request())
     assert decision.ranked[0] == HOMES[1]
+
+
+def _plain_sooner_elsewhere(ranked: list[int], closed: frozenset[int], loads: dict[int, int],
+                            fleet: policies._Fleet, bound: float, cached: dict[int, int], waits: dict[str, float],
+                            fit: PrefillFit) -> int | None:
+    """The rule as docs/routing.md states it, every open engine's cost computed."""
+    holder_wait = waits.get(fleet.ids[ranked[0]], 0.0)
+    if holder_wait <= 0:
+        return None
+    best, best_cost = None, holder_wait - fit.s_per_token * (cached[ranked[0]] + policies.MOVE_MARGIN_TOKENS)
+    for i in ranked[1:]:
+        if i in closed or loads.get(i, fleet.loads[i]) >= bound:
+            continue
+        cost = waits.get(fleet.ids[i], 0.0) - fit.s_per_token * cached.get(i, 0)
+        if cost < best_cost:
+            best, best_cost = i, cost
+    return best
+
+
+def _plain_least_backlogged(ranked: list[int], closed: frozenset[int], loads: dict[int, int],
+                            fleet: policies._Fleet, bound: float, waits: dict[str, float],
+                            fit: PrefillFit) -> int | None:
+    """The open engine of the ranking with the least (wait in steps, requests), the first of equals; None with
+    fewer than two open."""
+    step_s = fit.s_per_token * policies.WAIT_STEP_TOKENS
+    open_ones = [i for i in ranked if i not in closed and loads.get(i, fleet.loads[i]) < bound]
+    if len(open_ones) < 2:
+        return None
+    return min(open_ones, key=lambda i: (int(waits.get(fleet.ids[i], 0.0) / step_s),
+                                         loads.get(i, fleet.loads[i]) + fleet.engines[i].num_waiting))
+
+
+def test_the_scans_that_skip_reading_waits_choose_as_the_plain_scans_do() -> None:
+    # The scans pass over engines whose wait cannot change the answer (a cost's floor, a request count that
+    # cannot win); on random fleets they answer exactly as the scans that read every wait.
+    import random
+
+    rng = random.Random(7)
+    for _ in range(3000):
+        ids = tuple(f"e{n}" for n in range(rng.randrange(2, 20)))
+        views = tuple(EngineView(e, f"http://{e}", rng.randrange(4), rng.randrange(3), 0.0, 1000, 32)
+                      for e in ids)
+        fleet = policies._Fleet.of(views)
+        ranked = rng.sample(range(len(ids)), rng.randrange(1, len(ids) + 1))
+        closed = frozenset(i for i in range(len(ids)) if rng.random() < 0.15)
+        loads = {i: rng.randrange(8) for i in range(len(ids)) if rng.random() < 0.3}
+        bound = rng.choice((3.0, 5.5, 100.0))
+        waits = {e: rng.choice((0.0, 0.0, 0.01, 0.05, 0.2, 0.4, rng.random())) for e in ids if rng.random() < 0.6}
+        fit = PrefillFit(0.002, rng.choice((1e-4, 1e-3)))
+        assert policies._least_backlogged(ranked, closed, loads, fleet, bound, {}, waits, fit) == \
+            _plain_least_backlogged(ranked, closed, loads, fleet, bound, waits, fit)
+        cached = {i: rng.choice((32, 320, 992)) for i in ranked if rng.random() < 0.3}
+        cached[ranked[0]] = rng.choice((32, 320, 992))
+        assert policies._sooner_elsewhere(ranked, closed, loads, fleet, bound, cached, waits, fit) == \
+            _plain_sooner_elsewhere(ranked, closed, loads, fleet, bound, cached, waits, fit)

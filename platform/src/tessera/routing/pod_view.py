@@ -116,30 +116,36 @@ class PodView:
         makes, so written for speed: no builtins' calls, each dict read once."""
         entries = self._rows[row]
         old = entries.get(key)
-        if requests or tokens or prefilled_at:
+        if old is None:
+            if not (requests or tokens or prefilled_at):
+                return
+            old_requests = old_tokens = old_at = 0
             entries[key] = (requests, tokens, prefilled_at)
-        elif old is not None:
-            del entries[key]
-        old_requests, old_tokens = (0, 0) if old is None else (old[0], old[1])
+        else:
+            old_requests, old_tokens, old_at = old
+            if requests or tokens or prefilled_at:
+                entries[key] = (requests, tokens, prefilled_at)
+            else:
+                del entries[key]
+        engine_id = self._by_key.get(key)
         if tokens > 0 and prefilled_at:
             stamps = self._stamps.get(key)
             if stamps is None:
                 self._stamps[key] = stamps = {}
-                if (engine_id := self._by_key.get(key)) is not None:
+                if engine_id is not None:
                     self._waiting[engine_id] = stamps
             stamps[row] = prefilled_at
-        elif old is not None and old_tokens > 0 and old[2]:
+        elif old_tokens > 0 and old_at:
             stamps = self._stamps.get(key)
             if stamps is not None:
                 stamps.pop(row, None)
                 if not stamps:
                     del self._stamps[key]
-                    if (engine_id := self._by_key.get(key)) is not None:
+                    if engine_id is not None:
                         self._waiting.pop(engine_id, None)
         delta = (requests if requests > 0 else 0) - (old_requests if old_requests > 0 else 0)
         if delta:
             total = self._requests.get(key, 0) + delta
-            engine_id = self._by_key.get(key)
             if total > 0:
                 self._requests[key] = total
                 if engine_id is not None:
@@ -154,7 +160,6 @@ class PodView:
         delta = (tokens if tokens > 0 else 0) - (old_tokens if old_tokens > 0 else 0)
         if delta:
             total = self._tokens.get(key, 0) + delta
-            engine_id = self._by_key.get(key)
             if total > 0:
                 self._tokens[key] = total
                 if engine_id is not None:

@@ -487,6 +487,9 @@ def _least_backlogged(ranked: list[int], closed: frozenset[int], loads: dict[int
         num_open += 1
         if best >= 0 and best_key == (0, 0):
             break
+        requests = load + engines[i].num_waiting
+        if best >= 0 and best_key[0] == 0 and requests >= best_key[1]:
+            continue  # even with nothing to prefill it would not come first: its backlog is not read
         if step_s > 0:
             backlog = int(waits.get(ids[i], 0.0) / step_s)
         else:
@@ -494,7 +497,7 @@ def _least_backlogged(ranked: list[int], closed: frozenset[int], loads: dict[int
             if local_pending:
                 pending_tokens = max(pending_tokens, local_pending.get(ids[i], 0))
             backlog = pending_tokens // PENDING_PREFILL_STEP
-        engine_key = (backlog, load + engines[i].num_waiting)
+        engine_key = (backlog, requests)
         if best < 0 or engine_key < best_key:
             best, best_key = i, engine_key
     return best if num_open >= 2 else None
@@ -515,9 +518,13 @@ def _sooner_elsewhere(ranked: list[int], closed: frozenset[int], loads: dict[int
     per_token = fit.s_per_token
     best, best_cost = None, holder_wait - per_token * (cached[holder] + MOVE_MARGIN_TOKENS)
     for i in ranked[1:]:
-        if i in closed or loads.get(i, fleet_loads[i]) >= bound:
+        # A wait is never negative, so ``-per_token * cached`` bounds the cost from below: an engine whose bound
+        # cannot beat the best so far is passed without reading its wait (a sum over the pod's rows). Once an
+        # open engine with nothing queued and nothing cached is met (cost 0), only holders are read.
+        floor = -per_token * cached.get(i, 0)
+        if floor >= best_cost or i in closed or loads.get(i, fleet_loads[i]) >= bound:
             continue
-        cost = waits.get(ids[i], 0.0) - per_token * cached.get(i, 0)
+        cost = waits.get(ids[i], 0.0) + floor
         if cost < best_cost:
             best, best_cost = i, cost
     return best
