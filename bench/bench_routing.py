@@ -74,9 +74,13 @@ NUM_REQUESTS = 150  # per regime and round
 # One round by default; a second (--rounds 2) replays the sequence in reverse policy order, so a machine
 # whose background load drifts (this one is shared) weighs on every policy alike.
 ROUNDS = 1
-# The sim backend: requests per sequence and seeded sequences per regime (seconds of CPU in all).
+# The sim backend: requests per sequence and seeded sequences per regime (~30 s of CPU for the six regimes). Each
+# sequence starts on a cold fleet, and under overload its first ~25 requests (every prefix new, the queues
+# building) are where the slowest requests are; with four sequences the pooled p99 was the slowest 8 of 800, all
+# from one sequence's start (overloaded/ample: prefix_affinity 3,891 against approx_prefix 3,782 ms), with sixteen
+# the slowest 32 of 3,200 from several (3,504 against 4,060 ms). docs/routing.md, "The sweep's sample".
 SIM_REQUESTS = 200
-SIM_SEQUENCES = 4
+SIM_SEQUENCES = 16
 # The sim backend at fleet scale (--sim-engines): the system prompts grow with the fleet (SYSTEM_PROMPTS_PER_ENGINE
 # an engine, as 12 over 3 engines), so each regime's cache against the working set, and each engine's share
 # of the arrivals, stay what they are at 3 engines; the requests grow with it too.
