@@ -217,12 +217,15 @@ class SimEndpoints:
         while True:
             await stream.changed.wait()
             stream.changed.clear()
+            # Read once a turn: the engine may end the stream while ``send`` waits (a client reading slowly, a
+            # held head), and a turn that wrote a delta must not then return as if it had written the end.
+            done = stream.done
             lines: list[bytes] = []
             new = request.output_token_ids[stream.num_sent:]
             if new:
                 stream.num_sent += len(new)
                 lines.append(delta_line(0, token_text(new), new))
-            if stream.done:
+            if done:
                 stats = self.engine.stats_of(stream)
                 if stream.error:
                     lines.append(error_line(stream.error, 503, True, stats))
@@ -230,9 +233,8 @@ class SimEndpoints:
                     lines.append(done_line({"0": "length"}, stats))
             # The last deltas leave with the closing line in one write, as the real replica does.
             if lines:
-                await send({"type": "http.response.body", "body": b"\n".join(lines) + b"\n",
-                            "more_body": not stream.done})
-            if stream.done:
+                await send({"type": "http.response.body", "body": b"\n".join(lines) + b"\n", "more_body": not done})
+            if done:
                 return
 
     # -- OpenAI ---------------------------------------------------------------------------------------------
@@ -309,9 +311,10 @@ class SimEndpoints:
         while True:
             await stream.changed.wait()
             stream.changed.clear()
+            done = stream.done  # read once a turn, as in _write_lines
             new = request.output_token_ids[stream.num_sent:]
             stream.num_sent += len(new)
-            finish = ("length" if not stream.error else "abort") if stream.done else None
+            finish = ("length" if not stream.error else "abort") if done else None
             out = b""
             if new or finish:
                 chunk: dict[str, Any] = {"id": request.request_id, "object": object_name, "created": created,
@@ -320,10 +323,10 @@ class SimEndpoints:
                 if finish:
                     chunk["usage"] = self._usage(stream)
                 out += b"data: " + orjson.dumps(chunk) + b"\n\n"
-            if stream.done:
+            if done:
                 out += b"data: [DONE]\n\n"
-            await send({"type": "http.response.body", "body": out, "more_body": not stream.done})
-            if stream.done:
+            await send({"type": "http.response.body", "body": out, "more_body": not done})
+            if done:
                 return
 
     async def _write_whole(self, stream: RequestStream, send: Send, kind: str, created: int) -> None:
