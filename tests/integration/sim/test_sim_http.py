@@ -155,3 +155,22 @@ def test_requests_lists_tenants_and_abort_ends_a_stream_with_a_retryable_error()
         assert (await client.get(f"{url}/requests", auth=ENGINE_AUTH)).json() == []
 
     with_fleet(config(step_time=MeasuredStepTime(step_s=0.02, per_seq_s=0, per_prefill_token_s=0)), 1, body)
+
+
+def test_generate_answers_its_head_with_the_first_line_as_the_real_replica_does() -> None:
+    """The 200 is held until the prefill's first token (engine/held_head.py): the gateway reads both in one
+    wake-up. Sent at once, the head came back within milliseconds of the request."""
+    slow_prefill = MeasuredStepTime(step_s=0.004, per_seq_s=0.001, per_prefill_token_s=0.01)  # 40 tokens: ~0.4 s
+
+    async def body(fleet: SimFleet, client: httpx.AsyncClient) -> None:
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        async with client.stream("POST", f"{fleet.replicas[0].url}/generate", auth=ENGINE_AUTH, json={
+                "request_id": "held", "prompt_token_ids": list(range(600, 640)), "max_tokens": 2}) as response:
+            head_after = loop.time() - started
+            assert response.status_code == 200
+            lines = [orjson.loads(line) async for line in response.aiter_lines() if line]
+        assert head_after >= 0.3  # not before the prefill's ~0.4 s
+        assert lines[-1]["done"]
+
+    with_fleet(config(step_time=slow_prefill), 1, body)

@@ -43,6 +43,7 @@ from tessera.asgi import (
     wait_disconnect,
 )
 from tessera.data_plane_auth import ReplicaGuard, authenticated_body
+from tessera.engine.held_head import HeldHead
 from tessera.engine.in_flight import InFlightRequests
 from tessera.engine.protocol import GenerateRequest, delta_line, done_line, error_line
 from tessera.engine.sim.engine import RequestRejected, RequestStream, SimEngine
@@ -206,10 +207,12 @@ class SimEndpoints:
             await respond_json(send, 400, {"error": str(exc)})
             return
         self.in_flight.start(body.request_id, headers.get("x-tessera-tenant", ""), body.priority)
+        # The 200 leaves with the first line, as the real replica sends it (engine/held_head.py).
+        held = HeldHead(send, {"type": "http.response.start", "status": 200, "headers": NDJSON_HEADERS})
         try:
-            await send({"type": "http.response.start", "status": 200, "headers": NDJSON_HEADERS})
-            await self._until_done_or_gone(stream, self._write_lines(stream, send), receive)
+            await self._until_done_or_gone(stream, self._write_lines(stream, held), receive)
         finally:
+            held.close()
             self.in_flight.finish(body.request_id)
 
     async def _write_lines(self, stream: RequestStream, send: Send) -> None:
