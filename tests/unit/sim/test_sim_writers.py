@@ -65,3 +65,25 @@ def test_the_openai_stream_ends_with_done_when_the_engine_finished_during_a_writ
     assert sent[-1]["more_body"] is False and sent[-1]["body"].endswith(b"data: [DONE]\n\n")
     events = [orjson.loads(e[6:]) for m in sent for e in m["body"].split(b"\n\n") if e and e != b"data: [DONE]"]
     assert events[-1]["choices"][0]["finish_reason"] == "length" and events[-1]["usage"]["completion_tokens"] == 6
+
+
+def test_a_writer_that_fails_is_logged_with_its_error(caplog: Any) -> None:
+    async def run() -> None:
+        engine = SimEngine(CONFIG, "e", SimClock(1.0))
+        endpoints = SimEndpoints(engine, "sim-model", 1 << 20, cast(ReplicaGuard, None))
+        stream = engine.add(GenerateRequest(request_id="r", prompt_token_ids=list(range(40)), max_tokens=6))
+
+        async def broken_writer() -> None:
+            raise RuntimeError("Unexpected ASGI message")
+
+        async def client_stays() -> dict[str, Any]:
+            await asyncio.sleep(10)
+            return {"type": "http.disconnect"}
+
+        async with asyncio.timeout(5):
+            await endpoints._until_done_or_gone(stream, broken_writer(), client_stays)
+
+    asyncio.run(run())
+    failed = [r for r in caplog.records if "the response writer failed" in r.getMessage()]
+    assert len(failed) == 1 and "request r" in failed[0].getMessage()
+    assert failed[0].exc_info is not None and "Unexpected ASGI message" in str(failed[0].exc_info[1])

@@ -23,6 +23,7 @@ text is ``" t<id>"`` per token.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from dataclasses import asdict
@@ -50,6 +51,8 @@ from tessera.engine.sim.engine import RequestRejected, RequestStream, SimEngine
 
 NDJSON_HEADERS = [(b"content-type", b"application/x-ndjson"), (b"cache-control", b"no-store")]
 SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-store")]
+
+logger = logging.getLogger(__name__)
 
 
 def token_text(token_ids: list[int]) -> str:
@@ -176,7 +179,10 @@ class SimEndpoints:
             await asyncio.wait({writer, gone}, return_when=asyncio.FIRST_COMPLETED)
             if not writer.done():
                 writer.cancel()
-            await asyncio.gather(writer, return_exceptions=True)
+            failed = (await asyncio.gather(writer, return_exceptions=True))[0]
+            if isinstance(failed, Exception):
+                # The client gets a response cut short: the log says why (swallowed, it left no trace at all).
+                logger.error("request %s: the response writer failed", stream.request.request_id, exc_info=failed)
         finally:
             gone.cancel()
             self.engine.release(stream)
