@@ -105,16 +105,21 @@ def _plain_sooner_elsewhere(ranked: list[int], closed: frozenset[int], loads: di
 
 
 def _plain_least_backlogged(ranked: list[int], closed: frozenset[int], loads: dict[int, int],
-                            fleet: policies._Fleet, bound: float, waits: dict[str, float],
-                            fit: PrefillFit) -> int | None:
-    """The open engine of the ranking with the least (wait in steps, requests), the first of equals; None with
-    fewer than two open."""
-    step_s = fit.s_per_token * policies.WAIT_STEP_TOKENS
+                            fleet: policies._Fleet, bound: float, local_pending: dict[str, int],
+                            waits: dict[str, float], fit: PrefillFit | None) -> int | None:
+    """The open engine of the ranking with the least (backlog in steps, requests), the first of equals; None with
+    fewer than two open. The backlog: the wait with a fit, else the larger of the heartbeat's and the pod's
+    pending tokens."""
+    def backlog(i: int) -> int:
+        if fit is not None:
+            return int(waits.get(fleet.ids[i], 0.0) / (fit.s_per_token * policies.WAIT_STEP_TOKENS))
+        pending = max(fleet.engines[i].pending_prefill_tokens, local_pending.get(fleet.ids[i], 0))
+        return pending // policies.PENDING_PREFILL_STEP
+
     open_ones = [i for i in ranked if i not in closed and loads.get(i, fleet.loads[i]) < bound]
     if len(open_ones) < 2:
         return None
-    return min(open_ones, key=lambda i: (int(waits.get(fleet.ids[i], 0.0) / step_s),
-                                         loads.get(i, fleet.loads[i]) + fleet.engines[i].num_waiting))
+    return min(open_ones, key=lambda i: (backlog(i), loads.get(i, fleet.loads[i]) + fleet.engines[i].num_waiting))
 
 
 def test_the_scans_that_skip_reading_waits_choose_as_the_plain_scans_do() -> None:
@@ -125,8 +130,8 @@ def test_the_scans_that_skip_reading_waits_choose_as_the_plain_scans_do() -> Non
     rng = random.Random(7)
     for _ in range(3000):
         ids = tuple(f"e{n}" for n in range(rng.randrange(2, 20)))
-        views = tuple(EngineView(e, f"http://{e}", rng.randrange(4), rng.randrange(3), 0.0, 1000, 32)
-                      for e in ids)
+        views = tuple(EngineView(e, f"http://{e}", rng.randrange(4), rng.randrange(3), 0.0, 1000, 32, False,
+                                 rng.choice((0, 0, 500, 1500, 4000))) for e in ids)
         fleet = policies._Fleet.of(views)
         ranked = rng.sample(range(len(ids)), rng.randrange(1, len(ids) + 1))
         closed = frozenset(i for i in range(len(ids)) if rng.random() < 0.15)
@@ -134,8 +139,10 @@ def test_the_scans_that_skip_reading_waits_choose_as_the_plain_scans_do() -> Non
         bound = rng.choice((3.0, 5.5, 100.0))
         waits = {e: rng.choice((0.0, 0.0, 0.01, 0.05, 0.2, 0.4, rng.random())) for e in ids if rng.random() < 0.6}
         fit = PrefillFit(0.002, rng.choice((1e-4, 1e-3)))
-        assert policies._least_backlogged(ranked, closed, loads, fleet, bound, {}, waits, fit) == \
-            _plain_least_backlogged(ranked, closed, loads, fleet, bound, waits, fit)
+        local_pending = {e: rng.choice((300, 1200, 5000)) for e in ids if rng.random() < 0.3}
+        for maybe_fit in (fit, None):  # waits in time once there is a fit, tokens before
+            assert policies._least_backlogged(ranked, closed, loads, fleet, bound, local_pending, waits, maybe_fit) \
+                == _plain_least_backlogged(ranked, closed, loads, fleet, bound, local_pending, waits, maybe_fit)
         cached = {i: rng.choice((32, 320, 992)) for i in ranked if rng.random() < 0.3}
         cached[ranked[0]] = rng.choice((32, 320, 992))
         assert policies._sooner_elsewhere(ranked, closed, loads, fleet, bound, cached, waits, fit) == \

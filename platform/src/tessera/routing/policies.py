@@ -518,9 +518,9 @@ def _sooner_elsewhere(ranked: list[int], closed: frozenset[int], loads: dict[int
     per_token = fit.s_per_token
     best, best_cost = None, holder_wait - per_token * (cached[holder] + MOVE_MARGIN_TOKENS)
     for i in ranked[1:]:
-        # A wait is never negative, so ``-per_token * cached`` bounds the cost from below: an engine whose bound
-        # cannot beat the best so far is passed without reading its wait (a sum over the pod's rows). Once an
-        # open engine with nothing queued and nothing cached is met (cost 0), only holders are read.
+        # A wait is never negative, so ``-per_token * cached`` is the cost's floor: an engine whose floor cannot
+        # beat the best so far is passed without reading its wait (a sum over the pod's rows). Once an open engine
+        # with nothing queued and nothing cached is met (cost 0), only holders' waits are read.
         floor = -per_token * cached.get(i, 0)
         if floor >= best_cost or i in closed or loads.get(i, fleet_loads[i]) >= bound:
             continue
