@@ -81,6 +81,9 @@ ROUNDS = 1
 # the slowest 32 of 3,200 from several (3,504 against 4,060 ms). docs/routing.md, "The sweep's sample".
 SIM_REQUESTS = 200
 SIM_SEQUENCES = 16
+# At fleet scale (--sim-engines above 3) each sequence already holds engines/3 times the requests, so the pooled
+# p99 spans that many more of them: four sequences, as those runs were measured (docs/routing.md).
+SIM_SEQUENCES_SCALED = 4
 # The sim backend at fleet scale (--sim-engines): the system prompts grow with the fleet (SYSTEM_PROMPTS_PER_ENGINE
 # an engine, as 12 over 3 engines), so each regime's cache against the working set, and each engine's share
 # of the arrivals, stay what they are at 3 engines; the requests grow with it too.
@@ -501,8 +504,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=ROUNDS, help="rounds per regime (2: the second reversed)")
     parser.add_argument("--requests", type=int, default=None,
                         help=f"requests per regime and round (default {NUM_REQUESTS}; sim {SIM_REQUESTS})")
-    parser.add_argument("--sim-sequences", type=int, default=SIM_SEQUENCES,
-                        help="sim only: seeded sequences per regime, pooled")
+    parser.add_argument("--sim-sequences", type=int, default=None,
+                        help=f"sim only: seeded sequences per regime, pooled (default {SIM_SEQUENCES}; "
+                             f"{SIM_SEQUENCES_SCALED} with --sim-engines above {NUM_ENGINES})")
     parser.add_argument("--sim-engines", type=int, default=NUM_ENGINES,
                         help="sim only: engines in the fleet; the system prompts and requests scale with it "
                              f"(SYSTEM_PROMPTS_PER_ENGINE = {SYSTEM_PROMPTS_PER_ENGINE})")
@@ -522,6 +526,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.requests_set = args.requests is not None
     if args.requests is None:
         args.requests = NUM_REQUESTS
+    if args.sim_sequences is None:
+        args.sim_sequences = SIM_SEQUENCES if args.sim_engines <= NUM_ENGINES else SIM_SEQUENCES_SCALED
     if args.rounds < 1 or args.requests < 10 or args.sim_sequences < 1:
         parser.error("--rounds and --sim-sequences must be >= 1 and --requests >= 10")
     if args.no_prefill_clock and args.backend != "sim":

@@ -41,3 +41,12 @@ def test_sim_engines_is_refused_for_real_engines_and_out_of_range() -> None:
         bench_routing.parse_args(["--sim-engines", "64"])
     with pytest.raises(SystemExit):
         bench_routing.parse_args(["--backend", "sim", "--sim-engines", "0"])
+
+
+def test_the_sweep_pools_sixteen_sequences_at_three_engines_and_four_at_fleet_scale() -> None:
+    # Sixteen at 3 engines: with four, an overloaded regime's p99 was one sequence's cold start (docs/routing.md,
+    # "The sweep's sample"); at fleet scale each sequence already holds engines/3 times the requests.
+    assert bench_routing.parse_args(["--backend", "sim"]).sim_sequences == 16
+    assert bench_routing.parse_args(["--backend", "sim", "--sim-engines", "64"]).sim_sequences == 4
+    chosen = bench_routing.parse_args(["--backend", "sim", "--sim-engines", "64", "--sim-sequences", "8"])
+    assert chosen.sim_sequences == 8
