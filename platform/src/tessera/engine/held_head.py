@@ -39,9 +39,10 @@ class HeldHead:
     async def __call__(self, message: dict[str, Any]) -> None:
         if not self._head_out:  # the first line (the per-token messages after it pay one flag read)
             self._timer.cancel()
-            self._send_head()
-            assert self._head is not None
-            await self._head  # sent (and flushed) before the first line, never after it
+            if self._head is None:
+                await self._send(self._start)  # the usual case: in this step, right before the line, no task
+            else:
+                await self._head  # the hold ran out and its send is under way: done before the first line
             self._head_out = True
         await self._send(message)
 
@@ -49,7 +50,7 @@ class HeldHead:
         self._timer.cancel()
 
     def _send_head(self) -> None:
-        if self._head is None:
-            self._head = asyncio.ensure_future(self._send(self._start))
-            # Sent by the timer for a stream whose caller then left, nobody awaits it: its error is no news.
-            self._head.add_done_callback(lambda head: head.cancelled() or head.exception())
+        """The hold ran out: the head goes now, in a task of its own (a timer callback cannot await)."""
+        self._head = asyncio.ensure_future(self._send(self._start))
+        # Sent by the timer for a stream whose caller then left, nobody awaits it: its error is no news.
+        self._head.add_done_callback(lambda head: head.cancelled() or head.exception())
