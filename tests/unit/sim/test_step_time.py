@@ -68,9 +68,19 @@ def test_the_mix_and_attention_terms_add_per_prefill_sequence_and_per_query_key_
     assert step_time_fn(full)(decode(3, 10)) == pytest.approx(step_time_fn(base)(decode(3, 10)) + 3 * 11 * 1e-8)
 
 
+def test_the_context_term_adds_per_token_of_kv_the_step_reads() -> None:
+    base = MeasuredStepTime(step_s=0.01, per_seq_s=0.001, per_prefill_token_s=0.0001)
+    with_context = base.model_copy(update={"per_context_token_s": 2e-7})
+    for step in (decode(3, 10), decode(3, 1000), StepShape(99, 98, 1, 3, 5000.0, 500)):
+        assert step_time_fn(with_context)(step) == pytest.approx(step_time_fn(base)(step)
+                                                                 + 2e-7 * step.num_context_tokens)
+    # A decode batch at a long context costs more than the same batch at a short one.
+    assert step_time_fn(with_context)(decode(3, 1000)) > step_time_fn(with_context)(decode(3, 10))
+
+
 def test_a_measured_config_without_the_new_terms_stays_valid_and_unchanged() -> None:
     config = MeasuredStepTime.model_validate({"step_s": 0.01, "per_seq_s": 0.001, "per_prefill_token_s": 0.0001})
-    assert (config.per_prefill_seq_s, config.per_attention_pair_s) == (0.0, 0.0)
+    assert (config.per_prefill_seq_s, config.per_attention_pair_s, config.per_context_token_s) == (0.0, 0.0, 0.0)
     with pytest.raises(ValidationError):
         MeasuredStepTime.model_validate({"step_s": 0.01, "per_seq_s": 0.0, "per_prefill_token_s": 0.0,
                                          "per_prefill_seq_s": -1.0})

@@ -7,23 +7,32 @@ import random
 import pytest
 
 from tessera.engine.sim.step_time import MeasuredStepTime, measured_step_time
-from tessera.engine.sim.step_time_fit import StepSample, fit_measured_step_time, jitter_factors, relative_errors
+from tessera.engine.sim.step_time_fit import (
+    StepSample,
+    attention_work,
+    fit_measured_step_time,
+    jitter_factors,
+    relative_errors,
+)
 
 TRUE = MeasuredStepTime(step_s=0.004, per_seq_s=0.0004, per_prefill_token_s=0.00002, per_prefill_seq_s=0.0015,
-                        per_attention_pair_s=2e-9)
+                        per_attention_pair_s=2e-9, per_context_token_s=3e-7)
 
 
-def sample(num_decode: int, prompts: list[int], noise: float = 0.0, rng: random.Random | None = None) -> StepSample:
-    pairs = sum(n * (n + 1) / 2 for n in prompts) + num_decode * 40.0
-    shape = StepSample(0.0, num_decode + len(prompts), len(prompts), sum(prompts), pairs).shape()
+def sample(num_decode: int, prompts: list[int], noise: float = 0.0, rng: random.Random | None = None,
+           decode_context: int = 40) -> StepSample:
+    """A step of ``num_decode`` sequences decoding at ``decode_context`` tokens each and uncached ``prompts``."""
+    pairs = sum(n * (n + 1) / 2 for n in prompts) + num_decode * (decode_context + 1.0)
+    context = sum(prompts) + num_decode * (decode_context + 1)
+    shape = StepSample(0.0, num_decode + len(prompts), len(prompts), sum(prompts), pairs, context).shape()
     duration = measured_step_time(TRUE)(shape) * (1 + (rng.uniform(-noise, noise) if rng else 0.0))
-    return StepSample(duration, num_decode + len(prompts), len(prompts), sum(prompts), pairs)
+    return StepSample(duration, num_decode + len(prompts), len(prompts), sum(prompts), pairs, context)
 
 
 def probe_steps(rng: random.Random | None = None, noise: float = 0.0) -> list[StepSample]:
     steps = []
     for _ in range(5):
-        steps += [sample(b, [], noise, rng) for b in (1, 2, 4, 8)]
+        steps += [sample(b, [], noise, rng, decode_context=c) for b in (1, 2, 4, 8) for c in (40, 400, 1200)]
         steps += [sample(1, [n], noise, rng) for n in (32, 128, 512, 1024, 1536)]
         steps += [sample(0, [16] * k, noise, rng) for k in (1, 2, 3)]
     return steps
@@ -31,8 +40,20 @@ def probe_steps(rng: random.Random | None = None, noise: float = 0.0) -> list[St
 
 def test_exact_steps_give_back_the_model_that_made_them() -> None:
     fitted = fit_measured_step_time(probe_steps())
-    for name in ("step_s", "per_seq_s", "per_prefill_token_s", "per_prefill_seq_s", "per_attention_pair_s"):
+    for name in ("step_s", "per_seq_s", "per_prefill_token_s", "per_prefill_seq_s", "per_attention_pair_s",
+                 "per_context_token_s"):
         assert getattr(fitted, name) == pytest.approx(getattr(TRUE, name), rel=1e-6, abs=1e-12)
+
+
+def test_decode_steps_at_several_contexts_part_the_per_sequence_cost_from_the_context_cost() -> None:
+    # What the calibration probes do: decode batches at short and long contexts. Fitted without the context
+    # term, the per-sequence cost averages the contexts and the short-context steps come out too slow.
+    steps = probe_steps()
+    without = fit_measured_step_time(steps, terms=("step_s", "per_seq_s", "per_prefill_token_s",
+                                                   "per_prefill_seq_s", "per_attention_pair_s"))
+    short = [sample(8, [], decode_context=40)]
+    assert relative_errors(fit_measured_step_time(steps), short)[0] == pytest.approx(0.0, abs=1e-6)
+    assert relative_errors(without, short)[0] > 0.02
 
 
 def test_medians_per_shape_shrug_off_a_few_slow_outliers() -> None:
@@ -58,7 +79,7 @@ def test_a_term_the_data_contradicts_is_dropped_not_negative() -> None:
 
 def test_only_the_chosen_terms_are_fitted() -> None:
     fitted = fit_measured_step_time(probe_steps(), terms=("step_s", "per_seq_s", "per_prefill_token_s"))
-    assert (fitted.per_prefill_seq_s, fitted.per_attention_pair_s) == (0.0, 0.0)
+    assert (fitted.per_prefill_seq_s, fitted.per_attention_pair_s, fitted.per_context_token_s) == (0.0, 0.0, 0.0)
     with pytest.raises(ValueError, match="per_seq_s"):
         fit_measured_step_time(probe_steps(), terms=("step_s", "per_token"))
     with pytest.raises(ValueError, match="no step samples"):
@@ -71,3 +92,12 @@ def test_jitter_factors_are_the_measured_over_modelled_quantiles() -> None:
     assert jitter_factors(config, steps, num_quantiles=5) == pytest.approx((1.0, 1.0, 1.0, 2.0, 5.0))
     with pytest.raises(ValueError, match="jitter"):
         jitter_factors(config, [], num_quantiles=5)
+
+
+def test_a_real_steps_attention_work_is_counted_as_the_sims_scheduler_counts_it() -> None:
+    # A new request's 100 prompt tokens after a 64-token prefix-cache hit, and two decodes at 300 and 40 tokens.
+    pairs, context = attention_work({"new": 100, "a": 1, "b": 1}, {"new": 64, "a": 300, "b": 40})
+    assert pairs == 100 * (64 + 101 / 2) + (300 + 1) + (40 + 1)
+    assert context == 164 + 301 + 41
+    # A request the engine had computed nothing of (no hit) counts from zero.
+    assert attention_work({"cold": 32}, {}) == (32 * 33 / 2, 32)

@@ -8,8 +8,9 @@
   it the modelled engine runs.
 * ``measured``: a linear model fitted on a real engine (the CPU engine's step costs): a fixed cost per
   step, per sequence in the batch, per prefill token, and optionally per sequence still in its prompt (the
-  mix term: a prefill's inputs, metadata and first sample cost more than a decode's) and per query-key pair
-  of causal attention (a long prompt's quadratic part). Calibration (``bench/bench_sim_calibration.py``)
+  mix term: a prefill's inputs, metadata and first sample cost more than a decode's), per query-key pair
+  of causal attention (a long prompt's quadratic part) and per token of KV the step reads (a decoding
+  sequence's share of a step grows with its context). Calibration (``bench/bench_sim_calibration.py``)
   fits these on the CPU engine's own step timings (``step_time_fit.py``) and configures the sim with them.
 """
 
@@ -60,7 +61,8 @@ class RooflineStepTime(BaseModel):
 
 class MeasuredStepTime(BaseModel):
     """Step time from a real engine's measured costs: ``step + per_seq·(seqs − 1) + per_prefill_token·tokens
-    + per_prefill_seq·prefill_seqs + per_attention_pair·pairs`` (the last two default to 0)."""
+    + per_prefill_seq·prefill_seqs + per_attention_pair·pairs + per_context_token·context`` (the last three
+    default to 0)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -74,6 +76,11 @@ class MeasuredStepTime(BaseModel):
     per_attention_pair_s: float = Field(
         default=0.0, ge=0.0,
         description="Seconds per query-key pair of causal attention (the step's ``attention_pairs``).")
+    per_context_token_s: float = Field(
+        default=0.0, ge=0.0,
+        description=("Seconds per token of KV the step reads (``num_context_tokens``: every scheduled sequence's "
+                     "cached context and new tokens): what a decode step's attention costs per sequence grows "
+                     "with, where a query-key pair is one token's worth."))
     jitter_factors: tuple[float, ...] = Field(
         default=(),
         description=("Step-time multipliers at evenly spaced quantiles (first: the smallest, last: the largest) "
@@ -131,7 +138,8 @@ def measured_step_time(config: MeasuredStepTime) -> StepTimeFn:
         return jitter() * (config.step_s + config.per_seq_s * max(0, step.num_seqs - 1)
                            + config.per_prefill_token_s * step.num_prefill_tokens
                            + config.per_prefill_seq_s * num_prefill_seqs
-                           + config.per_attention_pair_s * step.attention_pairs)
+                           + config.per_attention_pair_s * step.attention_pairs
+                           + config.per_context_token_s * step.num_context_tokens)
 
     return step_time
 

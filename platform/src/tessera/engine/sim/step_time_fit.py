@@ -1,7 +1,8 @@
 """The ``measured`` step-time model fitted on a real engine's own step timings.
 
 A sample is one engine step as the engine saw it: what it computed (sequences, of them how many still in
-their prompt, prompt tokens, query-key pairs of causal attention) and how long it took, wall clock, from the
+their prompt, prompt tokens, query-key pairs of causal attention, tokens of KV read: ``attention_work`` counts
+the last two from the engine's own schedule) and how long it took, wall clock, from the
 end of the step before to its own end — so the fit holds the engine's whole per-step cost (scheduling,
 input preparation, the forward pass, sampling, output handling), not the forward pass alone.
 
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 import statistics
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,7 +31,8 @@ from tessera.engine.sim.scheduler import StepShape
 from tessera.engine.sim.step_time import MeasuredStepTime, measured_step_time
 
 # The model's terms, in MeasuredStepTime's field names; ``step_s`` (the intercept) is always fitted.
-TERMS = ("step_s", "per_seq_s", "per_prefill_token_s", "per_prefill_seq_s", "per_attention_pair_s")
+TERMS = ("step_s", "per_seq_s", "per_prefill_token_s", "per_prefill_seq_s", "per_attention_pair_s",
+         "per_context_token_s")
 MIN_FRACTION_OF_TYPICAL = 0.25  # shorter gaps than this share of the median step are frontend bunching
 
 
@@ -43,16 +45,31 @@ class StepSample:
     num_prefill_seqs: int  # sequences computing prompt tokens (vLLM: context requests)
     num_prefill_tokens: int
     attention_pairs: float  # Σ new × (context + (new + 1) / 2), as StepShape counts them
+    num_context_tokens: int = 0  # Σ (context + new): the KV the step reads (0 where it was not measured)
 
     def shape(self) -> StepShape:
         num_decode = self.num_seqs - self.num_prefill_seqs
         return StepShape(self.num_prefill_tokens + num_decode, self.num_prefill_tokens, num_decode, self.num_seqs,
-                         self.attention_pairs, 0)
+                         self.attention_pairs, self.num_context_tokens)
+
+
+def attention_work(num_scheduled_tokens: Mapping[str, int],
+                   num_computed_tokens: Mapping[str, int]) -> tuple[float, int]:
+    """A step's query-key pairs of causal attention and tokens of KV read, counted as the sim's scheduler counts
+    them (``StepShape``), from what a real engine scheduled: each request's new tokens this step and the tokens
+    it had computed before it (its prefix-cache hit included; a request missing from ``num_computed_tokens``
+    had none)."""
+    pairs, context = 0.0, 0
+    for request_id, new in num_scheduled_tokens.items():
+        computed = num_computed_tokens.get(request_id, 0)
+        pairs += new * (computed + (new + 1) / 2)
+        context += computed + new
+    return pairs, context
 
 
 def _features(sample: StepSample) -> list[float]:
     return [1.0, float(max(0, sample.num_seqs - 1)), float(sample.num_prefill_tokens),
-            float(sample.num_prefill_seqs), float(sample.attention_pairs)]
+            float(sample.num_prefill_seqs), float(sample.attention_pairs), float(sample.num_context_tokens)]
 
 
 def fit_measured_step_time(samples: Iterable[StepSample], terms: Sequence[str] = TERMS) -> MeasuredStepTime:
