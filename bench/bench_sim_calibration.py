@@ -8,16 +8,22 @@ against the real CPU engine on the same workload — TTFT and ITL p50/p99 side b
 1. Real engine: one ``EngineHost`` (vLLM, CPU build, one unbound OpenMP thread as the tests run it) serving
    the routing benchmark's generated model, 200 KV blocks of 32 tokens, no Redis. vLLM's per-iteration
    details are switched on and a stat logger of this bench records, for every engine step, what it computed
-   (prompt sequences and tokens, decoding sequences) and when the frontend received it.
-2. Step costs, from the engine's own steps (``tessera.engine.sim.step_time_fit``): while one long request
-   keeps the engine stepping, isolated prompts of 32–1,536 tokens (3 each) and decode batches of 2–8
-   sequences (384-token prompts, the workload's typical context) run one after another; each step's time
-   is the gap since the previous step (valid only when the engine had work left after it, so the gap holds
-   no idle time). The isolated prompts' frontend delays (TTFT less the engine core's queue and prefill)
-   become the sim's ``frontend_delays_s`` (``--frontend``). The ``measured`` model (per step, per
-   extra sequence, per prompt token, per prompt sequence — the prefill/decode mix — and per query-key pair)
-   is fitted on the medians per step shape. The same fit on the workload's own steps is printed beside it
-   as a check, with how well each explains the other's steps.
+   (prompt sequences and tokens, decoding sequences) and when the frontend received it; the engine core (a
+   process vLLM spawns) writes each step's attention work beside it, counted from its own schedule
+   (``engine_steps/sitecustomize.py``): query-key pairs and tokens of KV read, prefix-cache hits and decoding
+   sequences' contexts included, as the sim's scheduler counts them.
+2. Step costs, from the engine's own steps (``tessera.engine.sim.step_time_fit``): each step's time is the gap
+   since the previous step on the engine core's clock (valid only when the engine had work left after it, so
+   the gap holds no idle time). The ``measured`` model (per step, per extra sequence, per prompt token, per
+   prompt sequence — the prefill/decode mix —, per query-key pair and per token of KV read) is fitted on the
+   medians per step shape of the workload runs' own steps (``--fit-on workload``, the default: the figures
+   compared below are not fitted, they come of the sim's queueing, batching and chunked prefill), of the first
+   run's only (``held-out``: the sim is then compared with the other runs), or of probes (``probes``): before
+   each workload run, while one long request keeps the engine stepping, isolated prompts of 32–1,536 tokens
+   (3 each) and decode batches of 2–8 sequences at three contexts (128-, 384- and 768-token prompts, the
+   workload's range) run in a shuffled order. Every fit is printed, with how well each explains the others'
+   steps. The probes' isolated prompts' frontend delays (TTFT less the engine core's queue and prefill) become
+   the sim's ``frontend_delays_s`` (``--frontend``).
 3. Workload (seeded, the same for both): ``--num-requests`` requests, Poisson arrivals at ``--rate``,
    prompts of a shared 256-token prefix (half of them) plus a unique part of 64–512 tokens, 32 output
    tokens each, ``ignore_eos``. The real half runs it ``--repeats`` times (prefix cache reset between).
@@ -46,7 +52,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 # The engine as the tests run it (tests/conftest.py): one unbound OpenMP thread, so its pace does not depend
 # on which cores its neighbours spin on. Set before vLLM is imported.
@@ -62,6 +68,7 @@ from _support import ENGINE_AUTH, REPO, bench_model
 
 MODEL_DIR = REPO / ".tessera" / "models" / "tessera-bench-routing"
 RESULTS = REPO / "bench" / "results" / "sim_calibration.json"
+ENGINE_STEPS_PROBE = Path(__file__).resolve().parent / "engine_steps"
 MODEL = "bench-sim-calibration"
 VOCAB = 1024  # the generated model's vocabulary (SmallModelSpec's default): prompt ids stay below it
 BLOCK = 32
@@ -76,11 +83,12 @@ GOAL_ERROR = 0.15
 SEED = 17
 PROBE_PROMPTS = (32, 64, 128, 256, 384, 512, 768, 1024, 1536)
 PROBE_BATCHES = (1, 2, 3, 5, 7)  # decoding beside the background request: 2-8 sequences
-# The decode-batch probes' prompt length: about the workload's contexts (a shared 256-token prefix for half,
-# 64-512 unique tokens). A sequence's share of a decode step grows with the context it attends to, which the
-# step model has no term for; probes of 16 tokens fitted ~15-135 us per extra sequence where the workload's
-# own steps fit ~400-600 us, and the sim's ITL came out 20-35 % short (docs/routing.md, calibration).
-PROBE_DECODE_PROMPT_TOKENS = 384
+# The decode-batch probes' prompt lengths: the workload's range of contexts (a shared 256-token prefix for half,
+# 64-512 unique tokens). A sequence's share of a decode step grows with the context it attends to; probes at one
+# context cannot tell that cost from a per-sequence one (probes of 16 tokens fitted ~15-135 us per extra sequence
+# where the workload's own steps fit ~400-600 us, and the sim's ITL came out 20-35 % short; docs/routing.md,
+# calibration), probes at three let the fit part them (``per_context_token_s``).
+PROBE_DECODE_PROMPT_TOKENS = (128, 384, 768)
 BACKGROUND_TOKENS = 1900
 METRICS = ("ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s")
 
@@ -166,6 +174,7 @@ class StepRecord:
     """One engine step as vLLM's frontend heard of it (its iteration details)."""
 
     t_s: float  # perf_counter when the frontend received the step's outputs
+    iteration_index: int  # the engine core's count of its steps (joins the step's attention work)
     num_prefill_seqs: int  # vLLM's context requests
     num_prefill_tokens: int
     num_decode_seqs: int
@@ -204,7 +213,8 @@ def step_logger_factory(log: StepLog) -> Any:
             details = getattr(scheduler_stats, "iteration_details", None)
             step = None
             if details is not None and not details.is_dummy:
-                step = StepRecord(time.perf_counter(), details.num_ctx_requests, details.num_ctx_tokens,
+                step = StepRecord(time.perf_counter(), details.iteration_index, details.num_ctx_requests,
+                                  details.num_ctx_tokens,
                                   details.num_generation_requests,
                                   scheduler_stats.num_running_reqs + scheduler_stats.num_waiting_reqs)
             log.add(step, list(getattr(iteration_stats, "inter_token_latencies_iter", []) or []))
@@ -231,28 +241,68 @@ def install_step_logging(log: StepLog) -> None:
     vllm_engine.AsyncLLM = _AsyncLLMWithSteps  # type: ignore[misc,assignment]
 
 
-def step_samples(steps: list[StepRecord]) -> list[Any]:
-    """Timed steps: each gap since the previous step, where the engine went straight on (no idle time).
-    Attention pairs as if every prompt sequence computed an equal, uncached share of the prompt tokens
-    (what the probes do; decoding sequences' pairs, small beside a prompt's, are left out)."""
+class StepShape(NamedTuple):
+    attention_pairs: float
+    num_context_tokens: int
+    core_t_s: float  # the engine core's perf_counter at the step (its own clock: gaps between steps)
+
+
+class StepShapes:
+    """Each engine step's attention work (query-key pairs, tokens of KV read) and time, written by the engine core as it
+    steps (``engine_steps/sitecustomize.py``, which vLLM's processes started after this load: ``start``) and read
+    here by its iteration index."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def start(self) -> None:
+        """For the processes started from now on (vLLM spawns its engine core: a patch made in this process
+        would not reach it)."""
+        self.path.unlink(missing_ok=True)
+        os.environ["TESSERA_BENCH_STEP_SHAPES_OUT"] = str(self.path)
+        os.environ["PYTHONPATH"] = os.pathsep.join(
+            [str(ENGINE_STEPS_PROBE), *filter(None, [os.environ.get("PYTHONPATH")])])
+
+    def read(self) -> dict[int, StepShape]:
+        shapes: dict[int, StepShape] = {}
+        if self.path.exists():
+            for line in self.path.read_text().splitlines():
+                index, pairs, context, t = line.split()
+                shapes[int(index)] = StepShape(float(pairs), int(context), float(t))
+        return shapes
+
+
+def step_samples(steps: list[StepRecord], shapes: dict[int, StepShape]) -> list[Any]:
+    """Timed steps: each gap since the previous step on the engine core's clock, where the engine went straight
+    on (no idle time), with the step's attention work as the engine core counted it (``shapes``; a step without
+    one is an error: the fit would take its decodes for free)."""
     from tessera.engine.sim.step_time_fit import StepSample
 
+    missing = [step.iteration_index for step in steps if step.iteration_index not in shapes]
+    if missing:
+        raise RuntimeError(f"{len(missing)} of {len(steps)} engine steps came without their attention work from "
+                           f"the engine core (first: {missing[0]}): did engine_steps/sitecustomize.py load there?")
     samples = []
     for before, step in itertools.pairwise(steps):
         if before.num_pending == 0:
             continue
-        n, k = step.num_prefill_tokens, step.num_prefill_seqs
-        pairs = n * (n / k + 1) / 2 if k else 0.0
-        samples.append(StepSample(step.t_s - before.t_s, k + step.num_decode_seqs, k, n, pairs))
+        shape, shape_before = shapes[step.iteration_index], shapes[before.iteration_index]
+        if step.iteration_index != before.iteration_index + 1:
+            continue  # a step between them went unrecorded (a dummy): the gap holds two
+        k = step.num_prefill_seqs
+        samples.append(StepSample(shape.core_t_s - shape_before.core_t_s, k + step.num_decode_seqs, k,
+                                  step.num_prefill_tokens, shape.attention_pairs, shape.num_context_tokens))
     return samples
 
 
-async def probe_steps(url: str) -> list[Outcome]:
+async def probe_steps(url: str, phase: int) -> list[Outcome]:
     """The calibration probes (module docstring, 2): a background request keeps the engine stepping while
-    isolated prompts and decode batches run. Returns the isolated prompts' outcomes (their frontend delays)."""
+    isolated prompts and decode batches run, in a shuffled order (so neither a prompt's length nor a batch's
+    context follows the time, and with it the machine's drift or the background's growing context). Returns the
+    isolated prompts' outcomes (their frontend delays). ``phase`` seeds the prompts (each phase's are new)."""
     import httpx
 
-    rng = random.Random(SEED + 1)
+    rng = random.Random(SEED + 1 + 1000 * phase)
     async with httpx.AsyncClient(timeout=600.0) as client:
         long_prompt = [token(rng) for _ in range(16)]
         background = asyncio.ensure_future(stream(client, url, long_prompt, BACKGROUND_TOKENS))
@@ -263,8 +313,10 @@ async def probe_steps(url: str) -> list[Outcome]:
         for n in prompts:
             isolated.append(await stream(client, url, [token(rng) for _ in range(n)], 1))
             await asyncio.sleep(0.02)  # a few background-only steps between probes
-        for b in PROBE_BATCHES * 2:
-            await asyncio.gather(*(stream(client, url, [token(rng) for _ in range(PROBE_DECODE_PROMPT_TOKENS)], 24)
+        batches = [(prompt_tokens, b) for prompt_tokens in PROBE_DECODE_PROMPT_TOKENS for b in PROBE_BATCHES]
+        rng.shuffle(batches)
+        for prompt_tokens, b in batches:
+            await asyncio.gather(*(stream(client, url, [token(rng) for _ in range(prompt_tokens)], 24)
                                    for _ in range(b)))
             await asyncio.sleep(0.02)
         background.cancel()  # the host aborts a request whose client left
@@ -293,6 +345,8 @@ def run_real(requests: list[Request], repeats: int) -> dict[str, Any]:
                                                num_attention_heads=8, num_key_value_heads=4, seed=1))
     log = StepLog()
     install_step_logging(log)
+    shapes = StepShapes(RESULTS.parent / "sim_calibration_step_shapes.txt")
+    shapes.start()
     config = EngineConfig.model_validate({
         "model": str(MODEL_DIR), "served_model_name": MODEL, "num_gpu_blocks_override": NUM_GPU_BLOCKS,
         "max_model_len": MAX_MODEL_LEN, "block_size": BLOCK, "speculative": None, "max_num_seqs": MAX_NUM_SEQS,
@@ -307,10 +361,18 @@ def run_real(requests: list[Request], repeats: int) -> dict[str, Any]:
     try:
         asyncio.run(warm_up(host.url))
         log.take()
-        probe_outcomes = asyncio.run(probe_steps(host.url))
-        probe, _ = log.take()
+        # Probes before each workload run, not once before all: this machine's pace drifts by 20-40 % within
+        # minutes (the same workload twice: ITL p50 3.2 then 4.5 ms), and step costs probed in one spell
+        # configured a sim that met another (docs/routing.md, calibration). Pooled, the probes meet the same
+        # spells as the runs whose median the sim is compared with.
+        probe: list[list[StepRecord]] = []
+        probe_outcomes: list[Outcome] = []
         runs = []
         for repeat in range(repeats):
+            reset_prefix_cache()
+            log.take()
+            probe_outcomes += asyncio.run(probe_steps(host.url, repeat))
+            probe.append(log.take()[0])
             reset_prefix_cache()
             log.take()
             load = os.getloadavg()[0]
@@ -319,9 +381,10 @@ def run_real(requests: list[Request], repeats: int) -> dict[str, Any]:
             runs.append({"load_average_1m": load, "outcomes": outcomes, "steps": steps, "core_itls_s": core_itls})
             print(f"real run {repeat + 1}/{repeats}: {fmt_summary(summarize(outcomes))} (load {load:.2f})",
                   flush=True)
-        return {"probe_steps": probe, "probe_outcomes": probe_outcomes, "runs": runs}
+        return {"probe_steps": probe, "probe_outcomes": probe_outcomes, "runs": runs, "shapes": shapes.read()}
     finally:
         host.stop()
+        shapes.path.unlink(missing_ok=True)
 
 
 # ---- the sim -------------------------------------------------------------------------------------------------
@@ -387,7 +450,8 @@ def frontend_overhead_s(outcomes: list[Outcome]) -> list[float]:
 def fit_report(name: str, config: Any, own: list[Any], other: list[Any], other_name: str) -> dict[str, Any]:
     from tessera.engine.sim.step_time_fit import relative_errors
 
-    report = {"costs": config.model_dump(exclude={"kind", "jitter_factors", "jitter_seed"}), "num_samples": len(own)}
+    report = {"costs": config.model_dump(exclude={"kind", "jitter_factors", "jitter_s", "jitter_seed"}),
+              "num_samples": len(own)}
     for label, samples in (("own", own), (other_name, other)):
         errors = sorted(abs(e) for e in relative_errors(config, samples))
         report[f"abs_rel_error_{label}"] = {"p50": percentile(errors, 50), "p90": percentile(errors, 90)}
@@ -434,13 +498,17 @@ def main() -> None:
                              "and compare with their real figures.")
     parser.add_argument("--step-costs", help="MeasuredStepTime fields as JSON (instead of the fit).")
     parser.add_argument("--terms", default="step_s,per_seq_s,per_prefill_token_s,per_prefill_seq_s,"
-                                           "per_attention_pair_s", help="Step-time terms to fit.")
-    parser.add_argument("--fit-on", choices=("probes", "workload"), default="probes",
-                        help="Which real steps configure the sim (the other is the check).")
-    parser.add_argument("--jitter", action="store_true",
-                        help="Give the sim the measured spread of step times around the model (the shared "
-                             "machine's noise) as seeded, independent per-step factors. It overshoots: much "
-                             "of the spread is the frontend's late delivery, which never slows the engine.")
+                                           "per_attention_pair_s,per_context_token_s", help="Step-time terms to fit.")
+    parser.add_argument("--fit-on", choices=("workload", "held-out", "probes"), default="workload",
+                        help="Which real steps configure the sim: the workload runs' own (default; the latencies "
+                             "compared are not fitted: they come of the sim's queueing, batching and chunked "
+                             "prefill), the first run's only, compared with the other runs' figures only "
+                             "(held-out), or the probes' (a different mix of requests; the others are the check).")
+    parser.add_argument("--jitter", choices=("add", "scale", "none"), default="add",
+                        help="The measured spread of the fitted steps' times around the model (this machine's "
+                             "noise), drawn per step, seeded: as seconds added (add, the default: interruptions "
+                             "add time whatever the step computes), as a factor (scale: stretches a long prefill "
+                             "as much as a decode; overshoots the TTFT tail), or none.")
     parser.add_argument("--frontend", choices=("probes", "workload", "none"), default="probes",
                         help="Which real requests' frontend delays (TTFT - core queue - core prefill) the sim's "
                              "requests draw theirs from: the probes' isolated prompts (default), the workload's "
@@ -453,7 +521,7 @@ def main() -> None:
     parser.add_argument("--results", type=Path, default=RESULTS)
     args = parser.parse_args()
     from tessera.engine.sim.step_time import MeasuredStepTime
-    from tessera.engine.sim.step_time_fit import StepSample, fit_measured_step_time, jitter_factors
+    from tessera.engine.sim.step_time_fit import StepSample, fit_measured_step_time, jitter_factors, jitter_seconds
 
     requests = make_workload(args.num_requests, args.rate)
     started = datetime.now(UTC).isoformat(timespec="seconds")
@@ -462,13 +530,15 @@ def main() -> None:
         saved = json.loads(args.results.read_text())
         probe = [StepSample(**s) for s in saved["probe_samples"]]
         workload = [StepSample(**s) for s in saved["workload_samples"]]
+        by_run = [[StepSample(**s) for s in run] for run in saved.get("workload_samples_by_run", [])]
         real_summaries = saved["real"]["runs"]
         real_extra = {k: v for k, v in saved["real"].items() if k != "runs"}
         frontends = {"probes": saved.get("probe_frontend_s"), "workload": saved.get("workload_frontend_s")}
     else:
         real = run_real(requests, args.repeats)
-        probe = step_samples(real["probe_steps"])
-        workload = [s for run in real["runs"] for s in step_samples(run["steps"])]
+        probe = [s for phase in real["probe_steps"] for s in step_samples(phase, real["shapes"])]
+        by_run = [step_samples(run["steps"], real["shapes"]) for run in real["runs"]]
+        workload = [s for run in by_run for s in run]
         real_summaries = [{**summarize(r["outcomes"]), "load_average_1m": r["load_average_1m"],
                            "num_steps": len(r["steps"]), "ttfts_s": [o.ttft_s for o in r["outcomes"]]}
                           for r in real["runs"]]
@@ -483,18 +553,34 @@ def main() -> None:
         args.results.write_text(json.dumps({
             "date": started, "real_date": started, "real": {"runs": real_summaries, **real_extra},
             "probe_samples": [asdict(s) for s in probe], "workload_samples": [asdict(s) for s in workload],
+            "workload_samples_by_run": [[asdict(s) for s in run] for run in by_run],
             "probe_frontend_s": frontends["probes"], "workload_frontend_s": frontends["workload"]}))
     terms = [t.strip() for t in args.terms.split(",") if t.strip()]
     fits = {"probes": fit_report("probes", fit_measured_step_time(probe, terms), probe, workload, "workload"),
             "workload": fit_report("workload", fit_measured_step_time(workload, terms), workload, probe, "probes")}
+    if len(by_run) >= 2:
+        held_out = [s for run in by_run[1:] for s in run]
+        fits["held-out"] = fit_report("the first run", fit_measured_step_time(by_run[0], terms), by_run[0], held_out,
+                                      "later runs")
+    elif args.fit_on == "held-out":
+        raise SystemExit("--fit-on held-out needs two real runs' steps apart (--repeats 2; results saved before "
+                         "2026-12-07 pool them)")
+    # Held out, the sim is compared with the runs it was not fitted on.
+    compared = real_summaries[1:] if args.fit_on == "held-out" else real_summaries
     costs = json.loads(args.step_costs) if args.step_costs else dict(fits[args.fit_on]["costs"])
-    if args.jitter and not args.step_costs:
-        # The machine's noise as the real engine met it: measured/modelled step time on the same steps.
+    if args.jitter != "none" and not args.step_costs:
+        # The machine's noise as the real engine met it, on the steps the costs were fitted on.
         fitted = MeasuredStepTime(**costs)
-        costs["jitter_factors"] = list(jitter_factors(fitted, probe if args.fit_on == "probes" else workload))
+        jitter_steps = {"probes": probe, "held-out": by_run[0] if by_run else []}.get(args.fit_on, workload)
         costs["jitter_seed"] = SEED
-        print("step jitter (measured/modelled) at p10/p50/p90/p99: " + " / ".join(
-            f"{costs['jitter_factors'][q]:.2f}" for q in (10, 50, 90, 99)))
+        if args.jitter == "scale":
+            costs["jitter_factors"] = list(jitter_factors(fitted, jitter_steps))
+            print("step jitter (measured/modelled) at p10/p50/p90/p99: " + " / ".join(
+                f"{costs['jitter_factors'][q]:.2f}" for q in (10, 50, 90, 99)))
+        else:
+            costs["jitter_s"] = list(jitter_seconds(fitted, jitter_steps))
+            print("step jitter (measured - modelled) at p10/p50/p90/p99: " + " / ".join(
+                f"{costs['jitter_s'][q] * 1000:+.2f} ms" for q in (10, 50, 90, 99)))
     MeasuredStepTime(**costs)  # a typo in --step-costs fails here, not in the sim
     print(f"real engine: frontend overhead (TTFT - core queue - core prefill) p50 "
           f"{real_extra.get('frontend_overhead_p50_s', float('nan')) * 1000:.2f} ms, p90 "
@@ -513,18 +599,20 @@ def main() -> None:
         outcomes, num_steps = run_sim(costs, requests, args.time_scale, frontend_delays)
         sim_summaries.append({**summarize(outcomes), "num_steps": num_steps, "ttfts_s": [o.ttft_s for o in outcomes]})
         print(f"sim run {repeat + 1}/{args.sim_repeats}: {fmt_summary(sim_summaries[-1])}", flush=True)
-    shown = {k: v for k, v in costs.items() if k != "jitter_factors"}
+    shown = {k: v for k, v in costs.items() if k not in ("jitter_factors", "jitter_s")}
+    jittered = "jitter_factors" in costs or "jitter_s" in costs
     print(f"sim configured with: {json.dumps(shown)} (fitted on {args.fit_on if not args.step_costs else '-'}"
-          f"{', with jitter' if 'jitter_factors' in costs else ''})")
-    print(f"engine steps per workload run: real {[r.get('num_steps') for r in real_summaries]}, "
+          f"{f', with jitter ({args.jitter})' if jittered else ''})")
+    print(f"engine steps per workload run: real {[r.get('num_steps') for r in compared]}, "
           f"sim {[r['num_steps'] for r in sim_summaries]}")
-    rows = compare(real_summaries, sim_summaries)
-    paired = paired_ttft_errors(real_summaries, sim_summaries[0]["ttfts_s"])
+    rows = compare(compared, sim_summaries)
+    paired = paired_ttft_errors(compared, sim_summaries[0]["ttfts_s"])
     if paired:
         print(f"request by request, sim TTFT vs real: median {paired['p50']:+.1%}, "
               f"10th-90th percentile {paired['p10']:+.1%} to {paired['p90']:+.1%}")
     met = all(rows[k]["error"] <= GOAL_ERROR for k in METRICS)
-    print(f"goal (TTFT and ITL p50/p99 within {GOAL_ERROR:.0%} of the real median): {'met' if met else 'NOT met'}")
+    print(f"goal (TTFT and ITL p50/p99 within {GOAL_ERROR:.0%} of the real median"
+          f"{', the runs held out' if args.fit_on == 'held-out' else ''}): {'met' if met else 'NOT met'}")
     result = {
         "date": started, "load_average_before": load_before, "load_average_after": os.getloadavg(),
         "workload": {"num_requests": args.num_requests, "rate_per_s": args.rate, "max_tokens": MAX_TOKENS,
@@ -535,6 +623,7 @@ def main() -> None:
         "real": {"runs": real_summaries, **real_extra}, "sim": {"runs": sim_summaries}, "comparison": rows,
         "goal_met": met, "paired_ttft_error": paired, "probe_samples": [asdict(s) for s in probe],
         "workload_samples": [asdict(s) for s in workload],
+        "workload_samples_by_run": [[asdict(s) for s in run] for run in by_run],
     }
     if args.sim_only:
         result["real_date"] = saved.get("real_date", saved.get("date"))

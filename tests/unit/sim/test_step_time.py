@@ -98,3 +98,21 @@ def test_jitter_draws_seeded_factors_between_the_measured_quantiles() -> None:
     assert step_time_fn(base)(decode(1, 10)) == 0.01
     with pytest.raises(ValidationError):
         MeasuredStepTime(step_s=0.01, per_seq_s=0.0, per_prefill_token_s=0.0, jitter_factors=(1.2, 1.0))
+
+
+def test_additive_jitter_adds_the_same_seconds_to_a_decode_and_a_long_prefill() -> None:
+    base = MeasuredStepTime(step_s=0.004, per_seq_s=0.0, per_prefill_token_s=0.00004)
+    noisy = base.model_copy(update={"jitter_s": (-0.001, 0.0, 0.005), "jitter_seed": 3})
+    prefill = StepShape(1000, 1000, 0, 1, 500_500.0, 1000)
+    for step in (decode(1, 10), prefill):
+        first, again = step_time_fn(noisy), step_time_fn(noisy)
+        added = [first(step) - step_time_fn(base)(step) for _ in range(2000)]
+        assert added == [again(step) - step_time_fn(base)(step) for _ in range(2000)]  # seeded
+        # Between the first and last quantile, half the draws under 0 and half over: seconds, not a factor.
+        assert min(added) >= -0.001 - 1e-12 and max(added) <= 0.005 + 1e-12
+        assert sum(a <= 0 for a in added) / len(added) == pytest.approx(0.5, abs=0.05)
+    # A draw below a step's own time leaves it at 0, never negative.
+    tiny = MeasuredStepTime(step_s=0.0005, per_seq_s=0.0, per_prefill_token_s=0.0, jitter_s=(-0.002, -0.001))
+    assert all(step_time_fn(tiny)(decode(1, 10)) == 0.0 for _ in range(100))
+    with pytest.raises(ValidationError):
+        base.model_validate({**base.model_dump(), "jitter_s": (0.002, 0.001)})

@@ -12,6 +12,7 @@ from tessera.engine.sim.step_time_fit import (
     attention_work,
     fit_measured_step_time,
     jitter_factors,
+    jitter_seconds,
     relative_errors,
 )
 
@@ -84,6 +85,16 @@ def test_only_the_chosen_terms_are_fitted() -> None:
         fit_measured_step_time(probe_steps(), terms=("step_s", "per_token"))
     with pytest.raises(ValueError, match="no step samples"):
         fit_measured_step_time([])
+
+
+def test_jitter_seconds_are_the_measured_minus_modelled_quantiles() -> None:
+    # Interruptions add time whatever the step computes: a decode and a long prefill, each 2 ms late once.
+    config = MeasuredStepTime(step_s=0.004, per_seq_s=0.0, per_prefill_token_s=0.00004)
+    steps = [StepSample(0.004, 1, 0, 0, 0.0)] * 3 + [StepSample(0.006, 1, 0, 0, 0.0)]
+    steps += [StepSample(0.044, 1, 1, 1000, 0.0)] * 3 + [StepSample(0.046, 1, 1, 1000, 0.0)]
+    assert jitter_seconds(config, steps, num_quantiles=5) == pytest.approx((0.0, 0.0, 0.0, 0.0005, 0.002))
+    with pytest.raises(ValueError, match="jitter"):
+        jitter_seconds(config, [], num_quantiles=5)
 
 
 def test_jitter_factors_are_the_measured_over_modelled_quantiles() -> None:

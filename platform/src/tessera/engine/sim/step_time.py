@@ -86,6 +86,13 @@ class MeasuredStepTime(BaseModel):
         description=("Step-time multipliers at evenly spaced quantiles (first: the smallest, last: the largest) "
                      "of the real engine's measured/modelled step time — a shared machine's noise. Each step "
                      "draws one (seeded, interpolated between quantiles). Empty: every step takes its model time."))
+    jitter_s: tuple[float, ...] = Field(
+        default=(),
+        description=("Seconds added to a step at evenly spaced quantiles (ascending) of the real engine's measured "
+                     "minus modelled step time — a shared machine's interruptions, which add time whatever the step "
+                     "computes (a factor would stretch a long prefill by as much as it stretches a decode). Each "
+                     "step draws one (seeded, interpolated between quantiles); a step never takes less than 0. "
+                     "Empty: none."))
     jitter_seed: int = Field(default=0, description="Seed of the jitter draws (the same seed, the same steps).")
 
     @field_validator("jitter_factors")
@@ -94,6 +101,13 @@ class MeasuredStepTime(BaseModel):
         if any(f <= 0 for f in factors) or list(factors) != sorted(factors):
             raise ValueError("jitter_factors must be positive quantiles in ascending order")
         return factors
+
+    @field_validator("jitter_s")
+    @classmethod
+    def _sorted(cls, seconds: tuple[float, ...]) -> tuple[float, ...]:
+        if list(seconds) != sorted(seconds):
+            raise ValueError("jitter_s must be quantiles in ascending order")
+        return seconds
 
 
 StepTimeConfig = Annotated[RooflineStepTime | MeasuredStepTime, Field(discriminator="kind")]
@@ -121,25 +135,27 @@ def roofline_step_time(config: RooflineStepTime) -> StepTimeFn:
 
 
 def measured_step_time(config: MeasuredStepTime) -> StepTimeFn:
-    factors = config.jitter_factors
     rng = random.Random(config.jitter_seed)
 
-    def jitter() -> float:
-        if len(factors) < 2:
-            return factors[0] if factors else 1.0
-        position = rng.random() * (len(factors) - 1)
+    def draw(quantiles: tuple[float, ...], none: float) -> float:
+        """A value between evenly spaced quantiles, interpolated (``none`` where there are none)."""
+        if len(quantiles) < 2:
+            return quantiles[0] if quantiles else none
+        position = rng.random() * (len(quantiles) - 1)
         low = int(position)
-        return factors[low] + (factors[low + 1] - factors[low]) * (position - low)
+        return quantiles[low] + (quantiles[low + 1] - quantiles[low]) * (position - low)
 
     def step_time(step: StepShape) -> float:
         if step.num_scheduled_tokens == 0:
             return 0.0
         num_prefill_seqs = step.num_seqs - step.num_decode_seqs
-        return jitter() * (config.step_s + config.per_seq_s * max(0, step.num_seqs - 1)
-                           + config.per_prefill_token_s * step.num_prefill_tokens
-                           + config.per_prefill_seq_s * num_prefill_seqs
-                           + config.per_attention_pair_s * step.attention_pairs
-                           + config.per_context_token_s * step.num_context_tokens)
+        modelled = draw(config.jitter_factors, 1.0) * (
+            config.step_s + config.per_seq_s * max(0, step.num_seqs - 1)
+            + config.per_prefill_token_s * step.num_prefill_tokens
+            + config.per_prefill_seq_s * num_prefill_seqs
+            + config.per_attention_pair_s * step.attention_pairs
+            + config.per_context_token_s * step.num_context_tokens)
+        return max(0.0, modelled + draw(config.jitter_s, 0.0)) if config.jitter_s else modelled
 
     return step_time
 

@@ -109,15 +109,26 @@ def fit_measured_step_time(samples: Iterable[StepSample], terms: Sequence[str] =
 
 def relative_errors(config: MeasuredStepTime, samples: Iterable[StepSample]) -> list[float]:
     """Each sample's (modelled − measured) / measured step time: how well ``config`` explains the steps."""
-    model = measured_step_time(config.model_copy(update={"jitter_factors": ()}))
+    model = measured_step_time(config.model_copy(update={"jitter_factors": (), "jitter_s": ()}))
     return [(model(s.shape()) - s.duration_s) / s.duration_s for s in samples if s.duration_s > 0]
+
+
+def jitter_seconds(config: MeasuredStepTime, samples: Iterable[StepSample],
+                   num_quantiles: int = 101) -> tuple[float, ...]:
+    """The measured − modelled step times of ``samples`` at ``num_quantiles`` evenly spaced quantiles:
+    ``MeasuredStepTime.jitter_s`` for a sim whose steps meet the machine's interruptions as the real engine's did."""
+    model = measured_step_time(config.model_copy(update={"jitter_factors": (), "jitter_s": ()}))
+    residuals = sorted(s.duration_s - model(s.shape()) for s in samples if s.duration_s > 0)
+    if not residuals or num_quantiles < 2:
+        raise ValueError("jitter needs step samples and at least 2 quantiles")
+    return tuple(float(np.quantile(residuals, i / (num_quantiles - 1))) for i in range(num_quantiles))
 
 
 def jitter_factors(config: MeasuredStepTime, samples: Iterable[StepSample],
                    num_quantiles: int = 101) -> tuple[float, ...]:
     """The measured/modelled step-time ratios of ``samples`` at ``num_quantiles`` evenly spaced quantiles:
     ``MeasuredStepTime.jitter_factors`` for a sim that reproduces a noisy machine's step-time spread."""
-    model = measured_step_time(config.model_copy(update={"jitter_factors": ()}))
+    model = measured_step_time(config.model_copy(update={"jitter_factors": (), "jitter_s": ()}))
     ratios = sorted(s.duration_s / model(s.shape()) for s in samples if s.duration_s > 0 and model(s.shape()) > 0)
     if not ratios or num_quantiles < 2:
         raise ValueError("jitter needs step samples and at least 2 quantiles")
