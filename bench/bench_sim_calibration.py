@@ -241,16 +241,18 @@ def install_step_logging(log: StepLog) -> None:
     vllm_engine.AsyncLLM = _AsyncLLMWithSteps  # type: ignore[misc,assignment]
 
 
-class StepShape(NamedTuple):
+class CoreStep(NamedTuple):
+    """One step as the engine core wrote it."""
+
     attention_pairs: float
     num_context_tokens: int
-    core_t_s: float  # the engine core's perf_counter at the step (its own clock: gaps between steps)
+    core_t_s: float  # the core's perf_counter once the step's output was in (its own clock: gaps between steps)
 
 
-class StepShapes:
-    """Each engine step's attention work (query-key pairs, tokens of KV read) and time, written by the engine core as it
-    steps (``engine_steps/sitecustomize.py``, which vLLM's processes started after this load: ``start``) and read
-    here by its iteration index."""
+class CoreSteps:
+    """Each engine step's attention work (query-key pairs, tokens of KV read) and time, written by the engine core
+    as it steps (``engine_steps/sitecustomize.py``, loaded by the processes vLLM starts after ``start``) and read
+    here by iteration index."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -259,20 +261,20 @@ class StepShapes:
         """For the processes started from now on (vLLM spawns its engine core: a patch made in this process
         would not reach it)."""
         self.path.unlink(missing_ok=True)
-        os.environ["TESSERA_BENCH_STEP_SHAPES_OUT"] = str(self.path)
+        os.environ["TESSERA_BENCH_CORE_STEPS_OUT"] = str(self.path)
         os.environ["PYTHONPATH"] = os.pathsep.join(
             [str(ENGINE_STEPS_PROBE), *filter(None, [os.environ.get("PYTHONPATH")])])
 
-    def read(self) -> dict[int, StepShape]:
-        shapes: dict[int, StepShape] = {}
+    def read(self) -> dict[int, CoreStep]:
+        shapes: dict[int, CoreStep] = {}
         if self.path.exists():
             for line in self.path.read_text().splitlines():
                 index, pairs, context, t = line.split()
-                shapes[int(index)] = StepShape(float(pairs), int(context), float(t))
+                shapes[int(index)] = CoreStep(float(pairs), int(context), float(t))
         return shapes
 
 
-def step_samples(steps: list[StepRecord], shapes: dict[int, StepShape]) -> list[Any]:
+def step_samples(steps: list[StepRecord], shapes: dict[int, CoreStep]) -> list[Any]:
     """Timed steps: each gap since the previous step on the engine core's clock, where the engine went straight
     on (no idle time), with the step's attention work as the engine core counted it (``shapes``; a step without
     one is an error: the fit would take its decodes for free)."""
@@ -286,9 +288,9 @@ def step_samples(steps: list[StepRecord], shapes: dict[int, StepShape]) -> list[
     for before, step in itertools.pairwise(steps):
         if before.num_pending == 0:
             continue
-        shape, shape_before = shapes[step.iteration_index], shapes[before.iteration_index]
         if step.iteration_index != before.iteration_index + 1:
             continue  # a step between them went unrecorded (a dummy): the gap holds two
+        shape, shape_before = shapes[step.iteration_index], shapes[before.iteration_index]
         k = step.num_prefill_seqs
         samples.append(StepSample(shape.core_t_s - shape_before.core_t_s, k + step.num_decode_seqs, k,
                                   step.num_prefill_tokens, shape.attention_pairs, shape.num_context_tokens))
@@ -345,7 +347,7 @@ def run_real(requests: list[Request], repeats: int) -> dict[str, Any]:
                                                num_attention_heads=8, num_key_value_heads=4, seed=1))
     log = StepLog()
     install_step_logging(log)
-    shapes = StepShapes(RESULTS.parent / "sim_calibration_step_shapes.txt")
+    shapes = CoreSteps(RESULTS.parent / "sim_calibration_core_steps.txt")
     shapes.start()
     config = EngineConfig.model_validate({
         "model": str(MODEL_DIR), "served_model_name": MODEL, "num_gpu_blocks_override": NUM_GPU_BLOCKS,

@@ -1,6 +1,6 @@
 """Each vLLM engine step's attention work and time, written by the engine core itself: loaded into the processes
 vLLM starts for ``bench_sim_calibration.py`` (this directory first on their ``PYTHONPATH``); does nothing in any
-process without ``$TESSERA_BENCH_STEP_SHAPES_OUT``.
+process without ``$TESSERA_BENCH_CORE_STEPS_OUT``.
 
 Why here: vLLM's CPU platform spawns its engine-core process (a fresh interpreter), so a patch made in the bench's
 own process never reaches the scheduler. The frontend's iteration details count a step's prompt tokens and
@@ -47,5 +47,5 @@ def _install(path: str) -> None:
     EngineCore.capture_iteration_details = capture_with_shape  # type: ignore[method-assign]
 
 
-if _out := os.environ.get("TESSERA_BENCH_STEP_SHAPES_OUT"):
+if _out := os.environ.get("TESSERA_BENCH_CORE_STEPS_OUT"):
     _install(_out)

@@ -28,12 +28,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from tessera.engine.sim.scheduler import StepShape
-from tessera.engine.sim.step_time import MeasuredStepTime, measured_step_time
+from tessera.engine.sim.step_time import MeasuredStepTime, StepTimeFn, measured_step_time
 
 # The model's terms, in MeasuredStepTime's field names; ``step_s`` (the intercept) is always fitted.
 TERMS = ("step_s", "per_seq_s", "per_prefill_token_s", "per_prefill_seq_s", "per_attention_pair_s",
          "per_context_token_s")
-MIN_FRACTION_OF_TYPICAL = 0.25  # shorter gaps than this share of the median step are frontend bunching
+# Shorter gaps than this share of the median step are not steps: outputs a frontend heard of together (where the
+# steps were timed there; the calibration bench now reads the engine core's clock, which does not bunch).
+MIN_FRACTION_OF_TYPICAL = 0.25
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,9 +109,20 @@ def fit_measured_step_time(samples: Iterable[StepSample], terms: Sequence[str] =
     return MeasuredStepTime(**{name: max(0.0, float(value)) for name, value in zip(TERMS, coefficients, strict=True)})
 
 
+def _noiseless(config: MeasuredStepTime) -> StepTimeFn:
+    """``config``'s model time per step, without its jitter: what measured steps are compared with."""
+    return measured_step_time(config.model_copy(update={"jitter_factors": (), "jitter_s": ()}))
+
+
+def _quantiles(values: list[float], num_quantiles: int) -> tuple[float, ...]:
+    if not values or num_quantiles < 2:
+        raise ValueError("jitter needs step samples and at least 2 quantiles")
+    return tuple(float(np.quantile(values, i / (num_quantiles - 1))) for i in range(num_quantiles))
+
+
 def relative_errors(config: MeasuredStepTime, samples: Iterable[StepSample]) -> list[float]:
     """Each sample's (modelled − measured) / measured step time: how well ``config`` explains the steps."""
-    model = measured_step_time(config.model_copy(update={"jitter_factors": (), "jitter_s": ()}))
+    model = _noiseless(config)
     return [(model(s.shape()) - s.duration_s) / s.duration_s for s in samples if s.duration_s > 0]
 
 
@@ -117,19 +130,14 @@ def jitter_seconds(config: MeasuredStepTime, samples: Iterable[StepSample],
                    num_quantiles: int = 101) -> tuple[float, ...]:
     """The measured − modelled step times of ``samples`` at ``num_quantiles`` evenly spaced quantiles:
     ``MeasuredStepTime.jitter_s`` for a sim whose steps meet the machine's interruptions as the real engine's did."""
-    model = measured_step_time(config.model_copy(update={"jitter_factors": (), "jitter_s": ()}))
-    residuals = sorted(s.duration_s - model(s.shape()) for s in samples if s.duration_s > 0)
-    if not residuals or num_quantiles < 2:
-        raise ValueError("jitter needs step samples and at least 2 quantiles")
-    return tuple(float(np.quantile(residuals, i / (num_quantiles - 1))) for i in range(num_quantiles))
+    model = _noiseless(config)
+    return _quantiles([s.duration_s - model(s.shape()) for s in samples if s.duration_s > 0], num_quantiles)
 
 
 def jitter_factors(config: MeasuredStepTime, samples: Iterable[StepSample],
                    num_quantiles: int = 101) -> tuple[float, ...]:
     """The measured/modelled step-time ratios of ``samples`` at ``num_quantiles`` evenly spaced quantiles:
     ``MeasuredStepTime.jitter_factors`` for a sim that reproduces a noisy machine's step-time spread."""
-    model = measured_step_time(config.model_copy(update={"jitter_factors": (), "jitter_s": ()}))
-    ratios = sorted(s.duration_s / model(s.shape()) for s in samples if s.duration_s > 0 and model(s.shape()) > 0)
-    if not ratios or num_quantiles < 2:
-        raise ValueError("jitter needs step samples and at least 2 quantiles")
-    return tuple(float(np.quantile(ratios, i / (num_quantiles - 1))) for i in range(num_quantiles))
+    model = _noiseless(config)
+    return _quantiles([s.duration_s / model(s.shape()) for s in samples if s.duration_s > 0 and model(s.shape()) > 0],
+                      num_quantiles)
