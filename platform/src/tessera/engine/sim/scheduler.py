@@ -102,6 +102,11 @@ class StepOutput:
     finished: tuple[SimRequest, ...]
 
 
+def _tokens_this_step(num_left: int, cap: int, budget: int) -> int:
+    """A request's tokens this step: what it has left, at most ``cap`` (0: no cap) and the step's ``budget``."""
+    return min(cap if 0 < cap < num_left else num_left, budget)
+
+
 class SimScheduler:
     def __init__(self, pool: BlockPool, *, max_num_seqs: int, max_num_batched_tokens: int,
                  enable_chunked_prefill: bool = True, policy: SchedulingPolicy = "fcfs",
@@ -248,10 +253,7 @@ class SimScheduler:
         for request in list(self.running):
             if request.status != Status.RUNNING or budget == 0:
                 continue  # preempted earlier in this loop, or no budget left for anyone
-            num_new = request.num_tokens - request.num_computed_tokens
-            if 0 < cap < num_new:
-                num_new = cap
-            num_new = min(num_new, budget)
+            num_new = _tokens_this_step(request.num_tokens - request.num_computed_tokens, cap, budget)
             if num_new <= 0:
                 continue
             while not self._allocate(request, num_new, []):
@@ -279,9 +281,7 @@ class SimScheduler:
             num_new = request.num_tokens - num_computed
             if not self.enable_chunked_prefill and num_new > budget:
                 break
-            if 0 < cap < num_new:
-                num_new = cap
-            num_new = min(num_new, budget)
+            num_new = _tokens_this_step(num_new, cap, budget)
             if not self._allocate(request, num_new, hit):
                 break
             self._pop_waiting()
