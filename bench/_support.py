@@ -47,6 +47,13 @@ async def read_request_body(reader: asyncio.StreamReader) -> bytes:
     return await reader.readexactly(length)
 
 
+def first_on_pythonpath(directory: Path, pythonpath: str | None) -> str:
+    """``pythonpath`` with ``directory`` first: how a bench's probe (a ``sitecustomize.py`` there) gets into the
+    Python processes started with it, vLLM's spawned engine core included, where a patch made in the bench's own
+    process never reaches."""
+    return os.pathsep.join([str(directory), *filter(None, [pythonpath])])
+
+
 def percentiles(values: Sequence[float], qs: Sequence[float] = (50, 99)) -> list[float]:
     if not values:
         return [float("nan")] * len(qs)

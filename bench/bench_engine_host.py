@@ -40,7 +40,7 @@ import httpx
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _support import ENGINE_AUTH, REPO
+from _support import ENGINE_AUTH, REPO, first_on_pythonpath
 
 MODEL_DIR = REPO / ".tessera" / "models" / "tessera-small"
 VOCAB = int(json.loads((MODEL_DIR / "config.json").read_text())["vocab_size"])
@@ -153,7 +153,7 @@ class BusyWaitSwitch:
         self._file = open(self._path, "r+b")  # noqa: SIM115 - mapped for the switch's lifetime
         self._map = mmap.mmap(self._file.fileno(), 8)
         os.environ["TESSERA_BENCH_BUSY_CAP_FILE"] = str(self._path)
-        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(workdir), os.environ.get("PYTHONPATH")]))
+        os.environ["PYTHONPATH"] = first_on_pythonpath(workdir, os.environ.get("PYTHONPATH"))
 
     def set(self, busy_loop_s: float) -> None:
         struct.pack_into("d", self._map, 0, busy_loop_s)

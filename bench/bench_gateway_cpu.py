@@ -74,6 +74,7 @@ from _support import (
     REPO,
     bench_model,
     cpu_seconds,
+    first_on_pythonpath,
     print_table,
     read_request_body,
     start_gateway,
@@ -252,7 +253,7 @@ async def one_run(num_requests: int, work: Path, revs: list[tuple[str, Path | No
             gw_env = {**env, "PYTHONPATH": str(gw.source)} if gw.source is not None else env
             if phases and gw is gateways[-1]:
                 gw_env = {**gw_env, "TESSERA_BENCH_PHASES_OUT": str(phases_out),
-                          "PYTHONPATH": os.pathsep.join([str(PHASES_PROBE), *filter(None, [gw_env.get("PYTHONPATH")])])}
+                          "PYTHONPATH": first_on_pythonpath(PHASES_PROBE, gw_env.get("PYTHONPATH"))}
             proc, gw.url = await asyncio.to_thread(start_gateway, gw_env, work / f"gateway-{len(procs)}.log", workers)
             procs.append(proc)
             gw.pid = proc.pid

@@ -64,7 +64,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _support import ENGINE_AUTH, REPO, bench_model
+from _support import ENGINE_AUTH, REPO, bench_model, first_on_pythonpath
 
 MODEL_DIR = REPO / ".tessera" / "models" / "tessera-bench-routing"
 RESULTS = REPO / "bench" / "results" / "sim_calibration.json"
@@ -262,8 +262,7 @@ class CoreSteps:
         would not reach it)."""
         self.path.unlink(missing_ok=True)
         os.environ["TESSERA_BENCH_CORE_STEPS_OUT"] = str(self.path)
-        os.environ["PYTHONPATH"] = os.pathsep.join(
-            [str(ENGINE_STEPS_PROBE), *filter(None, [os.environ.get("PYTHONPATH")])])
+        os.environ["PYTHONPATH"] = first_on_pythonpath(ENGINE_STEPS_PROBE, os.environ.get("PYTHONPATH"))
 
     def read(self) -> dict[int, CoreStep]:
         shapes: dict[int, CoreStep] = {}
