@@ -114,6 +114,15 @@ def _noiseless(config: MeasuredStepTime) -> StepTimeFn:
     return measured_step_time(config.model_copy(update={"jitter_factors": (), "jitter_s": ()}))
 
 
+# Quantiles a jitter keeps: enough that the draws' tail is the samples' tail. A draw interpolates between two
+# neighbouring quantiles, so the last interval (here q99.9 to the largest sample) gets 1/(n-1) of the draws spread
+# evenly up to that one largest sample. With 101, the top 1 % of steps drew +3 to +15 ms where the samples' top
+# 1 % sat mostly at +3 to +7 ms (one outlier at 15): the sim's decode gaps beyond p98 were long ones, and its ITL
+# p99 (on a workload whose 1 % of gaps beside a prefill put the p99 at the knee) came out 30-45 % long
+# (docs/routing.md, "The jitter's tail").
+JITTER_QUANTILES = 1001
+
+
 def _quantiles(values: list[float], num_quantiles: int) -> tuple[float, ...]:
     if not values or num_quantiles < 2:
         raise ValueError("jitter needs step samples and at least 2 quantiles")
@@ -127,7 +136,7 @@ def relative_errors(config: MeasuredStepTime, samples: Iterable[StepSample]) -> 
 
 
 def jitter_seconds(config: MeasuredStepTime, samples: Iterable[StepSample],
-                   num_quantiles: int = 101) -> tuple[float, ...]:
+                   num_quantiles: int = JITTER_QUANTILES) -> tuple[float, ...]:
     """The measured − modelled step times of ``samples`` at ``num_quantiles`` evenly spaced quantiles:
     ``MeasuredStepTime.jitter_s`` for a sim whose steps meet the machine's interruptions as the real engine's did."""
     model = _noiseless(config)
@@ -135,7 +144,7 @@ def jitter_seconds(config: MeasuredStepTime, samples: Iterable[StepSample],
 
 
 def jitter_factors(config: MeasuredStepTime, samples: Iterable[StepSample],
-                   num_quantiles: int = 101) -> tuple[float, ...]:
+                   num_quantiles: int = JITTER_QUANTILES) -> tuple[float, ...]:
     """The measured/modelled step-time ratios of ``samples`` at ``num_quantiles`` evenly spaced quantiles:
     ``MeasuredStepTime.jitter_factors`` for a sim that reproduces a noisy machine's step-time spread."""
     model = _noiseless(config)
