@@ -21,6 +21,12 @@ def until_next(period_s: float) -> float:
     return period_s - time.monotonic() % period_s
 
 
+def instant_at_or_after(at_s: float, period_s: float) -> float:
+    """The grid's first multiple of ``period_s`` at or after ``at_s`` (monotonic seconds; ``period_s`` > 0): where a
+    timer that must wait at least until ``at_s`` goes off (``until_next`` is the next one after now)."""
+    return at_s + (-at_s % period_s)
+
+
 class WakeableSleep:
     """A sleep on the event loop that ``wake`` ends early (from the loop's thread; ``wake_threadsafe`` from a
     signal handler or another thread): a server's tick that a shutdown must not wait out."""

@@ -9,6 +9,7 @@ import pytest
 
 from tessera.gateway.lean_server import SERVER_TICK_S
 from tessera.gateway.settler import next_pass_in
+from tessera.wake_grid import instant_at_or_after
 
 
 @pytest.mark.parametrize("now", [0.0, 0.25, 1234.5678, 98765.999999])
@@ -30,3 +31,8 @@ def test_two_workers_drawing_apart_ask_at_different_ticks_about_half_the_time() 
     instants = [round(100.2 + next_pass_in(100.2, 5.0, f / 100)) for f in range(50, 100)]
     assert sorted(set(instants)) == [104, 106]
     assert max(instants.count(i) for i in set(instants)) <= 35
+
+
+@pytest.mark.parametrize(("at", "period", "expected"), [(4.0, 2.0, 4.0), (4.1, 2.0, 6.0), (0.03, 0.1, 0.1)])
+def test_the_grids_instant_at_or_after_a_time(at: float, period: float, expected: float) -> None:
+    assert instant_at_or_after(at, period) == pytest.approx(expected)

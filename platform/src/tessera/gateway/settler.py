@@ -35,6 +35,7 @@ from tessera.engine.protocol import parse_usage, usage_record_key
 from tessera.gateway.errors import STORE_ERRORS
 from tessera.gateway.lean_server import SERVER_TICK_S
 from tessera.tenancy.settlement import AttemptUsage, SettleKind, decide
+from tessera.wake_grid import instant_at_or_after
 
 if TYPE_CHECKING:
     import redis.asyncio as aioredis
@@ -56,9 +57,7 @@ def next_pass_in(now: float, interval_s: float, fraction: float) -> float:
     """Seconds from ``now`` (monotonic) to the next pass: ``fraction`` of the interval (drawn from [0.5, 1.0), so
     the workers do not all ask at once), then on to the server tick's next instant (``SERVER_TICK_S`` on the
     monotonic clock, as lean_server.py sleeps; the interval itself where that is shorter)."""
-    step = min(SERVER_TICK_S, interval_s)
-    at = now + interval_s * fraction
-    return at + (-at % step) - now
+    return instant_at_or_after(now + interval_s * fraction, min(SERVER_TICK_S, interval_s)) - now
 
 
 @dataclass(slots=True)
