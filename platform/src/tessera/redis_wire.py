@@ -316,3 +316,16 @@ async def run_script(wire: RedisWire | None, script: Any, keys: list[Any], args:
                 raise reply
             return reply
     return await script(keys=keys, args=args)
+
+
+def unhurried_failure(reply: asyncio.Future[list[Any]]) -> BaseException | None:
+    """What became of an unhurried call of one command (``RedisWire.send_unhurried``), for its done callback: None
+    where Redis answered it, else the failure: ``asyncio.CancelledError`` where the call was cancelled, the
+    exception it failed with (a lost connection, a timeout), or the command's own error reply (NOSCRIPT, OOM)."""
+    if reply.cancelled():
+        return asyncio.CancelledError()
+    failure = reply.exception()
+    if failure is not None:
+        return failure
+    (answer,) = reply.result()
+    return answer if isinstance(answer, Exception) else None

@@ -24,7 +24,7 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.exceptions import NoScriptError
 
-from tessera.redis_wire import RedisWire, run_script
+from tessera.redis_wire import RedisWire, run_script, unhurried_failure
 from tessera.tenancy.periods import PERIODS, USAGE_RETENTION_S, check_period, period_window
 from tessera.tenancy.policy import TenantPolicy
 from tessera.tenancy.settlement import Charge, SettleKind, Ticket, parse_ticket, ticket_member
@@ -251,7 +251,7 @@ class Admission:
         return reply
 
     def _check_loaded(self, reply: asyncio.Future[list[Any]]) -> None:
-        if not reply.cancelled() and reply.exception() is None and isinstance(reply.result()[0], NoScriptError):
+        if isinstance(unhurried_failure(reply), NoScriptError):
             self._finish_loaded = False
 
     def read_replies(self) -> None:

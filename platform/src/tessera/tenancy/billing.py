@@ -29,6 +29,7 @@ from typing import Any, Protocol
 
 from redis.exceptions import NoScriptError, OutOfMemoryError
 
+from tessera.redis_wire import unhurried_failure
 from tessera.tenancy.admission import SETTLED_MARKER_TTL_S, Admission, Lease
 from tessera.tenancy.settlement import SettleKind
 
@@ -130,16 +131,10 @@ class FinishQueue:
         on a failure that waits (the lost connection, OOM, NOSCRIPT: the retry loads the script); logged on
         any other."""
         self._unanswered.discard(reply)
-        if reply.cancelled():
-            self._park(pending)
-            return
-        failure = reply.exception()
+        failure = unhurried_failure(reply)
         if failure is None:
-            (answer,) = reply.result()  # one command: finish.lua's EVALSHA
-            if not isinstance(answer, Exception):
-                return
-            failure = answer
-        if isinstance(failure, NoScriptError) or _waits(failure, self._is_transient):
+            return
+        if isinstance(failure, asyncio.CancelledError | NoScriptError) or _waits(failure, self._is_transient):
             self._park(pending)
         else:
             logger.error("usage of lease %s (tenant %s) could not be recorded: %s", pending.lease.lease_id,
