@@ -534,17 +534,20 @@ def main() -> None:
                         help="Which real requests' frontend delays (TTFT - core queue - core prefill) the sim's "
                              "requests draw theirs from: the probes' isolated prompts (default), the workload's "
                              "own requests (in-sample), or none.")
-    parser.add_argument("--num-requests", type=int, default=150)
+    # 300 at four a second: the same 75 s of traffic as 150 at two, and a TTFT p99 that is the third slowest request,
+    # not the second (at 150 the sim's own three runs read it 50.5-67.4 ms apart).
+    parser.add_argument("--num-requests", type=int, default=300)
     # Four a second: at two, ~1 % of the gaps are decodes beside another request's prefill, so the ITL p99 sat on
     # the knee where those begin and the real engine's own two runs read it 17-28 % apart; at four they are ~2 %,
-    # the p99 falls inside them and the real runs agree within ~11 % (docs/routing.md, "The knee").
+    # the p99 falls inside them and the real runs agree within ~11 % (docs/routing.md, "The jitter's tail, and
+    # the knee").
     parser.add_argument("--rate", type=float, default=4.0, help="Poisson arrivals per second.")
     parser.add_argument("--repeats", type=int, default=2, help="Real workload runs (the spread is reported).")
     parser.add_argument("--sim-repeats", type=int, default=3,
                         help="Sim runs, each with its own noise seed; the median of their figures is compared.")
     # Three wall seconds a sim second: the replica shares the bench's process and event loop with the client, and at
     # one its steps' tokens often left a step late (3.5-4.4 % of the gaps under 0.3 ms against the real engine's
-    # 1.4-1.6 %; decode time 4 % short); at three, 0.4-0.8 % (docs/routing.md, "The knee").
+    # 1.4-1.6 %; decode time 4 % short); at three, 0.4-0.8 % (docs/routing.md, "The jitter's tail, and the knee").
     parser.add_argument("--time-scale", type=float, default=3.0, help="The sim's wall seconds per sim second.")
     parser.add_argument("--results", type=Path, default=RESULTS)
     args = parser.parse_args()

@@ -119,7 +119,7 @@ def _noiseless(config: MeasuredStepTime) -> StepTimeFn:
 # evenly up to that one largest sample. With 101, the top 1 % of steps drew +3 to +15 ms where the samples' top
 # 1 % sat mostly at +3 to +7 ms (one outlier at 15): the sim's decode gaps beyond p98 were long ones, and its ITL
 # p99 (on a workload whose 1 % of gaps beside a prefill put the p99 at the knee) came out 30-45 % long
-# (docs/routing.md, "The jitter's tail").
+# (docs/routing.md, "The jitter's tail, and the knee").
 JITTER_QUANTILES = 1001
 
 
