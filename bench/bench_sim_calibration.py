@@ -424,11 +424,6 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))] if ordered else float("nan")
 
 
-def at_percentile(quantiles: list[float], q: float) -> float:
-    """The value at percentile ``q`` of evenly spaced quantiles (first: p0, last: p100), however many."""
-    return quantiles[round(q / 100 * (len(quantiles) - 1))]
-
-
 def summarize(outcomes: list[Outcome]) -> dict[str, float]:
     ttfts = [o.ttft_s for o in outcomes]
     itls = [g for o in outcomes for g in o.itls_s]
@@ -609,11 +604,11 @@ def main() -> None:
         if args.jitter == "scale":
             costs["jitter_factors"] = list(jitter_factors(fitted, jitter_steps))
             print("step jitter (measured/modelled) at p10/p50/p90/p99: " + " / ".join(
-                f"{at_percentile(costs['jitter_factors'], q):.2f}" for q in (10, 50, 90, 99)))
+                f"{percentile(costs['jitter_factors'], q):.2f}" for q in (10, 50, 90, 99)))
         else:
             costs["jitter_s"] = list(jitter_seconds(fitted, jitter_steps))
             print("step jitter (measured - modelled) at p10/p50/p90/p99: " + " / ".join(
-                f"{at_percentile(costs['jitter_s'], q) * 1000:+.2f} ms" for q in (10, 50, 90, 99)))
+                f"{percentile(costs['jitter_s'], q) * 1000:+.2f} ms" for q in (10, 50, 90, 99)))
     MeasuredStepTime(**costs)  # a typo in --step-costs fails here, not in the sim
     print(f"real engine: frontend overhead (TTFT - core queue - core prefill) p50 "
           f"{real_extra.get('frontend_overhead_p50_s', float('nan')) * 1000:.2f} ms, p90 "
