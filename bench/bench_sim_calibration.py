@@ -266,21 +266,21 @@ class CoreSteps:
         os.environ["PYTHONPATH"] = first_on_pythonpath(ENGINE_STEPS_PROBE, os.environ.get("PYTHONPATH"))
 
     def read(self) -> dict[int, CoreStep]:
-        shapes: dict[int, CoreStep] = {}
+        steps: dict[int, CoreStep] = {}
         if self.path.exists():
             for line in self.path.read_text().splitlines():
                 index, pairs, context, t = line.split()
-                shapes[int(index)] = CoreStep(float(pairs), int(context), float(t))
-        return shapes
+                steps[int(index)] = CoreStep(float(pairs), int(context), float(t))
+        return steps
 
 
-def step_samples(steps: list[StepRecord], shapes: dict[int, CoreStep]) -> list[Any]:
+def step_samples(steps: list[StepRecord], core_steps: dict[int, CoreStep]) -> list[Any]:
     """Timed steps: each gap since the previous step on the engine core's clock, where the engine went straight
-    on (no idle time), with the step's attention work as the engine core counted it (``shapes``; a step without
+    on (no idle time), with the step's attention work as the engine core counted it (``core_steps``; a step without
     one is an error: the fit would take its decodes for free)."""
     from tessera.engine.sim.step_time_fit import StepSample
 
-    missing = [step.iteration_index for step in steps if step.iteration_index not in shapes]
+    missing = [step.iteration_index for step in steps if step.iteration_index not in core_steps]
     if missing:
         raise RuntimeError(f"{len(missing)} of {len(steps)} engine steps came without their attention work from "
                            f"the engine core (first: {missing[0]}): did engine_steps/sitecustomize.py load there?")
@@ -290,7 +290,7 @@ def step_samples(steps: list[StepRecord], shapes: dict[int, CoreStep]) -> list[A
             continue
         if step.iteration_index != before.iteration_index + 1:
             continue  # a step between them went unrecorded (a dummy): the gap holds two
-        shape, shape_before = shapes[step.iteration_index], shapes[before.iteration_index]
+        shape, shape_before = core_steps[step.iteration_index], core_steps[before.iteration_index]
         k = step.num_prefill_seqs
         samples.append(StepSample(shape.core_t_s - shape_before.core_t_s, k + step.num_decode_seqs, k,
                                   step.num_prefill_tokens, shape.attention_pairs, shape.num_context_tokens))
@@ -347,8 +347,8 @@ def run_real(requests: list[Request], repeats: int) -> dict[str, Any]:
                                                num_attention_heads=8, num_key_value_heads=4, seed=1))
     log = StepLog()
     install_step_logging(log)
-    shapes = CoreSteps(RESULTS.parent / "sim_calibration_core_steps.txt")
-    shapes.start()
+    core_steps = CoreSteps(RESULTS.parent / "sim_calibration_core_steps.txt")
+    core_steps.start()
     config = EngineConfig.model_validate({
         "model": str(MODEL_DIR), "served_model_name": MODEL, "num_gpu_blocks_override": NUM_GPU_BLOCKS,
         "max_model_len": MAX_MODEL_LEN, "block_size": BLOCK, "speculative": None, "max_num_seqs": MAX_NUM_SEQS,
@@ -383,10 +383,10 @@ def run_real(requests: list[Request], repeats: int) -> dict[str, Any]:
             runs.append({"load_average_1m": load, "outcomes": outcomes, "steps": steps, "core_itls_s": core_itls})
             print(f"real run {repeat + 1}/{repeats}: {fmt_summary(summarize(outcomes))} (load {load:.2f})",
                   flush=True)
-        return {"probe_steps": probe, "probe_outcomes": probe_outcomes, "runs": runs, "shapes": shapes.read()}
+        return {"probe_steps": probe, "probe_outcomes": probe_outcomes, "runs": runs, "core_steps": core_steps.read()}
     finally:
         host.stop()
-        shapes.path.unlink(missing_ok=True)
+        core_steps.path.unlink(missing_ok=True)
 
 
 # ---- the sim -------------------------------------------------------------------------------------------------
@@ -565,8 +565,8 @@ def main() -> None:
         frontends = {"probes": saved.get("probe_frontend_s"), "workload": saved.get("workload_frontend_s")}
     else:
         real = run_real(requests, args.repeats)
-        probe = [s for phase in real["probe_steps"] for s in step_samples(phase, real["shapes"])]
-        by_run = [step_samples(run["steps"], real["shapes"]) for run in real["runs"]]
+        probe = [s for phase in real["probe_steps"] for s in step_samples(phase, real["core_steps"])]
+        by_run = [step_samples(run["steps"], real["core_steps"]) for run in real["runs"]]
         workload = [s for run in by_run for s in run]
         real_summaries = [{**summarize(r["outcomes"]), "load_average_1m": r["load_average_1m"],
                            "num_steps": len(r["steps"]), **per_request(r["outcomes"])} for r in real["runs"]]
