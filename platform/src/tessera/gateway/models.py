@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import json
 import logging
@@ -83,7 +84,8 @@ class ServedModel:
     def speed_up(self, wait_s: float = FAST_PATH_WAIT_S) -> threading.Thread | None:
         """Checks, in a thread, whether tiktoken gives this tokenizer's ids (~1 s of merges to walk for a 50,000-
         token vocabulary, ~10 ms for the small model) and switches to it if so; waits up to ``wait_s`` for that,
-        so a small tokenizer is fast from the first request and a large one does not hold the event loop."""
+        so a small tokenizer is fast from the first request and a large one delays its model by ``wait_s`` at most
+        (``ModelCatalog`` loads models in a thread: the wait holds no event loop)."""
         if not hasattr(self.tokenizer, "to_str"):
             return None
         thread = threading.Thread(target=self._switch_to_fast_path, name=f"fast-bpe-{self.info.name}", daemon=True)
@@ -239,16 +241,26 @@ class ModelCatalog:
         self._max_age_s = max_age_s
         self._refreshed_at = -max_age_s
         self._missed_at = -MISS_REREAD_S  # when a request last re-read the catalog for a name it lacked
+        # One refresh at a time: a model's load now yields to the loop, and the refresher and a request's miss
+        # would otherwise each load a newly registered model (a second tokenizer in memory, its CPU twice).
+        self._refreshing = asyncio.Lock()
         self.refresher = UsageRefresher("model catalog", self.refresh, refresh_s)
 
     async def refresh(self) -> None:
+        async with self._refreshing:
+            await self._refresh()
+
+    async def _refresh(self) -> None:
         started = time.monotonic()
         infos = await self._read()
         for info in infos:
             current = self._models.get(info.name)
             if (current is None or current.info != info) and not self._failed_lately(info, started):
                 try:
-                    self._models[info.name] = load_served_model(info)
+                    # In a thread: reading a tokenizer file, compiling its template and waiting up to
+                    # FAST_PATH_WAIT_S for the tiktoken check took the worker's event loop for as long (0.5 s and
+                    # more for a 50,000-token vocabulary), and every stream the worker relayed stalled meanwhile.
+                    self._models[info.name] = await asyncio.to_thread(load_served_model, info)
                 except Exception as exc:  # any model's bad record must not take the others down
                     self._not_loaded(info, exc, started)
                 else:
