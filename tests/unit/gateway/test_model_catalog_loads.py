@@ -1,7 +1,8 @@
 """A model's load in the gateway (gateway/models.py ``ModelCatalog``, on real Redis and the small model's real
 tokenizer): it runs off the worker's event loop, which keeps relaying other streams meanwhile (a tokenizer file
-read, its template compiled and up to ``FAST_PATH_WAIT_S`` of the tiktoken check held the loop for as long), and
-two refreshes at once load a newly registered model once."""
+read, its template compiled and up to ``FAST_PATH_WAIT_S`` of the tiktoken check held the loop for as long);
+two refreshes at once load a newly registered model once; and requests that find the copy stale together wait
+for one read, not for one each behind the refreshes' lock."""
 
 from __future__ import annotations
 
@@ -89,5 +90,28 @@ async def test_two_refreshes_at_once_load_a_new_model_once(
         assert await catalog.get(name) is not None
     finally:
         await redis.hdel(MODELS_HASH, name)
+        await catalog.close()
+        await redis.aclose()
+
+
+async def test_requests_that_find_the_copy_stale_together_wait_for_one_read(redis_server: EmbeddedRedis,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    redis = connect(redis_server.url, timeout_s=5.0)
+    catalog = ModelCatalog(redis)
+    read, reads = catalog._read, []
+
+    async def counted_read() -> list[ModelInfo]:
+        reads.append(1)
+        return await read()
+
+    monkeypatch.setattr(catalog, "_read", counted_read)
+    try:
+        # Five at once: the first reads, the second waits for it and reads again (its call came after that read
+        # began), the other three find that second read begun after their calls.
+        await asyncio.gather(*(catalog.refresh() for _ in range(5)))
+        assert len(reads) == 2  # fails with each refresh reading in turn behind the lock (5)
+        await catalog.refresh()  # a call after every read began reads again
+        assert len(reads) == 3
+    finally:
         await catalog.close()
         await redis.aclose()

@@ -247,8 +247,12 @@ class ModelCatalog:
         self.refresher = UsageRefresher("model catalog", self.refresh, refresh_s)
 
     async def refresh(self) -> None:
+        """Re-reads the catalog, unless a read that began after this call did meanwhile (requests that find the
+        copy stale together wait for one read, not for one each in turn)."""
+        asked_at = time.monotonic()
         async with self._refreshing:
-            await self._refresh()
+            if self._refreshed_at < asked_at:
+                await self._refresh()
 
     async def _refresh(self) -> None:
         started = time.monotonic()
