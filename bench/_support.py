@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -100,6 +101,17 @@ def start_gateway(
             pass
         time.sleep(0.2)
     raise RuntimeError(f"gateway did not start; see {log}")
+
+
+def stop_on_sigterm() -> None:
+    """Has SIGTERM (a `kill`, a CI timeout) raise KeyboardInterrupt in the bench's main thread, as Ctrl-C does, so
+    its `finally` blocks stop the gateways, engines and Redis it started; SIGTERM's default action ended the bench
+    alone and left them running. Called first in a bench's ``main``."""
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, interrupt)
 
 
 def stop(proc: subprocess.Popen[bytes]) -> None:

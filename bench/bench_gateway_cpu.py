@@ -79,6 +79,7 @@ from _support import (
     read_request_body,
     start_gateway,
     stop,
+    stop_on_sigterm,
     write_results,
 )
 from bench_gateway_ab import WORKING_TREE, checkout
@@ -321,14 +322,8 @@ async def one_run(num_requests: int, work: Path, revs: list[tuple[str, Path | No
     return figures
 
 
-def _interrupt(signum: int, frame: object) -> None:
-    # SIGTERM (a `kill`, a CI timeout) as Ctrl-C: the run's `finally` stops the gateways and Redis it started, where
-    # the default action ended the bench alone and left them running.
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
 def main() -> None:
-    signal.signal(signal.SIGTERM, _interrupt)
+    stop_on_sigterm()
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--requests", type=int, default=150, help="Measured requests per run and revision.")
     parser.add_argument("--runs", type=int, default=3, help="Runs (each with fresh gateways and Redis).")
