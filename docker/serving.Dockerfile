@@ -35,8 +35,9 @@ RUN (getent group "${GID}" || groupadd --gid "${GID}" tessera) \
 WORKDIR /opt/tessera
 COPY requirements.txt ./requirements.txt
 COPY platform/pyproject.toml platform/pyproject.toml
-# setup.py builds the gateway's per-token step in C (tessera/gateway/_delta_chunk.c) where the image has a C
-# compiler and Python's headers; without them the package installs and the gateway runs its Python twin.
+# setup.py builds the gateway's two steps in C (tessera/gateway/_delta_chunk.c, tessera/routing/_pod_replay.c)
+# where the image has a C compiler and Python's headers; without them the package installs and the gateway runs
+# their Python twins.
 COPY platform/setup.py platform/setup.py
 COPY platform/src platform/src
 # The base image's torch and vLLM stay as they are: the constraints pin only what Tessera adds.

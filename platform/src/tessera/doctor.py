@@ -8,6 +8,7 @@ is vLLM's answer (``engine/capabilities.py``), the same one the engine host acts
 from __future__ import annotations
 
 import asyncio
+import importlib
 import os
 import shutil
 import socket
@@ -83,17 +84,35 @@ def package_findings() -> list[Finding]:
     return findings
 
 
-def relay_findings(native_built: bool, forced_off: bool) -> list[Finding]:
-    """Which per-token step the gateway runs here (gateway/delta_chunk.py): the C one built by ``make install``,
-    or its Python twin (about twice the CPU a streamed token). Never a problem: both serve the same bytes."""
+@dataclass(frozen=True, slots=True)
+class NativeStep:
+    """A step the gateway runs in C where ``make install`` could build it, else in its Python twin."""
+
+    name: str  # what it is, for people
+    source: str  # the C file
+    module: str  # what the build makes, as the gateway imports it
+    env: str  # the variable that keeps the Python twin ("0")
+
+
+NATIVE_STEPS = (
+    NativeStep("per-token step", "tessera/gateway/_delta_chunk.c", "tessera.gateway._delta_chunk",
+               "TESSERA_NATIVE_RELAY"),
+    NativeStep("pod decision's replay of the other workers' counts", "tessera/routing/_pod_replay.c",
+               "tessera.routing._pod_replay", "TESSERA_NATIVE_POD_VIEW"),
+)
+
+
+def native_step_finding(step: NativeStep, native_built: bool, forced_off: bool) -> Finding:
+    """Which implementation of ``step`` the gateway runs here: the C one, or its Python twin (slower, the same
+    results; gateway/delta_chunk.py, routing/pod_replay.py). Never a problem."""
     if forced_off:
-        seen = "per-token step in Python (TESSERA_NATIVE_RELAY=0)"
+        seen = f"{step.name} in Python ({step.env}=0)"
     elif native_built:
-        seen = "per-token step in C (tessera/gateway/_delta_chunk.c, built)"
+        seen = f"{step.name} in C ({step.source}, built)"
     else:
-        seen = ("per-token step in Python: the C one is not built here (install a C compiler and Python's "
+        seen = (f"{step.name} in Python: the C one is not built here (install a C compiler and Python's "
                 "headers, then `make install`)")
-    return [Finding("gateway", seen)]
+    return Finding("gateway", seen)
 
 
 def redis_findings(redis_url: str | None) -> list[Finding]:
@@ -191,9 +210,8 @@ def diagnose(redis_url: str | None, gateway_port: int, model_dir: Path | None,
     findings += memory_findings(_read("/proc/meminfo"))
     findings += gpu_findings()
     findings += package_findings()
-    from tessera.gateway.delta_chunk import native_relay_forced_off
-
-    findings += relay_findings(_native_step_loads(), native_relay_forced_off())
+    findings += [native_step_finding(step, _imports(step.module), os.environ.get(step.env, "1") == "0")
+                 for step in NATIVE_STEPS]
     findings += redis_findings(redis_url)
     findings += port_findings(gateway_port)
     if not any(f.problem for f in findings if f.area == "vLLM"):
@@ -201,10 +219,10 @@ def diagnose(redis_url: str | None, gateway_port: int, model_dir: Path | None,
     return findings
 
 
-def _native_step_loads() -> bool:
-    """The C per-token step imports here (built, and for this interpreter), as the gateway would import it."""
+def _imports(module: str) -> bool:
+    """``module`` imports here (a C step: built, and for this interpreter), as the gateway would import it."""
     try:
-        import tessera.gateway._delta_chunk  # noqa: F401
+        importlib.import_module(module)
     except ImportError:
         return False
     return True

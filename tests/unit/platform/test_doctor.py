@@ -4,7 +4,16 @@ from __future__ import annotations
 
 import socket
 
-from tessera.doctor import cpu_findings, memory_findings, port_findings, redis_findings, relay_findings
+from tessera.doctor import (
+    NATIVE_STEPS,
+    cpu_findings,
+    memory_findings,
+    native_step_finding,
+    port_findings,
+    redis_findings,
+)
+from tessera.gateway.delta_chunk import NATIVE_RELAY_ENV
+from tessera.routing.pod_replay import NATIVE_POD_VIEW_ENV
 
 AVX2_EPYC = """processor\t: 0
 model name\t: AMD EPYC 7B13
@@ -60,10 +69,13 @@ def test_a_busy_gateway_port_is_a_problem() -> None:
     assert ranges.problem is None and "engine HTTP" in ranges.seen
 
 
-def test_the_gateways_per_token_step_is_named_and_never_a_problem() -> None:
-    (built,) = relay_findings(native_built=True, forced_off=False)
-    assert built.area == "gateway" and "in C" in built.seen and built.problem is None
-    (missing,) = relay_findings(native_built=False, forced_off=False)
-    assert "in Python" in missing.seen and "C compiler" in missing.seen and missing.problem is None
-    (off,) = relay_findings(native_built=True, forced_off=True)
-    assert "TESSERA_NATIVE_RELAY=0" in off.seen and off.problem is None
+def test_the_gateways_c_steps_are_named_and_never_a_problem() -> None:
+    for step in NATIVE_STEPS:
+        built = native_step_finding(step, native_built=True, forced_off=False)
+        assert built.area == "gateway" and "in C" in built.seen and step.source in built.seen and built.problem is None
+        missing = native_step_finding(step, native_built=False, forced_off=False)
+        assert "in Python" in missing.seen and "C compiler" in missing.seen and missing.problem is None
+        off = native_step_finding(step, native_built=True, forced_off=True)
+        assert f"{step.env}=0" in off.seen and off.problem is None
+    envs = {step.env for step in NATIVE_STEPS}
+    assert envs == {NATIVE_RELAY_ENV, NATIVE_POD_VIEW_ENV}  # the names the steps' own modules read

@@ -1,7 +1,8 @@
 """A worker's view of the pod's table (routing/pod_view.py, the log of routing/pod_in_flight.py): the sums a reader
 keeps from the other rows' change records equal the sums of what every worker wrote, whether the reader followed
 each record, fell a whole ring behind, or met a row that changed owner; a record is an entry's whole state, so a
-copy caught mid-change is set right by the records after it."""
+copy caught mid-change is set right by the records after it. Each test runs with the replay in C (where built)
+and in Python (routing/pod_replay.py)."""
 
 from __future__ import annotations
 
@@ -17,12 +18,22 @@ from typing import Any
 
 import pytest
 
-from tessera.routing import pod_in_flight
+from tessera.routing import pod_in_flight, pod_replay
 from tessera.routing.pod_in_flight import LOG_RECORDS, PodInFlight
 from tessera.routing.pod_view import PodEngines, PodView, engine_key
 
 ENGINES = [f"engine-{i}" for i in range(40)]
 NOW_S = 5_000.0
+
+
+@pytest.fixture(autouse=True, params=[
+    pytest.param("c", marks=pytest.mark.skipif(pod_replay.NATIVE_REPLAY is None, reason="the C replay is not built")),
+    "python"])
+def replay_impl(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Which replay the views made in the test use (a view takes it when made)."""
+    if request.param == "python":
+        monkeypatch.setattr(pod_replay, "NATIVE_REPLAY", None)
+    return str(request.param)
 
 
 @pytest.fixture
@@ -260,17 +271,21 @@ class LappingRow:
 
     def __init__(self, ints: memoryview, lap: Callable[[], None]) -> None:
         self._ints, self._lap = ints, lap
-        self.lapped = False
+        self._lapped = False
 
     def __getitem__(self, index: int | slice) -> Any:
         value = self._ints[index]
-        if isinstance(index, slice) and not self.lapped:
-            self.lapped = True
+        if isinstance(index, slice) and not self._lapped:
+            self._lapped = True
             self._lap()
         return value
 
 
-def test_a_writer_lapping_the_ring_during_a_read_makes_the_reader_copy_the_row(three: list[PodInFlight]) -> None:
+def test_a_writer_lapping_the_ring_during_a_read_makes_the_reader_copy_the_row(
+        three: list[PodInFlight], replay_impl: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The writer goes round the whole ring while the reader copies its records: in Python between the copy's two
+    slices (a wrapper of the row's reads), in C between the reader's read of the written count and the copy (the
+    C step reads the row's buffer itself, so the lap comes just before it). Either way the reader copies the row."""
     writer, reader, _ = three
     engines = PodEngines(ENGINES)
     for _ in range(LOG_RECORDS - 5):  # the next records straddle the ring's end: read in two slices
@@ -279,21 +294,32 @@ def test_a_writer_lapping_the_ring_during_a_read_makes_the_reader_copy_the_row(t
     assert dict(reader.totals(engines, NOW_S).requests) == {}
     for i in range(10):
         writer.add(f"engine-{i}", 1, 0)
+    lapped: list[bool] = []
 
     def lap() -> None:
+        lapped.append(True)
         for _ in range(LOG_RECORDS // 2):
             writer.add("engine-20", 1, 0)
             writer.add("engine-20", -1, 0)
         writer.add("engine-30", 4, 0)
 
     ints = reader._rows[writer.row]
-    row = LappingRow(ints, lap)
-    reader._rows[writer.row] = row  # type: ignore[call-overload]
+    if replay_impl == "python":
+        reader._rows[writer.row] = LappingRow(ints, lap)  # type: ignore[call-overload]
+    else:
+        replay = PodView.replay
+
+        def replay_after_a_lap(view: PodView, *args: Any) -> bool:
+            if not lapped:
+                lap()
+            return replay(view, *args)
+
+        monkeypatch.setattr(PodView, "replay", replay_after_a_lap)
     try:
         requests = dict(reader.totals(engines, NOW_S).requests)
     finally:
         reader._rows[writer.row] = ints
-    assert row.lapped
+    assert lapped
     assert requests == {**{f"engine-{i}": 1 for i in range(10)}, "engine-30": 4}
 
 

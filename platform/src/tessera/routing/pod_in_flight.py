@@ -224,19 +224,9 @@ class PodInFlight:
             if behind >= LOG_RECORDS:
                 self._copy_row(row)
                 continue
-            start = cursor % LOG_RECORDS
-            end = start + behind
-            records = ints[_LOG_AT + start * INTS_PER_ENTRY:_LOG_AT + min(end, LOG_RECORDS) * INTS_PER_ENTRY].tolist()
-            if end > LOG_RECORDS:
-                records += ints[_LOG_AT:_LOG_AT + (end - LOG_RECORDS) * INTS_PER_ENTRY].tolist()
-            # Whole if the writer has not come round to the first of them since the count was read.
-            if (ints[_WRITTEN] % WRAP - cursor) % WRAP >= LOG_RECORDS:
-                self._copy_row(row)
+            if not self._view.replay(row, ints, _LOG_AT, LOG_RECORDS, _WRITTEN, cursor, behind):
+                self._copy_row(row)  # the writer came round to them while they were copied
                 continue
-            set_entry = self._view.set
-            it = iter(records)
-            for key, requests, tokens, at in zip(it, it, it, it, strict=True):
-                set_entry(row, key, requests, tokens, at)
             self._cursors[row] = written
             return
 

@@ -27,7 +27,9 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Iterable, Iterator, Mapping
-from typing import NamedTuple
+from typing import Any, NamedTuple
+
+from tessera.routing import pod_replay
 
 INTS_PER_ENTRY = 4
 WRAP = 1 << 32
@@ -74,8 +76,8 @@ Entry = tuple[int, int, int]
 class PodView:
     """Every row's entries (key -> ``Entry``) and the pod's sums over them, kept per change (``set``)."""
 
-    __slots__ = ("_by_key", "_heartbeat", "_requests", "_rows", "_stamps", "_tokens", "_totals", "_waiting",
-                 "_waits", "engines", "requests_above", "tokens")
+    __slots__ = ("_by_key", "_heartbeat", "_native_replay", "_replay_state", "_requests", "_rows", "_stamps",
+                 "_tokens", "_totals", "_waiting", "_waits", "engines", "requests_above", "tokens")
 
     def __init__(self, num_rows: int) -> None:
         self._rows: list[dict[int, Entry]] = [{} for _ in range(num_rows)]
@@ -95,6 +97,14 @@ class PodView:
         self._waiting: dict[str, dict[int, int]] = {}
         self._waits = PodWaits(self._waiting, 0)
         self._totals = PodTotals(self.requests_above, self.tokens, self._waits)
+        self._native_replay = pod_replay.NATIVE_REPLAY
+        self._replay_state = self._state()
+
+    def _state(self) -> tuple[dict[Any, Any], ...]:
+        """The dicts ``set`` changes, in the order the C replay takes them (``_pod_replay.c``): rebuilt whenever
+        ``use`` swaps the by-id ones."""
+        return (self._requests, self._tokens, self._stamps, self._by_key, self._heartbeat, self.requests_above,
+                self.tokens, self._waiting)
 
     def use(self, engines: PodEngines) -> None:
         """Sums by id for these engines from now on (a registry read's): O(engines in flight), once a read."""
@@ -110,6 +120,34 @@ class PodView:
         self._waiting = {by_key[key]: stamps for key, stamps in self._stamps.items() if key in by_key}
         self._waits = PodWaits(self._waiting, 0)
         self._totals = PodTotals(self.requests_above, self.tokens, self._waits)
+        self._replay_state = self._state()
+
+    def replay(self, row: int, ints: memoryview, log_at: int, log_records: int, written_at: int, cursor: int,
+               behind: int) -> bool:
+        """Row ``row``'s ``behind`` records after ``cursor`` in its ring (``ints``: the writer's row; the ring of
+        ``log_records`` records at ``log_at``, the written count at ``written_at``), applied in order; False,
+        none applied, where the writer came round to the first of them while they were copied (pod_replay.py)."""
+        if self._native_replay is not None:
+            return self._native_replay(ints, log_at, log_records, written_at, cursor, behind, row, self._rows[row],
+                                       self._replay_state)
+        return self._replay_py(row, ints, log_at, log_records, written_at, cursor, behind)
+
+    def _replay_py(self, row: int, ints: memoryview, log_at: int, log_records: int, written_at: int, cursor: int,
+                   behind: int) -> bool:
+        """``replay`` in Python: the C one's twin (``_pod_replay.c``)."""
+        start = cursor % log_records
+        end = start + behind
+        records = ints[log_at + start * INTS_PER_ENTRY:log_at + min(end, log_records) * INTS_PER_ENTRY].tolist()
+        if end > log_records:
+            records += ints[log_at:log_at + (end - log_records) * INTS_PER_ENTRY].tolist()
+        # Whole if the writer has not come round to the first of them since the caller read the count.
+        if (ints[written_at] % WRAP - cursor) % WRAP >= log_records:
+            return False
+        set_entry = self.set
+        it = iter(records)
+        for key, requests, tokens, at in zip(it, it, it, it, strict=True):
+            set_entry(row, key, requests, tokens, at)
+        return True
 
     def set(self, row: int, key: int, requests: int, tokens: int, prefilled_at: int) -> None:
         """Row ``row``'s entry for ``key`` is now this (all zero: it has none). On every change another worker
