@@ -35,6 +35,7 @@ from _support import (
     start_engine,
     start_gateway,
     stop,
+    stop_on_sigterm,
     write_results,
 )
 
@@ -175,6 +176,7 @@ def through_gateway(engine_url: str, gateway_url: str, keys: dict[str, str], tra
 
 
 def main() -> None:
+    stop_on_sigterm()
     # The engine on its own core, everything else on the others (see bench_gateway.py for why).
     setup = bench_setup("admission")
     model_dir, work, redis = setup.model_dir, setup.work, setup.redis

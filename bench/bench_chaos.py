@@ -50,7 +50,7 @@ import httpx
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _support import BIN, bench_model, print_table, write_results
+from _support import BIN, bench_model, print_table, stop_on_sigterm, write_results
 from longrun import platform as plat
 from longrun.chaos import FAILED, LOST, SUCCEEDED, TARGETS, Kill, Outcome, bill, classify, schedule
 from longrun.load import start_load, tenant_workload
@@ -235,6 +235,7 @@ def settled_usage(redis_url: str, tenants: list[str]) -> dict[str, dict[str, Any
 
 
 def main() -> None:
+    stop_on_sigterm()
     args = parse_args()
     kills = schedule(args.seed, args.duration_s, args.targets, recovery_s={"engine": ENGINE_RECOVERY_S})
     work = Path(tempfile.mkdtemp(prefix="bench-chaos-"))

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _support import BIN, print_table, write_results
+from _support import BIN, print_table, stop_on_sigterm, write_results
 
 GOAL_S = 1.5
 TRITON_NOTICE = "Triton is installed"
@@ -85,6 +85,7 @@ def verdict(row: dict[str, Any], key: str) -> str:
 
 
 def main() -> int:
+    stop_on_sigterm()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=5, help="measured runs per command (default 5)")
     parser.add_argument("--warmup", type=int, default=1, help="unmeasured runs first (default 1)")

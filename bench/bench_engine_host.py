@@ -40,7 +40,7 @@ import httpx
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _support import ENGINE_AUTH, REPO, first_on_pythonpath
+from _support import ENGINE_AUTH, REPO, first_on_pythonpath, stop_on_sigterm
 
 MODEL_DIR = REPO / ".tessera" / "models" / "tessera-small"
 VOCAB = int(json.loads((MODEL_DIR / "config.json").read_text())["vocab_size"])
@@ -261,6 +261,7 @@ def stack(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
+    stop_on_sigterm()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=3)

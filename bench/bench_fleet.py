@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _support import REPO, print_table, write_results
+from _support import REPO, print_table, stop_on_sigterm, write_results
 from fleet import drive, procs
 from fleet.floors import ttft_floors
 from fleet.plot import plot
@@ -220,6 +220,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> None:
+    stop_on_sigterm()
     os.environ.setdefault("TESSERA_TRACE_EXPORTER", "none")
     args = parse_args(argv)
     result = asyncio.run(main_async(args))

@@ -46,7 +46,17 @@ import aiohttp
 import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _support import REPO, bench_model, issue_keys, percentiles, print_table, start_gateway, stop, write_results
+from _support import (
+    REPO,
+    bench_model,
+    issue_keys,
+    percentiles,
+    print_table,
+    start_gateway,
+    stop,
+    stop_on_sigterm,
+    write_results,
+)
 
 from tests.support.machine import pin_this_process, pinned, split_cores
 
@@ -267,6 +277,7 @@ def run_case(name: str, extra_env: dict[str, str], redis_url: str, key: str, wor
 
 
 def main() -> None:
+    stop_on_sigterm()
     parser = argparse.ArgumentParser()
     parser.add_argument("--requests", type=int, default=150)
     parser.add_argument("--only-defaults", action="store_true")

@@ -49,6 +49,7 @@ from _support import (
     start_engine,
     start_gateway,
     stop,
+    stop_on_sigterm,
     write_results,
 )
 
@@ -208,6 +209,7 @@ def print_chunk_costs(costs: list[dict[str, float]]) -> None:
 
 
 def main() -> None:
+    stop_on_sigterm()
     # --chunk-cost-only: just the sequential per-chunk measurement (a minute instead of ten).
     chunk_cost_only = "--chunk-cost-only" in sys.argv
     setup = bench_setup("gateway", pinning="--no-pinning" not in sys.argv)

@@ -44,6 +44,7 @@ from _support import (
     start_engine,
     start_gateway,
     stop,
+    stop_on_sigterm,
     write_results,
 )
 from bench_gateway import CHUNK_COST_SHORT, PACED_MODEL, one_gateway
@@ -98,6 +99,7 @@ async def one_round(rev: Revision, key: str, model: str, pairs: int, long: int) 
 
 
 def main() -> None:
+    stop_on_sigterm()
     names = option("--revs", f"HEAD,{WORKING_TREE}").split(",")
     paced = option("--model", "paced") == "paced"
     rounds, pairs, long = int(option("--rounds", "3")), int(option("--pairs", "4")), int(option("--long", "256"))

@@ -30,6 +30,7 @@ from _support import (
     start_engine,
     start_gateway,
     stop,
+    stop_on_sigterm,
     write_results,
 )
 
@@ -126,6 +127,7 @@ def hops(trace_dir: Path, mark: int, via: list[Stamps], straight: list[Stamps]) 
 
 
 def main() -> None:
+    stop_on_sigterm()
     setup = bench_setup("hops")
     model_dir, work, redis = setup.model_dir, setup.work, setup.redis
     engine_cpus, platform_cpus = setup.engine_cpus, setup.platform_cpus

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _support import RESULTS, bench_model, print_table, write_results
+from _support import RESULTS, bench_model, print_table, stop_on_sigterm, write_results
 from stack import cpu, stacks, workload
 
 DEFAULT_GAPS_S = (0.0, 0.02, 0.1, 0.25, 0.0)
@@ -84,6 +84,7 @@ def start(arm: Arm, model_dir: Path, work: Path) -> stacks.Running:
 
 
 def main() -> None:
+    stop_on_sigterm()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arms", type=Arm.parse, nargs="+", default=[Arm.parse("vllm"), Arm.parse("tessera")],
                         help="stack[:NAME=VALUE,...], run in this order (default: vllm tessera)")

@@ -39,7 +39,15 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from _support import bench_model, percentiles, pin_this_process, print_table, split_cores, write_results
+from _support import (
+    bench_model,
+    percentiles,
+    pin_this_process,
+    print_table,
+    split_cores,
+    stop_on_sigterm,
+    write_results,
+)
 
 from tests.support.kvstack import Completion, KVStack, StackOptions, complete, new_client
 
@@ -157,6 +165,7 @@ async def _warm(stack: KVStack, key: str) -> None:
 
 
 def main() -> None:
+    stop_on_sigterm()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3, help="off/on pairs, alternated")
     parser.add_argument("--duration", type=float, default=40.0, help="measured seconds per mode and round")

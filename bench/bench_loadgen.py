@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from _support import pinned
+from _support import pinned, stop_on_sigterm
 
 ROOT = Path(__file__).resolve().parents[1]
 VENV_PYTHON = ROOT / ".venv" / "bin" / "python"
@@ -469,6 +469,7 @@ def load_ceilings(path: Path) -> dict[str, Ceiling]:
 
 
 def main() -> int:
+    stop_on_sigterm()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--clients", default="tessera,vllm,guidellm", help="comma-separated subset")
     parser.add_argument("--warmup", type=float, default=1.0, help="warm-up seconds per trial")

@@ -30,6 +30,8 @@ import tracemalloc
 from pathlib import Path
 from typing import Any
 
+from _support import stop_on_sigterm
+
 from tessera.redis_conn import EmbeddedRedis, connect
 from tessera.registry import EngineRecord, EngineRegistry
 from tessera.routing import pod_in_flight
@@ -412,6 +414,7 @@ def print_table(result: dict[str, Any]) -> None:
 
 
 async def main() -> None:
+    stop_on_sigterm()
     server = EmbeddedRedis().start()
     try:
         result: dict[str, Any] = {"python": sys.version.split()[0]}

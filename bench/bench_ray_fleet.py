@@ -30,7 +30,7 @@ import time
 from typing import Any
 
 import psutil
-from _support import bench_model, print_table, write_results
+from _support import bench_model, print_table, stop_on_sigterm, write_results
 
 APP, MODEL = "sim-fleet", "sim-llama-3-70b"
 
@@ -100,6 +100,7 @@ def memory_mib(procs: list[psutil.Process], uss: bool) -> float:
 
 
 def main() -> None:
+    stop_on_sigterm()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--replicas", type=int, default=64)
     # NOTE: each node is a raylet plus its agents (a few hundred MB on one machine): few big nodes.

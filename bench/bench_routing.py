@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _support import REPO, bench_model, signed_headers
+from _support import REPO, bench_model, signed_headers, stop_on_sigterm
 from replica_drive import one_pod, read_generate_stream, replay
 from routing_figures import fleet_lru_cached_tokens, percentile
 from routing_sim import SLOW_CPU_STEP_COSTS, Outcome, SimRequestSpec, SimSetup, WorkloadSpec, make_workload
@@ -540,6 +540,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> None:
+    stop_on_sigterm()
     args = parse_args(argv)
     os.environ.setdefault("TESSERA_TRACE_EXPORTER", "none")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")

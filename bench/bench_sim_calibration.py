@@ -64,7 +64,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _support import ENGINE_AUTH, REPO, bench_model, first_on_pythonpath
+from _support import ENGINE_AUTH, REPO, bench_model, first_on_pythonpath, stop_on_sigterm
 
 MODEL_DIR = REPO / ".tessera" / "models" / "tessera-bench-routing"
 RESULTS = REPO / "bench" / "results" / "sim_calibration.json"
@@ -508,6 +508,7 @@ def paired_ttft_errors(real_runs: list[dict[str, Any]], sim_ttfts: list[float]) 
 
 
 def main() -> None:
+    stop_on_sigterm()
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sim-only", action="store_true",
                         help="Skip the real engine: refit from the saved results' probe steps (or --step-costs) "

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _support import bench_model, percentiles, print_table, write_results
+from _support import bench_model, percentiles, print_table, stop_on_sigterm, write_results
 from longrun import platform as plat
 from longrun.load import cache_fill_workload, start_load, tenant_workload
 from longrun.machine_speed import YardstickSampler, fixed_work_ms
@@ -245,6 +245,7 @@ def fill_cache(platform: Any, keys: dict[str, str], args: argparse.Namespace, wo
 
 
 def main() -> None:
+    stop_on_sigterm()
     args = parse_args()
     num_windows = math.ceil(args.duration_s / args.window_s)
     work = Path(tempfile.mkdtemp(prefix="bench-soak-"))

@@ -30,6 +30,8 @@ import psutil
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "platform" / "src"))
 
+from _support import stop_on_sigterm  # noqa: E402
+
 from tessera.engine.capabilities import ask_vllm, resolve  # noqa: E402
 from tessera.engine.config import EngineConfig  # noqa: E402
 from tessera.engine.protocol import RequestStats  # noqa: E402
@@ -139,6 +141,7 @@ async def run(engine: Engine, workload: str, mode: str, rep: int, args: argparse
 
 
 async def main(args: argparse.Namespace) -> None:
+    stop_on_sigterm()
     model = REPO / ".tessera" / "models" / "tessera-small"
     if not is_small_model_dir(model):
         make_small_model(model)

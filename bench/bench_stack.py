@@ -33,7 +33,7 @@ from typing import Any
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _support import RESULTS, bench_model, write_results
+from _support import RESULTS, bench_model, stop_on_sigterm, write_results
 from stack import cpu, report, stacks, workload
 
 STACKS = ("vllm", "vllm+router", "vllm+litellm", "tessera")
@@ -194,6 +194,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main() -> None:
+    stop_on_sigterm()
     bench = Bench(parse_args())
     try:
         bench.run()

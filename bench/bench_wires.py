@@ -23,7 +23,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from _support import free_port, print_table, read_request_body, write_results
+from _support import free_port, print_table, read_request_body, stop_on_sigterm, write_results
 
 NUM_LINES = 8
 IDLE_S = 0.1
@@ -216,6 +216,7 @@ def _use_uvloop() -> bool:
 
 
 def main() -> None:
+    stop_on_sigterm()
     from redis.utils import HIREDIS_AVAILABLE
 
     from tessera.redis_conn import EmbeddedRedis
