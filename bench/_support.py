@@ -75,10 +75,14 @@ def start_engine(
         env={**os.environ, **env, **bind}, stdout=log.open("wb"), stderr=subprocess.STDOUT, process_group=0,
     )
     deadline = time.monotonic() + timeout_s
-    while not ready.exists():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"engine did not start; see {log}")
-        time.sleep(0.5)
+    try:
+        while not ready.exists():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"engine did not start; see {log}")
+            time.sleep(0.5)
+    except BaseException:
+        stop(proc)  # a start that failed or was interrupted (Ctrl-C, SIGTERM) leaves no engine behind
+        raise
     return proc, ready.read_text()
 
 
@@ -93,14 +97,18 @@ def start_gateway(
     )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError(f"gateway did not start; see {log}")
+    try:
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    return proc, url
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError(f"gateway did not start; see {log}")
+    except BaseException:
+        stop(proc)  # a start that failed or was interrupted (Ctrl-C, SIGTERM) leaves no gateway behind
+        raise
 
 
 def stop_on_sigterm() -> None:

@@ -90,18 +90,21 @@ def _stop_group(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM, timeou
 def _wait_http(url: str, proc: subprocess.Popen[bytes], log: Path, what: str, timeout_s: float = START_TIMEOUT_S,
                headers: dict[str, str] | None = None) -> None:
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            tail = " | ".join(log.read_text(errors="replace").strip().splitlines()[-4:])
-            raise StackUnavailable(f"{what} exited with code {proc.returncode}: {tail[-600:]}")
-        try:
-            if httpx.get(url, timeout=2, headers=headers).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    _stop_group(proc)
-    raise StackUnavailable(f"{what} did not answer {url} within {timeout_s:.0f} s; see {log}")
+    try:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                tail = " | ".join(log.read_text(errors="replace").strip().splitlines()[-4:])
+                raise StackUnavailable(f"{what} exited with code {proc.returncode}: {tail[-600:]}")
+            try:
+                if httpx.get(url, timeout=2, headers=headers).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise StackUnavailable(f"{what} did not answer {url} within {timeout_s:.0f} s; see {log}")
+    except BaseException:
+        _stop_group(proc)  # a start that failed or was interrupted (Ctrl-C, SIGTERM) leaves nothing of it running
+        raise
 
 
 # --- the engine settings -------------------------------------------------------------------------------------
@@ -252,12 +255,6 @@ def start_tessera(model_dir: Path, work: Path, ray_worker_niceness: int | None =
                     up.set()
 
     threading.Thread(target=pump, name="tessera-up-log", daemon=True).start()
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while not up.wait(1.0):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            _stop_group(proc, signal.SIGKILL)
-            tail = " | ".join(log.read_text(errors="replace").strip().splitlines()[-4:])
-            raise StackUnavailable(f"tessera up did not come up (code {proc.returncode}): {tail[-600:]}")
 
     def stop() -> None:
         # Ctrl-C, as a user stops it: tessera up then stops the controller, the gateway, Ray and Redis in order.
@@ -268,13 +265,22 @@ def start_tessera(model_dir: Path, work: Path, ray_worker_niceness: int | None =
             except subprocess.TimeoutExpired:
                 _stop_group(proc, signal.SIGKILL)
 
-    redis_url = (state / "run" / "redis_url").read_text().strip()
-    created = subprocess.run([str(BIN / "tessera"), "tenants", "create", "bench"], capture_output=True, text=True,
-                             env={**os.environ, "TESSERA_REDIS_URL": redis_url}, timeout=60)
-    match = re.search(r"^key: (\S+)", created.stdout, re.MULTILINE)
-    if match is None:
-        stop()
-        raise StackUnavailable(f"tessera tenants create failed: {created.stdout} {created.stderr}")
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not up.wait(1.0):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                _stop_group(proc, signal.SIGKILL)
+                tail = " | ".join(log.read_text(errors="replace").strip().splitlines()[-4:])
+                raise StackUnavailable(f"tessera up did not come up (code {proc.returncode}): {tail[-600:]}")
+        redis_url = (state / "run" / "redis_url").read_text().strip()
+        created = subprocess.run([str(BIN / "tessera"), "tenants", "create", "bench"], capture_output=True, text=True,
+                                 env={**os.environ, "TESSERA_REDIS_URL": redis_url}, timeout=60)
+        match = re.search(r"^key: (\S+)", created.stdout, re.MULTILINE)
+        if match is None:
+            raise StackUnavailable(f"tessera tenants create failed: {created.stdout} {created.stderr}")
+    except BaseException:
+        stop()  # a start that failed or was interrupted (Ctrl-C, SIGTERM) leaves no platform behind
+        raise
     engines = [ln.strip() for ln in banner if ln.strip().startswith(MODEL_NAME) or ln.strip().startswith("!")]
     return Running("tessera", Target(f"http://127.0.0.1:{port}", MODEL_NAME, match.group(1)), {proc.pid: "up"},
                    {"command": " ".join(["tessera", *cmd[1:]]), "engines": engines, "log": str(log),
