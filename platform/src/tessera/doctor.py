@@ -14,11 +14,14 @@ import shutil
 import socket
 import subprocess
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
 from tessera.cpu_info import cpu_flags
+from tessera.gateway.delta_chunk import NATIVE_RELAY_ENV, native_relay_forced_off
+from tessera.routing.pod_replay import NATIVE_POD_VIEW_ENV, native_pod_view_forced_off
 
 # The x86 features vLLM's CPU kernels pick their code paths by (attention ISA, FP8 KV, bf16 GEMMs).
 VLLM_CPU_FLAGS = ("avx2", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx512_vnni",
@@ -92,13 +95,14 @@ class NativeStep:
     source: str  # the C file
     module: str  # what the build makes, as the gateway imports it
     env: str  # the variable that keeps the Python twin ("0")
+    forced_off: Callable[[], bool]  # the step's own module's reading of it
 
 
 NATIVE_STEPS = (
     NativeStep("per-token step", "tessera/gateway/_delta_chunk.c", "tessera.gateway._delta_chunk",
-               "TESSERA_NATIVE_RELAY"),
+               NATIVE_RELAY_ENV, native_relay_forced_off),
     NativeStep("pod decision's replay of the other workers' counts", "tessera/routing/_pod_replay.c",
-               "tessera.routing._pod_replay", "TESSERA_NATIVE_POD_VIEW"),
+               "tessera.routing._pod_replay", NATIVE_POD_VIEW_ENV, native_pod_view_forced_off),
 )
 
 
@@ -210,8 +214,7 @@ def diagnose(redis_url: str | None, gateway_port: int, model_dir: Path | None,
     findings += memory_findings(_read("/proc/meminfo"))
     findings += gpu_findings()
     findings += package_findings()
-    findings += [native_step_finding(step, _imports(step.module), os.environ.get(step.env, "1") == "0")
-                 for step in NATIVE_STEPS]
+    findings += [native_step_finding(step, _imports(step.module), step.forced_off()) for step in NATIVE_STEPS]
     findings += redis_findings(redis_url)
     findings += port_findings(gateway_port)
     if not any(f.problem for f in findings if f.area == "vLLM"):

@@ -29,8 +29,12 @@ NATIVE_POD_VIEW_ENV = "TESSERA_NATIVE_POD_VIEW"  # "0": the Python step even whe
 Replay = Callable[[memoryview, int, int, int, int, int, int, dict[int, Any], tuple[dict[Any, Any], ...]], bool]
 
 
+def native_pod_view_forced_off() -> bool:
+    return os.environ.get(NATIVE_POD_VIEW_ENV, "1") == "0"
+
+
 def _native() -> Replay | None:
-    if os.environ.get(NATIVE_POD_VIEW_ENV, "1") == "0":
+    if native_pod_view_forced_off():
         return None
     try:
         from tessera.routing._pod_replay import replay
