@@ -8,20 +8,17 @@ is vLLM's answer (``engine/capabilities.py``), the same one the engine host acts
 from __future__ import annotations
 
 import asyncio
-import importlib
 import os
 import shutil
 import socket
 import subprocess
 import tempfile
-from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
 from tessera.cpu_info import cpu_flags
-from tessera.gateway.delta_chunk import NATIVE_RELAY_ENV, native_relay_forced_off
-from tessera.routing.pod_replay import NATIVE_POD_VIEW_ENV, native_pod_view_forced_off
+from tessera.native_steps import NATIVE_STEPS, NativeStep
 
 # The x86 features vLLM's CPU kernels pick their code paths by (attention ISA, FP8 KV, bf16 GEMMs).
 VLLM_CPU_FLAGS = ("avx2", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx512_vnni",
@@ -85,25 +82,6 @@ def package_findings() -> list[Finding]:
     findings.append(Finding("Ray", f"ray {ray}") if ray else
                     Finding("Ray", "not installed", "run `make install`"))
     return findings
-
-
-@dataclass(frozen=True, slots=True)
-class NativeStep:
-    """A step the gateway runs in C where ``make install`` could build it, else in its Python twin."""
-
-    name: str  # what it is, for people
-    source: str  # the C file
-    module: str  # what the build makes, as the gateway imports it
-    env: str  # the variable that keeps the Python twin ("0")
-    forced_off: Callable[[], bool]  # the step's own module's reading of it
-
-
-NATIVE_STEPS = (
-    NativeStep("per-token step", "tessera/gateway/_delta_chunk.c", "tessera.gateway._delta_chunk",
-               NATIVE_RELAY_ENV, native_relay_forced_off),
-    NativeStep("pod decision's replay of the other workers' counts", "tessera/routing/_pod_replay.c",
-               "tessera.routing._pod_replay", NATIVE_POD_VIEW_ENV, native_pod_view_forced_off),
-)
 
 
 def native_step_finding(step: NativeStep, native_built: bool, forced_off: bool) -> Finding:
@@ -214,21 +192,12 @@ def diagnose(redis_url: str | None, gateway_port: int, model_dir: Path | None,
     findings += memory_findings(_read("/proc/meminfo"))
     findings += gpu_findings()
     findings += package_findings()
-    findings += [native_step_finding(step, _imports(step.module), step.forced_off()) for step in NATIVE_STEPS]
+    findings += [native_step_finding(step, step.built(), step.forced_off()) for step in NATIVE_STEPS]
     findings += redis_findings(redis_url)
     findings += port_findings(gateway_port)
     if not any(f.problem for f in findings if f.area == "vLLM"):
         findings += engine_findings(model_dir, engine_overrides)
     return findings
-
-
-def _imports(module: str) -> bool:
-    """``module`` imports here (a C step: built, and for this interpreter), as the gateway would import it."""
-    try:
-        importlib.import_module(module)
-    except ImportError:
-        return False
-    return True
 
 
 def _version(dist: str) -> str | None:

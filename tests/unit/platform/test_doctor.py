@@ -5,13 +5,13 @@ from __future__ import annotations
 import socket
 
 from tessera.doctor import (
-    NATIVE_STEPS,
     cpu_findings,
     memory_findings,
     native_step_finding,
     port_findings,
     redis_findings,
 )
+from tessera.native_steps import NATIVE_STEPS
 
 AVX2_EPYC = """processor\t: 0
 model name\t: AMD EPYC 7B13

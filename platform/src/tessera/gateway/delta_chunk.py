@@ -22,15 +22,15 @@ batched path parses the line as before.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 
 import orjson
 
+from tessera.native_steps import RELAY_STEP
+
 _LINE_HEAD = b'{"i":0,"t":'
 _HEX_DIGITS = frozenset(b"0123456789abcdefABCDEF")
 _MAX_SIZE_DIGITS = 8
-NATIVE_RELAY_ENV = "TESSERA_NATIVE_RELAY"  # "0": the Python step even where the C one is built
 
 SplitDeltaChunk = Callable[[bytes, bytes, bytes], "tuple[bytes, list[int]] | None"]
 
@@ -60,21 +60,7 @@ def split_delta_chunk_py(data: bytes, head: bytes, tail: bytes) -> tuple[bytes, 
     return b"%x\r\n%b\r\n" % (len(chunk), chunk), ids
 
 
-def native_relay_forced_off() -> bool:
-    return os.environ.get(NATIVE_RELAY_ENV, "1") == "0"
-
-
-def _native() -> SplitDeltaChunk | None:
-    if native_relay_forced_off():
-        return None
-    try:
-        from tessera.gateway._delta_chunk import split_delta_chunk as native
-    except ImportError:  # no compiler where the package was installed: the Python one
-        return None
-    return native
-
-
-NATIVE_SPLIT = _native()
+NATIVE_SPLIT: SplitDeltaChunk | None = RELAY_STEP.load()
 split_delta_chunk: SplitDeltaChunk = NATIVE_SPLIT or split_delta_chunk_py
 
-__all__ = ["NATIVE_RELAY_ENV", "NATIVE_SPLIT", "native_relay_forced_off", "split_delta_chunk", "split_delta_chunk_py"]
+__all__ = ["NATIVE_SPLIT", "split_delta_chunk", "split_delta_chunk_py"]

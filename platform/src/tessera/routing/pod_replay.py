@@ -19,28 +19,12 @@ view equal (tests/unit/routing/test_pod_replay.py). ``TESSERA_NATIVE_POD_VIEW=0`
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from typing import Any
 
-NATIVE_POD_VIEW_ENV = "TESSERA_NATIVE_POD_VIEW"  # "0": the Python step even where the C one is built
+from tessera.native_steps import POD_REPLAY_STEP
 
 # replay(ints, log_at, log_records, written_at, cursor, behind, row, entries, state) -> bool
 Replay = Callable[[memoryview, int, int, int, int, int, int, dict[int, Any], tuple[dict[Any, Any], ...]], bool]
 
-
-def native_pod_view_forced_off() -> bool:
-    return os.environ.get(NATIVE_POD_VIEW_ENV, "1") == "0"
-
-
-def _native() -> Replay | None:
-    if native_pod_view_forced_off():
-        return None
-    try:
-        from tessera.routing._pod_replay import replay
-    except ImportError:  # no compiler where the package was installed: the Python one
-        return None
-    return replay
-
-
-NATIVE_REPLAY = _native()
+NATIVE_REPLAY: Replay | None = POD_REPLAY_STEP.load()

@@ -1,0 +1,28 @@
+"""The gateway's C steps (tessera/native_steps.py): each loads its built function unless its switch is "0", and a
+module that is not built loads nothing, so its Python twin runs."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+
+from tessera.native_steps import NATIVE_STEPS, NativeStep
+
+
+@pytest.mark.parametrize("step", NATIVE_STEPS, ids=lambda step: step.env)
+def test_a_built_step_loads_its_function_unless_switched_off(step: NativeStep, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(step.env, raising=False)
+    assert step.built(), f"{step.module} did not build: run `make install`"
+    assert step.load() is getattr(importlib.import_module(step.module), step.attribute)
+    monkeypatch.setenv(step.env, "0")
+    assert step.forced_off() and step.load() is None
+    assert step.built()  # what doctor reports beside the switch
+    monkeypatch.setenv(step.env, "1")
+    assert step.load() is not None
+
+
+def test_a_step_whose_module_is_not_built_loads_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    missing = NativeStep("a step", "tessera/_nowhere.c", "tessera._nowhere", "run", "TESSERA_TEST_NATIVE_NOWHERE")
+    monkeypatch.delenv(missing.env, raising=False)
+    assert not missing.built() and not missing.forced_off() and missing.load() is None
