@@ -10,7 +10,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -75,14 +76,11 @@ def start_engine(
         env={**os.environ, **env, **bind}, stdout=log.open("wb"), stderr=subprocess.STDOUT, process_group=0,
     )
     deadline = time.monotonic() + timeout_s
-    try:
+    with stopped_if_start_fails(lambda: stop(proc)):
         while not ready.exists():
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"engine did not start; see {log}")
             time.sleep(0.5)
-    except BaseException:
-        stop(proc)  # a start that failed or was interrupted (Ctrl-C, SIGTERM) leaves no engine behind
-        raise
     return proc, ready.read_text()
 
 
@@ -97,7 +95,7 @@ def start_gateway(
     )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout_s
-    try:
+    with stopped_if_start_fails(lambda: stop(proc)):
         while time.monotonic() < deadline:
             try:
                 if httpx.get(f"{url}/health", timeout=1).status_code == 200:
@@ -106,8 +104,16 @@ def start_gateway(
                 pass
             time.sleep(0.2)
         raise RuntimeError(f"gateway did not start; see {log}")
+
+
+@contextmanager
+def stopped_if_start_fails(stop_it: Callable[[], None]) -> Iterator[None]:
+    """Around the wait for a process the bench just started: a wait that fails or is interrupted (Ctrl-C, SIGTERM
+    by ``stop_on_sigterm``) stops it before the exception goes on, since no caller's ``finally`` holds it yet."""
+    try:
+        yield
     except BaseException:
-        stop(proc)  # a start that failed or was interrupted (Ctrl-C, SIGTERM) leaves no gateway behind
+        stop_it()
         raise
 
 

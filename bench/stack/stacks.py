@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from _support import stopped_if_start_fails
 
 from tessera.engine.ports import free_port
 
@@ -90,7 +91,7 @@ def _stop_group(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM, timeou
 def _wait_http(url: str, proc: subprocess.Popen[bytes], log: Path, what: str, timeout_s: float = START_TIMEOUT_S,
                headers: dict[str, str] | None = None) -> None:
     deadline = time.monotonic() + timeout_s
-    try:
+    with stopped_if_start_fails(lambda: _stop_group(proc)):
         while time.monotonic() < deadline:
             if proc.poll() is not None:
                 tail = " | ".join(log.read_text(errors="replace").strip().splitlines()[-4:])
@@ -102,9 +103,6 @@ def _wait_http(url: str, proc: subprocess.Popen[bytes], log: Path, what: str, ti
                 pass
             time.sleep(0.5)
         raise StackUnavailable(f"{what} did not answer {url} within {timeout_s:.0f} s; see {log}")
-    except BaseException:
-        _stop_group(proc)  # a start that failed or was interrupted (Ctrl-C, SIGTERM) leaves nothing of it running
-        raise
 
 
 # --- the engine settings -------------------------------------------------------------------------------------
@@ -265,7 +263,7 @@ def start_tessera(model_dir: Path, work: Path, ray_worker_niceness: int | None =
             except subprocess.TimeoutExpired:
                 _stop_group(proc, signal.SIGKILL)
 
-    try:
+    with stopped_if_start_fails(stop):
         deadline = time.monotonic() + START_TIMEOUT_S
         while not up.wait(1.0):
             if proc.poll() is not None or time.monotonic() > deadline:
@@ -278,9 +276,6 @@ def start_tessera(model_dir: Path, work: Path, ray_worker_niceness: int | None =
         match = re.search(r"^key: (\S+)", created.stdout, re.MULTILINE)
         if match is None:
             raise StackUnavailable(f"tessera tenants create failed: {created.stdout} {created.stderr}")
-    except BaseException:
-        stop()  # a start that failed or was interrupted (Ctrl-C, SIGTERM) leaves no platform behind
-        raise
     engines = [ln.strip() for ln in banner if ln.strip().startswith(MODEL_NAME) or ln.strip().startswith("!")]
     return Running("tessera", Target(f"http://127.0.0.1:{port}", MODEL_NAME, match.group(1)), {proc.pid: "up"},
                    {"command": " ".join(["tessera", *cmd[1:]]), "engines": engines, "log": str(log),
