@@ -179,8 +179,8 @@ def test_layer_rules(importer: str, forbidden: tuple[str, ...]) -> None:
 # modules import nothing of Tessera's; a new arrow is a design decision: add it here and to the doc.
 BASE = ("tessera.asgi", "tessera.cpu_info", "tessera.native_steps", "tessera.redis_conn", "tessera.redis_wire",
         "tessera.redis_tls", "tessera.redis_sentinel", "tessera.refresher", "tessera.registry", "tessera.resp",
-        "tessera.settings", "tessera.engine.ports", "tessera.engine.protocol", "tessera.unique_ids",
-        "tessera.wake_grid")
+        "tessera.settings", "tessera.engine.ports", "tessera.engine.protocol", "tessera.swallowed_cancel",
+        "tessera.unique_ids", "tessera.wake_grid")
 MAY_IMPORT: dict[str, tuple[str, ...]] = {
     **{base: () for base in BASE},
     # a rediss:// URL's TLS options, as redis-py reads them; a redis+sentinel:// URL and its primary; the
@@ -196,16 +196,19 @@ MAY_IMPORT: dict[str, tuple[str, ...]] = {
     "tessera.telemetry": (),
     "tessera.tenancy": ("tessera.redis_wire", "tessera.unique_ids"),  # lease ids
     # the pod's replay in C where built (native_steps: which C steps there are and how each is chosen)
-    "tessera.routing": ("tessera.native_steps", "tessera.registry", "tessera.redis_wire", "tessera.refresher"),
+    # a loop's guard against a cancellation redis-py swallowed (swallowed_cancel), the engine's and gateway's too
+    "tessera.routing": ("tessera.native_steps", "tessera.registry", "tessera.redis_wire", "tessera.refresher",
+                        "tessera.swallowed_cancel"),
     # Proposals are EngineConfigs; the engine reads the planner's pure formulas (speculation break-even).
     "tessera.planner": ("tessera.engine.config",),
     "tessera.engine": ("tessera.asgi", "tessera.data_plane_auth", "tessera.planner", "tessera.redis_conn",
-                       "tessera.registry", "tessera.routing", "tessera.settings", "tessera.telemetry",
-                       "tessera.wake_grid"),
+                       "tessera.registry", "tessera.routing", "tessera.settings", "tessera.swallowed_cancel",
+                       "tessera.telemetry", "tessera.wake_grid"),
     "tessera.gateway": ("tessera.asgi", "tessera.data_plane_auth", "tessera.engine.protocol", "tessera.native_steps",
                         "tessera.redis_conn", "tessera.redis_wire",
                         "tessera.refresher", "tessera.registry", "tessera.routing", "tessera.settings",
-                        "tessera.telemetry", "tessera.tenancy", "tessera.unique_ids", "tessera.wake_grid"),
+                        "tessera.swallowed_cancel", "tessera.telemetry", "tessera.tenancy", "tessera.unique_ids",
+                        "tessera.wake_grid"),
     "tessera.local": ("tessera.cpu_info", "tessera.data_plane_auth", "tessera.engine", "tessera.gateway",
                       "tessera.redis_conn", "tessera.registry",
                       "tessera.tenancy", "tessera.settings", "tessera.telemetry"),

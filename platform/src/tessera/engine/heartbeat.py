@@ -9,6 +9,7 @@ from collections.abc import Callable
 from tessera.redis_conn import connect
 from tessera.registry import EngineRecord, EngineRegistry, ModelInfo, register_model
 from tessera.routing.prefix_index import PrefixIndex
+from tessera.swallowed_cancel import raise_if_cancelled
 
 logger = logging.getLogger(__name__)
 
@@ -25,11 +26,9 @@ async def heartbeat_loop(redis_url: str, interval_s: float, model: ModelInfo, is
     redis = connect(redis_url)
     registry = EngineRegistry(redis, interval_s)
     model_registered = False
-    task = asyncio.current_task()
     try:
         while not leaving():
-            if task is not None and task.cancelling():
-                raise asyncio.CancelledError  # one that a beat's Redis call swallowed (see the NOTE)
+            raise_if_cancelled()  # one that a beat's Redis call swallowed (see the NOTE)
             # A dead engine stops heartbeating, so the gateway stops routing to it within the TTL. A Redis
             # error is retried on the next beat: one slow answer at start-up must not leave the replica
             # serving but unregistered for good.

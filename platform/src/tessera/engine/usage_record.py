@@ -22,6 +22,7 @@ from typing import Any
 
 from tessera.engine.protocol import encode_usage, usage_record_key
 from tessera.redis_conn import connect
+from tessera.swallowed_cancel import raise_if_cancelled
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +88,7 @@ class UsageRecorder:
         redis = connect(redis_url, timeout_s=5.0)
         try:
             while True:
+                raise_if_cancelled()  # one a flush's Redis call swallowed (swallowed_cancel.py)
                 await asyncio.sleep(self.config.flush_interval_s)
                 await self._flush_logged(redis)
         finally:

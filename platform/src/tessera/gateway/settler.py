@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 from tessera.engine.protocol import parse_usage, usage_record_key
 from tessera.gateway.errors import STORE_ERRORS
 from tessera.gateway.lean_server import SERVER_TICK_S
+from tessera.swallowed_cancel import raise_if_cancelled
 from tessera.tenancy.settlement import AttemptUsage, SettleKind, decide
 from tessera.wake_grid import instant_at_or_after
 
@@ -87,6 +88,7 @@ class Settler:
     async def run(self) -> None:
         """Tries a pass every ``interval_s`` or so (``next_pass_in``) until cancelled."""
         while True:
+            raise_if_cancelled()  # one a pass's Redis call swallowed (swallowed_cancel.py)
             await asyncio.sleep(next_pass_in(time.monotonic(), self.interval_s, random.uniform(0.5, 1.0)))
             try:
                 if (await self._admission.any_due(self.grace_s)

@@ -27,6 +27,7 @@ from tessera.registry import EngineRecord, EngineRegistry, ModelInfo, register_m
 from tessera.routing.indexer import FeedStats, feed_index
 from tessera.routing.kv_events import KVEventSubscriber
 from tessera.routing.prefix_index import PrefixIndex
+from tessera.swallowed_cancel import raise_if_cancelled
 
 logger = logging.getLogger(__name__)
 
@@ -110,6 +111,7 @@ class FleetRedis:
         """Registers the models once and every replica's record every interval, until cancelled."""
         models_registered = False
         while True:
+            raise_if_cancelled()  # one a beat's Redis call swallowed (swallowed_cancel.py)
             try:
                 if not models_registered:
                     for model in self._models:
