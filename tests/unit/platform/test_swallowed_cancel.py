@@ -14,13 +14,14 @@ from typing import Any
 
 import pytest
 
+from tessera.engine.heartbeat import heartbeat_loop
 from tessera.engine.protocol import parse_usage, usage_record_key
 from tessera.engine.sim.fleet_redis import FleetRedis
 from tessera.engine.usage_record import RecorderConfig, UsageRecord, UsageRecorder
 from tessera.gateway.settler import Settler
 from tessera.redis_conn import EmbeddedRedis, connect
 from tessera.redis_wire import RedisWire
-from tessera.registry import ModelInfo
+from tessera.registry import EngineRecord, EngineRegistry, ModelInfo
 from tessera.routing.indexer import feed_index
 from tessera.routing.kv_events import DecodedBatch
 from tessera.routing.prefix_index import PrefixIndex
@@ -52,13 +53,28 @@ def swallowing(real: Callable[..., Awaitable[Any]], in_call: asyncio.Event) -> C
     return call
 
 
-async def cancelled_while_in_call(task: asyncio.Task[Any], in_call: asyncio.Event) -> None:
-    """Cancels ``task`` while its call is in flight; asserts the loop ended, cancelled, without a second cancel."""
-    await asyncio.wait_for(in_call.wait(), 10)
-    task.cancel()
-    await asyncio.wait({task}, timeout=3)  # waits without cancelling it again
-    assert task.done(), "the loop went on after its cancellation was swallowed"
-    assert task.cancelled()
+async def cancelled_while_in_call(task: asyncio.Task[Any], in_call: asyncio.Event,
+                                  end: Callable[[], None]) -> None:
+    """Cancels ``task`` while its call is in flight; asserts the loop ended, cancelled, without a second cancel.
+    ``end()`` then stops a loop that went on (so a failure cannot hang the test), and the task is awaited."""
+    try:
+        await asyncio.wait_for(in_call.wait(), 10)
+        task.cancel()
+        await asyncio.wait({task}, timeout=3)  # waits without cancelling it again
+        assert task.done(), "the loop went on after its cancellation was swallowed"
+        assert task.cancelled()
+    finally:
+        end()
+        await asyncio.wait({task}, timeout=5)
+
+
+def sleeps_raising(monkeypatch: pytest.MonkeyPatch) -> Callable[[], None]:
+    """An ``end`` for a loop that sleeps between its calls: its next sleep raises."""
+
+    async def raising_sleep(*_: Any, **__: Any) -> None:
+        raise asyncio.CancelledError
+
+    return lambda: monkeypatch.setattr(asyncio, "sleep", raising_sleep)
 
 
 async def test_the_guard_raises_only_where_a_cancellation_was_lost() -> None:
@@ -74,7 +90,7 @@ async def test_the_guard_raises_only_where_a_cancellation_was_lost() -> None:
                 return turns  # the guard did not end the loop
 
     in_call = asyncio.Event()
-    await cancelled_while_in_call(asyncio.create_task(loop_that_loses_one(in_call)), in_call)
+    await cancelled_while_in_call(asyncio.create_task(loop_that_loses_one(in_call)), in_call, lambda: None)
 
 
 async def test_the_guard_leaves_a_task_that_uncancelled_itself_alone() -> None:
@@ -94,6 +110,24 @@ async def test_the_guard_leaves_a_task_that_uncancelled_itself_alone() -> None:
     assert await task == "went on"
 
 
+async def test_the_engines_heartbeat_ends_though_a_beat_swallowed_its_cancellation(
+        redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first loop this hung (a fresh clone's `make test`, test_engine_host_startup): cancelled without
+    ``leaving``, it went on beating."""
+    in_call = asyncio.Event()
+    monkeypatch.setattr(EngineRegistry, "heartbeat", swallowing(EngineRegistry.heartbeat, in_call))
+    stopped = False
+
+    def stop() -> None:
+        nonlocal stopped
+        stopped = True
+
+    record = EngineRecord("swallowed-0", "http://127.0.0.1:1", "m", 32, 100, 2048)
+    task = asyncio.create_task(heartbeat_loop(redis_url, 0.05, ModelInfo("m", "tok", 2048, 32), lambda: True,
+                                              lambda: record, lambda: stopped))
+    await cancelled_while_in_call(task, in_call, stop)
+
+
 async def test_the_settlers_timer_ends_though_a_pass_swallowed_its_cancellation(
         redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
     redis, wire = connect(redis_url, timeout_s=5.0), RedisWire(redis_url, timeout_s=5.0)
@@ -102,17 +136,11 @@ async def test_the_settlers_timer_ends_though_a_pass_swallowed_its_cancellation(
     monkeypatch.setattr(admission, "any_due", swallowing(admission.any_due, in_call))
     task = asyncio.create_task(Settler(redis, admission, interval_s=0.05, grace_s=0.0).run())
     try:
-        await cancelled_while_in_call(task, in_call)
+        await cancelled_while_in_call(task, in_call, sleeps_raising(monkeypatch))
     finally:
-        monkeypatch.setattr(asyncio, "sleep", _raising_sleep)  # ends a loop that went on: its next sleep raises
-        await asyncio.wait({task}, timeout=5)
         monkeypatch.undo()
         await wire.close()
         await redis.aclose()
-
-
-async def _raising_sleep(*_: Any, **__: Any) -> None:
-    raise asyncio.CancelledError
 
 
 async def test_the_usage_recorder_ends_though_a_flush_swallowed_its_cancellation_and_writes_what_waits(
@@ -124,15 +152,12 @@ async def test_the_usage_recorder_ends_though_a_flush_swallowed_its_cancellation
     real_flush = UsageRecorder.flush
     monkeypatch.setattr(UsageRecorder, "flush", swallowing(real_flush, in_call))
     task = asyncio.create_task(recorder.run(redis_url))
+    await asyncio.wait_for(in_call.wait(), 10)
+    recorder.add(UsageRecord(request_ids[1], 20, 4))  # ended while the flush's reply was in flight
+    monkeypatch.setattr(UsageRecorder, "flush", real_flush)  # the flush in flight still swallows
     try:
-        await asyncio.wait_for(in_call.wait(), 10)
-        recorder.add(UsageRecord(request_ids[1], 20, 4))  # ended while the flush's reply was in flight
-        in_call.clear()
-        monkeypatch.setattr(UsageRecorder, "flush", real_flush)
-        await cancelled_while_in_call(task, _set(in_call))
+        await cancelled_while_in_call(task, in_call, sleeps_raising(monkeypatch))
     finally:
-        monkeypatch.setattr(asyncio, "sleep", _raising_sleep)
-        await asyncio.wait({task}, timeout=5)
         monkeypatch.undo()
     redis = connect(redis_url, timeout_s=5.0)
     try:  # the last flush on the way out wrote the record that ended meanwhile: nothing lost
@@ -140,11 +165,6 @@ async def test_the_usage_recorder_ends_though_a_flush_swallowed_its_cancellation
             assert parse_usage(await redis.hgetall(usage_record_key(request_id))) == [tokens]
     finally:
         await redis.aclose()
-
-
-def _set(event: asyncio.Event) -> asyncio.Event:
-    event.set()
-    return event
 
 
 async def test_a_kv_event_feed_ends_though_an_apply_swallowed_its_cancellation(
@@ -161,10 +181,8 @@ async def test_a_kv_event_feed_ends_though_an_apply_swallowed_its_cancellation(
 
     task = asyncio.create_task(feed_index(index, f"t-{uuid.uuid4().hex[:8]}", batches()))
     try:
-        await cancelled_while_in_call(task, in_call)
+        await cancelled_while_in_call(task, in_call, stop_batches.set)
     finally:
-        stop_batches.set()
-        await asyncio.wait({task}, timeout=5)
         await redis.aclose()
 
 
@@ -175,10 +193,8 @@ async def test_the_simulated_fleets_heartbeat_ends_though_a_beat_swallowed_its_c
     monkeypatch.setattr(fleet, "_in_batches", swallowing(fleet._in_batches, in_call))
     task = asyncio.create_task(fleet.heartbeat())
     try:
-        await cancelled_while_in_call(task, in_call)
+        await cancelled_while_in_call(task, in_call, sleeps_raising(monkeypatch))
     finally:
-        monkeypatch.setattr(asyncio, "sleep", _raising_sleep)
-        await asyncio.wait({task}, timeout=5)
         monkeypatch.undo()
         await fleet.close()
 
@@ -201,8 +217,6 @@ async def test_a_kv_event_feed_started_after_its_preparation_swallowed_a_cancell
 
     task = asyncio.create_task(prepared_then_fed())
     try:
-        await cancelled_while_in_call(task, in_call)
+        await cancelled_while_in_call(task, in_call, stop_batches.set)
     finally:
-        stop_batches.set()
-        await asyncio.wait({task}, timeout=5)
         await redis.aclose()
