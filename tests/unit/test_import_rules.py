@@ -213,7 +213,7 @@ MAY_IMPORT: dict[str, tuple[str, ...]] = {
                       "tessera.redis_conn", "tessera.registry",
                       "tessera.tenancy", "tessera.settings", "tessera.telemetry"),
     "tessera_operators.kvcontrol": ("tessera.data_plane_auth", "tessera.redis_conn", "tessera.registry",
-                                    "tessera.routing",
+                                    "tessera.routing", "tessera.swallowed_cancel",
                                     "tessera.settings", "tessera.telemetry", "tessera.tenancy"),
     "tessera_operators.operator": ("tessera.engine.config", "tessera.redis_conn", "tessera.registry",
                                    "tessera.settings", "tessera.tenancy"),

@@ -11,6 +11,7 @@ import aiohttp
 from tessera.data_plane_auth import signer_from_settings
 from tessera.redis_conn import connect
 from tessera.registry import EngineRecord, EngineRegistry
+from tessera.swallowed_cancel import raise_if_cancelled
 from tessera.tenancy.store import TenantStore
 
 from .directory import DemotionBook, TenantDirectory
@@ -73,6 +74,7 @@ class KVController:
         delays a loop's decision: the live engines (and their pressure flags) and the tenants."""
         assert self.ctx is not None
         while True:
+            raise_if_cancelled()  # one a discovery's Redis call swallowed: stop() would wait for good
             await asyncio.sleep(self.settings.kvcontrol_discovery_interval_s)
             try:
                 await self.discover()

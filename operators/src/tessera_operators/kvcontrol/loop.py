@@ -30,6 +30,7 @@ from opentelemetry.context import Context
 
 from tessera.data_plane_auth import Signer
 from tessera.registry import EngineRecord, pressure_key
+from tessera.swallowed_cancel import raise_if_cancelled
 from tessera.tenancy.demotion import clear_demoted, set_demoted
 
 from .directory import DemotionBook, TenantDirectory
@@ -211,6 +212,7 @@ class EngineControlLoop:
 
     async def _control(self) -> None:
         while True:
+            raise_if_cancelled()  # one a tick's Redis call swallowed (the flags, an abort's records)
             try:
                 await self.tick()
             except asyncio.CancelledError:
