@@ -25,21 +25,18 @@ class NativeStep:
 
     def built(self) -> bool:
         """The C module imports here (built, and for this interpreter), whatever the switch says."""
-        try:
-            importlib.import_module(self.module)
-        except ImportError:
-            return False
-        return True
+        return self._module() is not None
 
     def load(self) -> Any | None:
         """The C function, or None: not built here (the Python twin runs), or switched off."""
-        if self.forced_off():
-            return None
+        module = None if self.forced_off() else self._module()
+        return None if module is None else getattr(module, self.attribute)
+
+    def _module(self) -> Any | None:
         try:
-            module = importlib.import_module(self.module)
+            return importlib.import_module(self.module)
         except ImportError:
             return None
-        return getattr(module, self.attribute)
 
 
 # The relay's per-token step (gateway/delta_chunk.py).

@@ -171,4 +171,3 @@ async def test_the_heartbeat_stops_when_the_replica_leaves_without_a_cancellatio
         beat.cancel()
         await asyncio.gather(beat, return_exceptions=True)
         await redis.aclose()
-
