@@ -4,10 +4,11 @@ a loop cancelled during it still ends (tessera/swallowed_cancel.py): for the tes
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 import pytest
+from redis.asyncio.connection import Connection
 
 REPLY_IN_FLIGHT_S = 0.2
 
@@ -49,3 +50,20 @@ def sleeps_raising(monkeypatch: pytest.MonkeyPatch) -> Callable[[], None]:
         raise asyncio.CancelledError
 
     return lambda: monkeypatch.setattr(asyncio, "sleep", raising_sleep)
+
+
+def write_cancelling(monkeypatch: pytest.MonkeyPatch, victim: Callable[[], asyncio.Task[Any] | None]) -> None:
+    """redis-py's socket write (the call its ``send_packed_command`` wraps in ``wait_for``) made to cancel the task
+    ``victim()`` names as the write completes, once: Python 3.11's real ``wait_for`` then swallows the
+    cancellation. Only the moment is arranged; the write, the server and ``wait_for`` are real."""
+    real = Connection._send_packed_command
+    armed = [True]
+
+    async def write_then_cancel(self: Connection, command: Iterable[bytes]) -> None:
+        await real(self, command)
+        task = victim()
+        if armed[0] and task is not None:
+            armed[0] = False
+            task.cancel()
+
+    monkeypatch.setattr(Connection, "_send_packed_command", write_then_cancel)

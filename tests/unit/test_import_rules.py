@@ -188,8 +188,9 @@ MAY_IMPORT: dict[str, tuple[str, ...]] = {
     "tessera.redis_wire": ("tessera.redis_tls", "tessera.redis_sentinel", "tessera.resp", "tessera.wake_grid"),
     "tessera.refresher": ("tessera.wake_grid",),  # the instants periodic work shares
     "tessera.redis_sentinel": ("tessera.resp",),
-    # a redis+sentinel:// URL; a port for a Redis of its own, below the ephemeral range
-    "tessera.redis_conn": ("tessera.redis_sentinel", "tessera.engine.ports"),
+    # a redis+sentinel:// URL; a port for a Redis of its own, below the ephemeral range; connections that raise a
+    # cancellation redis-py's write swallowed
+    "tessera.redis_conn": ("tessera.redis_sentinel", "tessera.engine.ports", "tessera.swallowed_cancel"),
     "tessera.registry": ("tessera.redis_wire",),  # gateways read the registry over the lean connection
     # The data-plane signature: its ASGI check (asgi) and where its key file is configured (settings).
     "tessera.data_plane_auth": ("tessera.asgi", "tessera.settings"),

@@ -49,6 +49,7 @@ from redis.maint_notifications import MaintNotificationsConfig
 
 from tessera.engine.ports import free_port
 from tessera.redis_sentinel import SentinelConfig, is_sentinel_url, parse_sentinel_url
+from tessera.swallowed_cancel import HONOURING, Packed, send_raising_a_swallowed_cancel
 
 # How the embedded server keeps a data directory: the chart's bundled server's settings (appendonly,
 # everysec), so `tessera up` and the durability tests see the same guarantee as a cluster: every write is in
@@ -175,6 +176,9 @@ def connect(url: str, timeout_s: float = 1.0, pool_size: int = POOL_SIZE) -> aio
     if is_sentinel_url(url):
         return _connect_sentinel(parse_sentinel_url(url), options)
     pool = aioredis.BlockingConnectionPool.from_url(url, **options)
+    # The URL's scheme chose the class (TCP, TLS, a Unix socket); its twin that raises a cancellation redis-py's
+    # write swallowed (swallowed_cancel.py).
+    pool.connection_class = HONOURING.get(pool.connection_class, pool.connection_class)
     return aioredis.Redis(connection_pool=pool)
 
 
@@ -187,7 +191,11 @@ class _BlockingSentinelPool(SentinelConnectionPool, aioredis.BlockingConnectionP
 class _SentinelConnection(SentinelManagedConnection):
     """A NOREPLICAS reply (min-replicas-to-write: this primary lost its replicas, often to a failover it has
     not heard of yet) drops the connection as READONLY does, so the next asks the Sentinels again, and is
-    raised as a lost connection (503, not 500, at the gateway)."""
+    raised as a lost connection (503, not 500, at the gateway). A cancellation its write swallowed is raised
+    (swallowed_cancel.py), as ``connect``'s other connections do."""
+
+    async def send_packed_command(self, command: Packed, check_health: bool = True) -> None:
+        await send_raising_a_swallowed_cancel(self, super().send_packed_command(command, check_health))
 
     async def read_response(self, *args: Any, **kwargs: Any) -> Any:
         try:

@@ -1,15 +1,28 @@
-"""A background loop's guard against a cancellation that redis-py swallowed.
+"""A cancellation that redis-py swallowed: mended where it is lost, and guarded where loops turn.
 
 Python 3.11's ``asyncio.wait_for`` returns the awaited result, instead of raising, when a cancellation lands
-as the awaited call completes; redis-py wraps each command's socket write in one (``socket_timeout``). The
-cancellation is then gone from the loop's next awaits, and a loop that calls Redis and sleeps goes on for good
-while whoever cancelled it waits (a hung `make test`, an engine host that never finishes stopping). The
-cancellation is still counted on the task (``Task.cancelling()``: ``wait_for`` never un-cancels it), so a loop
-that calls ``raise_if_cancelled`` once an iteration ends at its next turn, as it would have.
+as the awaited call completes; redis-py wraps each command's socket write in one (``socket_timeout``), its
+only ``wait_for`` on a command's path. The command then goes on to read its reply and returns, the
+cancellation is gone from the task's next awaits, and whoever cancelled it waits: a loop that calls Redis and
+sleeps went on for good (a hung `make test`, an engine host that never finished stopping), and a request
+cancelled by its deadline (``asyncio.timeout``) ran past it. The cancellation is still counted on the task
+(``Task.cancelling()``: ``wait_for`` never un-cancels it), which both mends below read.
+
+- At the source: ``connect`` (redis_conn.py) gives its pools connections whose write compares the task's
+  count of cancellation requests before and after redis-py's; a rise with no exception is a swallowed one,
+  so the connection is dropped (its reply would be read by the next command on it) and ``CancelledError`` is
+  raised, as if ``wait_for`` had. Cleanup that runs under a cancellation on purpose (an ``except
+  CancelledError`` or ``finally`` that flushes, deregisters) starts with the count already raised, so its
+  commands go through.
+- At each background loop's turn, ``raise_if_cancelled``: the second line, for a cancellation lost anywhere
+  else (another library's ``wait_for``, a connection not made by ``connect``).
 """
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Iterable
+
+from redis.asyncio.connection import AbstractConnection, Connection, SSLConnection, UnixDomainSocketConnection
 
 
 def raise_if_cancelled() -> None:
@@ -19,3 +32,38 @@ def raise_if_cancelled() -> None:
     task = asyncio.current_task()
     if task is not None and task.cancelling():
         raise asyncio.CancelledError
+
+
+async def send_raising_a_swallowed_cancel(connection: AbstractConnection, send: Awaitable[None]) -> None:
+    """Awaits ``send`` (redis-py's ``send_packed_command`` of ``connection``, not yet started); where the task was
+    cancelled during it and the cancellation did not come out, drops the connection and raises it."""
+    task = asyncio.current_task()
+    before = task.cancelling() if task is not None else 0
+    await send
+    if task is not None and task.cancelling() > before:
+        await connection.disconnect(nowait=True)  # the command's reply is on its way and would go unread
+        raise asyncio.CancelledError
+
+
+Packed = bytes | str | Iterable[bytes]
+
+
+class HonouringConnection(Connection):
+    async def send_packed_command(self, command: Packed, check_health: bool = True) -> None:
+        await send_raising_a_swallowed_cancel(self, super().send_packed_command(command, check_health))
+
+
+class HonouringSSLConnection(SSLConnection):
+    async def send_packed_command(self, command: Packed, check_health: bool = True) -> None:
+        await send_raising_a_swallowed_cancel(self, super().send_packed_command(command, check_health))
+
+
+class HonouringUnixDomainSocketConnection(UnixDomainSocketConnection):
+    async def send_packed_command(self, command: Packed, check_health: bool = True) -> None:
+        await send_raising_a_swallowed_cancel(self, super().send_packed_command(command, check_health))
+
+
+# redis-py's connection class for a URL's scheme -> the same connection honouring a swallowed cancellation.
+HONOURING: dict[type[AbstractConnection], type[AbstractConnection]] = {
+    Connection: HonouringConnection, SSLConnection: HonouringSSLConnection,
+    UnixDomainSocketConnection: HonouringUnixDomainSocketConnection}

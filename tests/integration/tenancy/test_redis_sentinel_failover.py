@@ -43,6 +43,7 @@ from tests.support.fake_engine import running_fake_engine
 from tests.support.gateways import GatewayProcess, running_gateways
 from tests.support.poll import async_wait_until
 from tests.support.sentinel_cluster import DOWN_AFTER_MS, SentinelCluster
+from tests.support.swallowed_cancel import write_cancelling
 from tests.support.tenancy import GATEWAY_ENV, TenantHandle, create_tenant
 
 RPM_LIMIT = 160
@@ -231,4 +232,23 @@ async def test_a_primary_replaced_while_it_runs_loses_its_clients_to_the_new_one
             assert role == b"master", "the clients moved before the Sentinels demoted the old primary"
         finally:
             await wire.close()
+            await client.aclose()
+
+
+async def test_a_cancellation_the_write_swallowed_is_raised_on_the_sentinels_primary_too(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Sentinel-managed connection raises a cancellation that redis-py's write swallowed, as ``connect``'s
+    other connections do (tessera/swallowed_cancel.py; tests/unit/platform/test_redis_swallowed_write.py)."""
+    with _cluster(num_replicas=0) as cluster:
+        client = connect(cluster.url(), timeout_s=5.0, pool_size=1)
+        task: asyncio.Task[object] | None = None
+        try:
+            await client.set("swallowed", "before")
+            write_cancelling(monkeypatch, lambda: task)
+            task = asyncio.create_task(client.set("swallowed", "cancelled"))
+            await asyncio.wait({task}, timeout=10)
+            monkeypatch.undo()
+            assert task.done() and task.cancelled(), "the command returned: its cancellation was swallowed"
+            assert await client.get("swallowed") in (b"before", b"cancelled")
+        finally:
             await client.aclose()
