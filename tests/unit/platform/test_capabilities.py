@@ -14,8 +14,9 @@ from tessera.engine.capabilities import (
     resolve,
 )
 from tessera.engine.config import EngineConfig
+from tessera.engine.host import EngineConfigRefused, EngineStartError, start_error
 from tessera.engine.root_cause import config_hint, last_exception_line, start_failure_line
-from tessera.local.engine_failure import engine_failure_cause
+from tessera.local.engine_failure import engine_failure_cause, engines_failed
 
 FP8_REFUSAL = "FP8 KV cache on CPU requires x86 with AVX-512 or AMX."
 DATA = Path(__file__).parent / "data"
@@ -118,3 +119,30 @@ def test_start_failure_prefers_the_engine_process_cause_over_vllms_wrapper() -> 
     assert start_failure_line(refusal, child) == str(refusal)
     assert config_hint("FP8 KV cache on CPU requires x86 with AVX-512 or AMX.") is not None
     assert config_hint("something else entirely") is None
+
+
+def test_a_refused_config_stops_tessera_up_at_the_first_failure_and_a_transient_one_waits_for_serve() -> None:
+    """Serve retries a failing constructor; its message while it does (DEPLOYING) already holds the replica's
+    error. A config the platform refuses fails every try alike: stop on it. Any other start failure may pass on a
+    retry (a port taken, memory short for a moment): wait for Serve's verdict."""
+    retrying = ("A replica failed to start with exception. Retrying 2 more time(s). Error:\n"
+                "ray::ServeReplica:tessera-engines:engine-small.initialize_and_get_metadata() (pid=1)\n"
+                '  File "host.py", line 160, in start\n')
+    refused = ("tessera.engine.host.EngineConfigRefused: engine small-1 could not start: speculative.method=eagle "
+               "cannot run here: no draft. speculative.strict is true, so the engine does not start")
+    transient = "tessera.engine.host.EngineStartError: engine small-1 could not start: OSError: address in use"
+    assert engines_failed("DEPLOYING", retrying + refused) == (
+        "engine small-1 could not start: speculative.method=eagle cannot run here: no draft. speculative.strict "
+        "is true, so the engine does not start")
+    assert engines_failed("DEPLOYING", retrying + transient) is None
+    assert engines_failed("DEPLOY_FAILED", retrying + transient) == (
+        "engine small-1 could not start: OSError: address in use")
+    assert engines_failed("RUNNING", "") is None
+
+
+def test_the_host_marks_a_refused_config_and_only_that_as_refused() -> None:
+    refused = start_error("small-1", CapabilityError("speculative.method=eagle cannot run here"), None)
+    assert isinstance(refused, EngineConfigRefused)
+    assert str(refused) == "engine small-1 could not start: speculative.method=eagle cannot run here"
+    other = start_error("small-1", OSError("address in use"), None)
+    assert isinstance(other, EngineStartError) and not isinstance(other, EngineConfigRefused)

@@ -27,7 +27,7 @@ from typing import Any, Self
 
 from tessera.asgi import Receive, Scope, Send
 from tessera.data_plane_auth import guard_from_settings
-from tessera.engine.capabilities import PlatformAnswers, Resolution, ask_vllm, resolve
+from tessera.engine.capabilities import CapabilityError, PlatformAnswers, Resolution, ask_vllm, resolve
 from tessera.engine.config import EngineConfig
 from tessera.engine.endpoints import EngineEndpoints
 from tessera.engine.heartbeat import heartbeat_loop
@@ -55,6 +55,19 @@ __all__ = ["EngineHost", "EngineStartError"]
 
 class EngineStartError(RuntimeError):
     """An engine replica could not start; the message names the root cause and, where known, the fix."""
+
+
+class EngineConfigRefused(EngineStartError):
+    """This platform refuses the config as written (a strict setting it cannot run: capabilities.py): the same
+    config fails the same way here however often it is tried, so a caller that can tell stops at the first
+    failure (``tessera up``, local/engine_failure.py), where Ray Serve would construct the replica again."""
+
+
+def start_error(engine_id: str, cause: BaseException, child_cause: str | None) -> EngineStartError:
+    """What a replica that could not start raises: the cause in a line (the engine process's own, ``child_cause``,
+    where vLLM only wraps it), refused where the platform refused the config."""
+    kind = EngineConfigRefused if isinstance(cause, CapabilityError) else EngineStartError
+    return kind(f"engine {engine_id} could not start: {start_failure_line(cause, child_cause)}")
 
 
 class EngineHost(ThreadedReplicaHost):
@@ -158,8 +171,7 @@ class EngineHost(ThreadedReplicaHost):
         return super().start(timeout_s)
 
     def _start_error(self, cause: BaseException) -> Exception:
-        child_cause = self._error_log.cause() if self._error_log is not None else None
-        return EngineStartError(f"engine {self.engine_id} could not start: {start_failure_line(cause, child_cause)}")
+        return start_error(self.engine_id, cause, self._error_log.cause() if self._error_log is not None else None)
 
     async def _close_in_loop(self) -> None:
         if self.engine is not None:

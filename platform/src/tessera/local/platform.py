@@ -28,7 +28,7 @@ from tessera.engine.config import EngineConfig, default_small_model_dir
 from tessera.engine.ports import free_port
 from tessera.engine.small_model import is_small_model_dir, make_small_model
 from tessera.gateway.launch import GatewayLaunch
-from tessera.local.engine_failure import engine_failure_cause
+from tessera.local.engine_failure import engines_failed
 from tessera.local.ray_settings import quiet_ray_env, ray_init_kwargs
 from tessera.redis_conn import EmbeddedRedis, connect
 from tessera.registry import EngineRecord, EngineRegistry
@@ -232,9 +232,13 @@ class LocalPlatform:
         self._ray_started = True
         serve.start(proxy_location="Disabled")
         app = build_app({"engine": self.engine_config.model_dump(by_alias=True), "replicas": self.options.num_engines})
+        # Not waiting for the application to run (``serve.run`` waits, even with blocking=False): the gateway
+        # starts while the engines load, and ``_wait_ready`` reads Serve's status meanwhile, so a config the
+        # platform refuses stops `tessera up` at the first replica's failure instead of after Serve's retries
+        # (engine_failure.py).
         try:
-            # NOTE: even with blocking=False, Serve waits until the application runs or fails to deploy.
-            serve.run(app, name=ENGINE_APP, route_prefix=None, blocking=False)
+            serve.run_many([serve.RunTarget(app, name=ENGINE_APP, route_prefix=None)],
+                           wait_for_applications_running=False)
         except RuntimeError as exc:
             self._raise_if_engines_failed()
             raise PlatformStartError(f"the engine replicas could not start: {exc}") from exc
@@ -300,15 +304,17 @@ class LocalPlatform:
         raise TimeoutError("the platform did not become ready in time")
 
     def _raise_if_engines_failed(self) -> None:
-        """Ray Serve gave up on the engine replicas: say why in a line, not Ray's traceback."""
+        """Ray Serve gave up on the engine replicas, or one failed as no retry can mend (engine_failure.py): say
+        why in a line, not Ray's traceback."""
         from ray import serve
-        from ray.serve.schema import ApplicationStatus
 
         app = serve.status().applications.get(ENGINE_APP)
-        if app is None or app.status != ApplicationStatus.DEPLOY_FAILED:
+        if app is None:
             return
         details = "\n".join([app.message, *(d.message for d in app.deployments.values())])
-        raise PlatformStartError(f"the engine replicas could not start: {engine_failure_cause(details)}")
+        cause = engines_failed(app.status, details)  # a str enum: equal to its value
+        if cause is not None:
+            raise PlatformStartError(f"the engine replicas could not start: {cause}")
 
     async def create_tenant(self, name: str, policy: TenantPolicy | None = None) -> str:
         redis = connect(self.redis_url, timeout_s=5)
