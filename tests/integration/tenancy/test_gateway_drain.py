@@ -33,6 +33,11 @@ from tests.support.valkey import RestartableRedis
 
 NUM_STREAMS = 20
 STREAM_TOKENS = 600  # 20 of them on a CPU replica: several seconds, past the listening socket's close
+# The draining replica's stream must outlast the drain's registry step (its first, before any wait: about a
+# second), so it is sized from the replica's decode rate measured just before, to last about this long, within
+# these bounds: a fixed 4,000 tokens took 100-180 s on the 2-vCPU VMs under a whole `make test`.
+OUTLAST_S = 20.0
+DRAINED_STREAM_TOKENS = (300, 4000)
 
 
 @pytest.fixture(scope="module")
@@ -186,19 +191,28 @@ async def test_sigterm_during_20_streams_completes_them_all_and_refuses_new_conn
 async def test_a_draining_replica_leaves_the_registry_first_then_finishes_its_stream(
         tenancy_redis: RestartableRedis, drain_engine: EngineHost) -> None:
     """Last in this module: it stops the module's replica."""
-    payload = {"request_id": f"drain-{time.monotonic_ns()}", "prompt_token_ids": list(range(400, 416)),
-               "max_tokens": 4000, "temperature": 1.0, "ignore_eos": True}
-    lines: list[dict[str, object]] = []
-    first = asyncio.Event()
+    def payload(max_tokens: int) -> dict[str, object]:
+        return {"request_id": f"drain-{time.monotonic_ns()}", "prompt_token_ids": list(range(400, 416)),
+                "max_tokens": max_tokens, "temperature": 1.0, "ignore_eos": True}
 
-    async def stream() -> None:
+    async def stream(body: dict[str, object], lines: list[dict[str, object]], first: asyncio.Event) -> None:
         async with httpx.AsyncClient(timeout=120) as client, client.stream(
-                "POST", f"{drain_engine.url}/generate", json=payload, auth=ENGINE_AUTH) as response:
+                "POST", f"{drain_engine.url}/generate", json=body, auth=ENGINE_AUTH) as response:
             assert response.status_code == 200
             async for line in response.aiter_lines():
                 if line:
                     lines.append(orjson.loads(line))
-                    first.set()
+                    if not first.is_set():
+                        first.set()
+                        first_at.append(time.monotonic())
+
+    first_at: list[float] = []
+    await stream(payload(64), [], asyncio.Event())
+    rate = 63 / max(time.monotonic() - first_at[0], 1e-3)  # tokens a second after the first, decoding alone
+    low, high = DRAINED_STREAM_TOKENS
+    max_tokens = min(high, max(low, int(rate * OUTLAST_S)))
+    lines: list[dict[str, object]] = []
+    first = asyncio.Event()
 
     redis = connect(tenancy_redis.url, timeout_s=5.0)
     registry = EngineRegistry(redis)
@@ -211,21 +225,21 @@ async def test_a_draining_replica_leaves_the_registry_first_then_finishes_its_st
 
     try:
         await async_wait_until(registered, 10.0, "the replica registered")
-        streaming = asyncio.create_task(stream())
+        streaming = asyncio.create_task(stream(payload(max_tokens), lines, first))
         await async_wait_until(first.is_set, 60.0, "the stream's first line")
-        # The deadline is what the stream must finish within, not what is tested: 4,000 tokens outlast the
-        # registry step on a fast machine, and on the 2-vCPU VM under a whole `make test` they took over
-        # 180 s (the drain cut the stream at its deadline). 400 s stays inside pytest's 600 s per test.
+        # The deadline is what the stream must finish within, not what is tested: 4,000 tokens (the bound) took
+        # over 180 s on the 2-vCPU VM under a whole `make test`. 400 s stays inside pytest's 600 s per test.
         draining = asyncio.ensure_future(asyncio.to_thread(drain_engine.drain, 400.0))
         began = time.monotonic()
         # Its first step, before any wait (engine/drain.py); generous only for this shared, starved machine.
         await async_wait_until(gone, 30.0, "the replica gone from the registry")
         left_after_s = time.monotonic() - began
-        assert not streaming.done(), f"the stream ended before the replica left the registry ({left_after_s:.1f} s)"
+        assert not streaming.done(), (f"the stream of {max_tokens} tokens ({rate:.0f}/s measured) ended before the "
+                                      f"replica left the registry ({left_after_s:.1f} s): raise OUTLAST_S")
         await streaming
         outcome = await draining
     finally:
         await redis.aclose()
     assert lines[-1].get("done") is True, lines[-1]
-    assert sum(len(line.get("d", [])) for line in lines) == 4000  # type: ignore[arg-type,misc]
+    assert sum(len(line.get("d", [])) for line in lines) == max_tokens  # type: ignore[arg-type,misc]
     assert outcome is not None and outcome.drained
