@@ -49,7 +49,7 @@ from redis.maint_notifications import MaintNotificationsConfig
 
 from tessera.engine.ports import free_port
 from tessera.redis_sentinel import SentinelConfig, is_sentinel_url, parse_sentinel_url
-from tessera.swallowed_cancel import HONOURING, Packed, send_raising_a_swallowed_cancel
+from tessera.swallowed_cancel import HONOURING, RaisesASwallowedCancel
 
 # How the embedded server keeps a data directory: the chart's bundled server's settings (appendonly,
 # everysec), so `tessera up` and the durability tests see the same guarantee as a cluster: every write is in
@@ -188,14 +188,11 @@ class _BlockingSentinelPool(SentinelConnectionPool, aioredis.BlockingConnectionP
     pool is."""
 
 
-class _SentinelConnection(SentinelManagedConnection):
+class _SentinelConnection(RaisesASwallowedCancel, SentinelManagedConnection):
     """A NOREPLICAS reply (min-replicas-to-write: this primary lost its replicas, often to a failover it has
     not heard of yet) drops the connection as READONLY does, so the next asks the Sentinels again, and is
     raised as a lost connection (503, not 500, at the gateway). A cancellation its write swallowed is raised
     (swallowed_cancel.py), as ``connect``'s other connections do."""
-
-    async def send_packed_command(self, command: Packed, check_health: bool = True) -> None:
-        await send_raising_a_swallowed_cancel(self, super().send_packed_command(command, check_health))
 
     async def read_response(self, *args: Any, **kwargs: Any) -> Any:
         try:

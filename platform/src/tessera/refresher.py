@@ -58,7 +58,8 @@ class UsageRefresher:
     async def close(self) -> None:
         # NOTE: the flag, not only the cancel. On Python 3.11 ``asyncio.wait_for`` (redis-py wraps each socket
         # write in one) can swallow a cancellation that lands as the write completes; the loop then went on
-        # until ``idle_s`` passed, and closing a router took ~10 s about one time in fifteen.
+        # until ``idle_s`` passed, and closing a router took ~10 s about one time in fifteen. ``connect``'s
+        # connections raise such a cancellation now (swallowed_cancel.py); the flag ends the loop whatever lost it.
         self._closed = True
         if self._task is not None:
             self._task.cancel()

@@ -20,7 +20,7 @@ cancelled by its deadline (``asyncio.timeout``) ran past it. The cancellation is
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Iterable
+from collections.abc import Iterable
 
 from redis.asyncio.connection import AbstractConnection, Connection, SSLConnection, UnixDomainSocketConnection
 
@@ -34,33 +34,32 @@ def raise_if_cancelled() -> None:
         raise asyncio.CancelledError
 
 
-async def send_raising_a_swallowed_cancel(connection: AbstractConnection, send: Awaitable[None]) -> None:
-    """Awaits ``send`` (redis-py's ``send_packed_command`` of ``connection``, not yet started); where the task was
-    cancelled during it and the cancellation did not come out, drops the connection and raises it."""
-    task = asyncio.current_task()
-    before = task.cancelling() if task is not None else 0
-    await send
-    if task is not None and task.cancelling() > before:
-        await connection.disconnect(nowait=True)  # the command's reply is on its way and would go unread
-        raise asyncio.CancelledError
-
-
 Packed = bytes | str | Iterable[bytes]
 
 
-class HonouringConnection(Connection):
+class RaisesASwallowedCancel(AbstractConnection):
+    """Put first among a redis-py connection class's bases: its write raises a cancellation redis-py's own write
+    swallowed (see the module's doc), after dropping the connection, whose reply would go to the next command."""
+
     async def send_packed_command(self, command: Packed, check_health: bool = True) -> None:
-        await send_raising_a_swallowed_cancel(self, super().send_packed_command(command, check_health))
+        task = asyncio.current_task()
+        before = task.cancelling() if task is not None else 0
+        await super().send_packed_command(command, check_health)
+        if task is not None and task.cancelling() > before:
+            await self.disconnect(nowait=True)  # the command's reply is on its way and would go unread
+            raise asyncio.CancelledError
 
 
-class HonouringSSLConnection(SSLConnection):
-    async def send_packed_command(self, command: Packed, check_health: bool = True) -> None:
-        await send_raising_a_swallowed_cancel(self, super().send_packed_command(command, check_health))
+class HonouringConnection(RaisesASwallowedCancel, Connection):
+    pass
 
 
-class HonouringUnixDomainSocketConnection(UnixDomainSocketConnection):
-    async def send_packed_command(self, command: Packed, check_health: bool = True) -> None:
-        await send_raising_a_swallowed_cancel(self, super().send_packed_command(command, check_health))
+class HonouringSSLConnection(RaisesASwallowedCancel, SSLConnection):
+    pass
+
+
+class HonouringUnixDomainSocketConnection(RaisesASwallowedCancel, UnixDomainSocketConnection):
+    pass
 
 
 # redis-py's connection class for a URL's scheme -> the same connection honouring a swallowed cancellation.

@@ -74,7 +74,7 @@ class KVController:
         delays a loop's decision: the live engines (and their pressure flags) and the tenants."""
         assert self.ctx is not None
         while True:
-            raise_if_cancelled()  # one a discovery's Redis call swallowed: stop() would wait for good
+            raise_if_cancelled()  # one lost on the way (swallowed_cancel.py): stop() would wait for good
             await asyncio.sleep(self.settings.kvcontrol_discovery_interval_s)
             try:
                 await self.discover()

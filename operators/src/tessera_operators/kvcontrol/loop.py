@@ -212,7 +212,7 @@ class EngineControlLoop:
 
     async def _control(self) -> None:
         while True:
-            raise_if_cancelled()  # one a tick's Redis call swallowed (the flags, an abort's records)
+            raise_if_cancelled()  # one lost on the way (swallowed_cancel.py: the second line)
             try:
                 await self.tick()
             except asyncio.CancelledError:

@@ -21,14 +21,15 @@ async def heartbeat_loop(redis_url: str, interval_s: float, model: ModelInfo, is
     ``asyncio.wait_for`` (inside redis-py) can swallow a cancellation that lands as a beat's write completes,
     and a loop that went on beating registered a draining replica again after it left (test_gateway_drain
     under a loaded `make test`: 21 s in the registry after its drain began). A cancellation swallowed that way
-    is still counted on the task (``Task.cancelling``), so the loop honours it at its next beat: a caller that
-    cancels without ``leaving`` (a test, an engine host torn down) no longer waits on a loop that never ends."""
+    is still counted on the task (``Task.cancelling``): ``connect``'s connections now raise it at the write
+    (swallowed_cancel.py), and the loop honours one lost anywhere else at its next beat, so a caller that cancels
+    without ``leaving`` (a test, an engine host torn down) never waits on a loop that never ends."""
     redis = connect(redis_url)
     registry = EngineRegistry(redis, interval_s)
     model_registered = False
     try:
         while not leaving():
-            raise_if_cancelled()  # one that a beat's Redis call swallowed (see the NOTE)
+            raise_if_cancelled()  # one lost on the way (see the NOTE)
             # A dead engine stops heartbeating, so the gateway stops routing to it within the TTL. A Redis
             # error is retried on the next beat: one slow answer at start-up must not leave the replica
             # serving but unregistered for good.

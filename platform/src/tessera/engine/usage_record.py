@@ -88,7 +88,7 @@ class UsageRecorder:
         redis = connect(redis_url, timeout_s=5.0)
         try:
             while True:
-                raise_if_cancelled()  # one a flush's Redis call swallowed (swallowed_cancel.py)
+                raise_if_cancelled()  # one lost on the way (swallowed_cancel.py: the second line)
                 await asyncio.sleep(self.config.flush_interval_s)
                 await self._flush_logged(redis)
         finally:

@@ -88,7 +88,7 @@ class Settler:
     async def run(self) -> None:
         """Tries a pass every ``interval_s`` or so (``next_pass_in``) until cancelled."""
         while True:
-            raise_if_cancelled()  # one a pass's Redis call swallowed (swallowed_cancel.py)
+            raise_if_cancelled()  # one lost on the way (swallowed_cancel.py: the second line)
             await asyncio.sleep(next_pass_in(time.monotonic(), self.interval_s, random.uniform(0.5, 1.0)))
             try:
                 if (await self._admission.any_due(self.grace_s)

@@ -38,7 +38,7 @@ async def feed_index(index: PrefixIndex, engine_id: str, batches: AsyncIterable[
     stats = stats or FeedStats()
     expected_seq: int | None = None
     must_clear = False
-    raise_if_cancelled()  # one the caller's last Redis call swallowed (prepare_index; swallowed_cancel.py)
+    raise_if_cancelled()  # one the caller's preparation lost (prepare_index; swallowed_cancel.py)
     async for batch in batches:
         # Before the first batch nothing was indexed (the host clears its entries at start), so batches
         # published before the subscription connected cost hits only, never correctness.
@@ -53,7 +53,7 @@ async def feed_index(index: PrefixIndex, engine_id: str, batches: AsyncIterable[
                 await index.clear_engine(engine_id)
                 must_clear = False
             await index.apply(engine_id, batch.ops, batch.ts)
-            raise_if_cancelled()  # one the apply's Redis call swallowed: not another wait for the next batch
+            raise_if_cancelled()  # one the apply lost on the way: not another wait for the next batch
         except (RedisError, OSError) as exc:  # a Redis blip must not stop the replica's indexing
             logger.warning("engine %s: prefix index update failed (%s); its entries are dropped next", engine_id, exc)
             stats.num_failed_batches += 1

@@ -111,7 +111,7 @@ class FleetRedis:
         """Registers the models once and every replica's record every interval, until cancelled."""
         models_registered = False
         while True:
-            raise_if_cancelled()  # one a beat's Redis call swallowed (swallowed_cancel.py)
+            raise_if_cancelled()  # one lost on the way (swallowed_cancel.py: the second line)
             try:
                 if not models_registered:
                     for model in self._models:
