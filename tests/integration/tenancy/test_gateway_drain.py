@@ -204,13 +204,14 @@ async def test_a_draining_replica_leaves_the_registry_first_then_finishes_its_st
             async for line in response.aiter_lines():
                 if line:
                     lines.append(orjson.loads(line))
-                    if not first.is_set():
-                        first.set()
-                        first_at.append(time.monotonic())
+                    first.set()
 
-    first_at: list[float] = []
-    await stream(payload(64), [], asyncio.Event())
-    rate = 63 / max(time.monotonic() - first_at[0], 1e-3)  # tokens a second after the first, decoding alone
+    measured = asyncio.Event()
+    probe = asyncio.create_task(stream(payload(64), [], measured))
+    await measured.wait()
+    first_line_at = time.monotonic()
+    await probe
+    rate = 63 / max(time.monotonic() - first_line_at, 1e-3)  # tokens a second after the first, decoding alone
     low, high = DRAINED_STREAM_TOKENS
     max_tokens = min(high, max(low, int(rate * OUTLAST_S)))
     lines: list[dict[str, object]] = []
