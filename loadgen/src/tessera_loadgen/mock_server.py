@@ -238,8 +238,13 @@ class MockServer:
         if chat:
             await send({"type": "http.response.body", "body": events[0], "more_body": True})
         gap = config.itl_s * k
+        sent_at = -math.inf
         for i, event in enumerate(events[first:]):
-            await self._sleep_until(t_arrival + config.ttft_s + i * gap)
+            # On schedule from the arrival, but never sooner than a gap after the last event: a server that ran late
+            # (a busy machine) does not catch up by sending the next tokens closer together, as no engine's decode
+            # steps could; a late token makes the stream late, never its gaps short.
+            await self._sleep_until(max(t_arrival + config.ttft_s + i * gap, sent_at + gap))
+            sent_at = time.perf_counter()
             await self._wait_stall()
             await send({"type": "http.response.body", "body": event, "more_body": True})
             if breaks:

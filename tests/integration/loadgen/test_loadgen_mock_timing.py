@@ -129,3 +129,12 @@ def test_a_run_given_its_t0_schedules_what_tenant_arrival_offsets_predicts(mock_
         assert sent and sent == pytest.approx(predicted, abs=1e-9)
     with pytest.raises(ValueError, match="t0 is for a run in one process"):
         execute(workload, Target.parse(url), tmp_path, num_workers=2, t0=t0)
+
+
+def test_a_stalled_server_does_not_catch_up_by_shortening_the_gaps(mock_server: MockFactory) -> None:
+    """Held by a stall (a busy machine, in effect), the mock's streams resume a gap apart, as an engine's decode steps
+    would, instead of sending what the schedule missed back to back: a gap undershoots only by timer rounding."""
+    url = mock_server(ttft_s=0.010, itl_s=0.020, stall_after_requests=3, stall_s=0.3)
+    overall = run(url, rate=20.0, n=8)
+    itl = overall["latency"]["itl_s"]
+    assert itl["min"] >= 0.020 - EARLY_S, itl
