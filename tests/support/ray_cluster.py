@@ -145,6 +145,19 @@ class _Driver:
         answer: dict[str, Any] = serve.get_app_handle(app).remote(None).result(timeout_s=60)
         return answer
 
+    def serve_controller_log(self, last_lines: int = 40) -> str:
+        """The last lines of the Serve controller's log: why a replica is not RUNNING (a failed start or
+        health check, a restart), for a test's failure message."""
+        logs = Path(self.cluster.head_node.get_session_dir_path()) / "logs" / "serve"
+        tails = []
+        for path in sorted(logs.glob("controller_*.log")):
+            # Serve repeats its slow-start warning every second: a message once per run of repeats.
+            every = path.read_text(errors="replace").splitlines()
+            lines = [line for line, before in zip(every, ["", *every])
+                     if line.partition(" -- ")[2] != before.partition(" -- ")[2]]
+            tails.append(f"{path.name}:\n" + "\n".join(lines[-last_lines:]))
+        return "\n".join(tails) or f"no controller log under {logs}"
+
     def delete(self, app: str) -> None:
         from ray import serve
 
