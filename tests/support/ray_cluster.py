@@ -152,9 +152,10 @@ class _Driver:
         tails = []
         for path in sorted(logs.glob("controller_*.log")):
             # Serve repeats its slow-start warning every second: a message once per run of repeats.
-            every = path.read_text(errors="replace").splitlines()
-            lines = [line for line, before in zip(every, ["", *every])
-                     if line.partition(" -- ")[2] != before.partition(" -- ")[2]]
+            lines: list[str] = []
+            for line in path.read_text(errors="replace").splitlines():
+                if not lines or line.partition(" -- ")[2] != lines[-1].partition(" -- ")[2]:
+                    lines.append(line)
             tails.append(f"{path.name}:\n" + "\n".join(lines[-last_lines:]))
         return "\n".join(tails) or f"no controller log under {logs}"
 

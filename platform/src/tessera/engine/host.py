@@ -40,7 +40,14 @@ from tessera.engine.speculation_control import SpeculationControl, speculation_c
 from tessera.engine.stats import EngineLoad, LoadTracker
 from tessera.engine.tokenizer_source import published_tokenizer_dir
 from tessera.engine.usage_record import RecorderConfig, UsageRecord, UsageRecorder
-from tessera.engine.vllm_engine import build_engine, log_fallbacks, prepare_environment, shutdown_engine, warm_up
+from tessera.engine.vllm_engine import (
+    build_engine,
+    engine_core_exit_grace_s,
+    log_fallbacks,
+    prepare_environment,
+    shutdown_engine,
+    warm_up,
+)
 from tessera.engine.vllm_metrics import VllmMetrics
 from tessera.registry import EngineRecord, ModelInfo
 from tessera.routing.indexer import FeedStats
@@ -178,7 +185,7 @@ class EngineHost(ThreadedReplicaHost):
             # Inside the loop: vLLM closes its asyncio ZMQ sockets only from a running loop (from outside
             # it schedules the close on this loop, which never runs again), and a ZMQ context with open
             # sockets hangs the process when it is garbage-collected.
-            await shutdown_engine(self.engine)
+            await shutdown_engine(self.engine, engine_core_exit_grace_s(self.resolution.config))
 
     async def _serve(self) -> None:
         prepare_environment(self.config)
