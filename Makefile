@@ -22,7 +22,8 @@ install: $(STAMP)
 
 $(STAMP): requirements.txt requirements-dev.txt platform/pyproject.toml platform/setup.py \
           platform/src/tessera/gateway/_delta_chunk.c \
-          platform/src/tessera/routing/_pod_replay.c operators/pyproject.toml loadgen/pyproject.toml
+          platform/src/tessera/routing/_pod_replay.c platform/src/tessera/routing/_chain_lookup.c \
+          operators/pyproject.toml loadgen/pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip wheel
 	$(BIN)/pip install --quiet "$(VLLM_PACKAGE)" -r requirements.txt -r requirements-dev.txt

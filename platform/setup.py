@@ -1,10 +1,10 @@
 """The one thing pyproject.toml cannot say: the optional C extensions (tessera/gateway/_delta_chunk.c, the
 relay's per-token step; tessera/routing/_pod_replay.c, a pod worker's per-decision replay of the other workers'
-change records).
+change records; tessera/routing/_chain_lookup.c, the local prefix index's lookup).
 
 ``optional=True``: where no C compiler is (a slim image, say), the package installs without them and the
 gateway uses the Python implementation of the same step (tessera/gateway/delta_chunk.py,
-tessera/routing/pod_view.py).
+tessera/routing/pod_view.py, tessera/routing/local_index.py).
 """
 
 from setuptools import Extension, setup
@@ -12,4 +12,6 @@ from setuptools import Extension, setup
 setup(ext_modules=[Extension("tessera.gateway._delta_chunk", ["src/tessera/gateway/_delta_chunk.c"],
                              optional=True, extra_compile_args=["-O2"]),
                    Extension("tessera.routing._pod_replay", ["src/tessera/routing/_pod_replay.c"],
+                             optional=True, extra_compile_args=["-O2"]),
+                   Extension("tessera.routing._chain_lookup", ["src/tessera/routing/_chain_lookup.c"],
                              optional=True, extra_compile_args=["-O2"])])

@@ -45,4 +45,7 @@ RELAY_STEP = NativeStep("per-token step", "tessera/gateway/_delta_chunk.c", "tes
 # A pod worker's replay of the other workers' change records (routing/pod_replay.py).
 POD_REPLAY_STEP = NativeStep("pod decision's replay of the other workers' counts", "tessera/routing/_pod_replay.c",
                              "tessera.routing._pod_replay", "replay", "TESSERA_NATIVE_POD_VIEW")
-NATIVE_STEPS = (RELAY_STEP, POD_REPLAY_STEP)
+# The local prefix index's lookup of a prompt's chain (routing/local_index.py).
+CHAIN_LOOKUP_STEP = NativeStep("prefix index's lookup of a prompt's chain", "tessera/routing/_chain_lookup.c",
+                               "tessera.routing._chain_lookup", "longest_prefixes", "TESSERA_NATIVE_CHAIN_LOOKUP")
+NATIVE_STEPS = (RELAY_STEP, POD_REPLAY_STEP, CHAIN_LOOKUP_STEP)

@@ -14,6 +14,7 @@ from tessera.routing.snapshot import EngineView, RouteRequest, RouteSnapshot
 from tests.support.lookup_reference import assert_lookup_answer
 
 CHAIN = [1001, 1002, 1003, 1004, 1005, 1006]
+native = pytest.mark.skipif(local_index_module.NATIVE_LOOKUP is None, reason="the C lookup is not built")
 
 
 def stores(hashes: list[int]) -> tuple[str, list[int]]:
@@ -54,8 +55,11 @@ class CountingDict(dict[int, int]):
 
 
 def probes_of(index: LocalPrefixIndex, chain: list[int], engines: list[str]) -> tuple[dict[str, int], int]:
+    """The Python search's probes (the C one reads the dict directly; test_chain_lookup.py holds it to the
+    Python one's answers)."""
     table = CountingDict(index._holders)
     index._holders = table
+    index._native_lookup = None
     found = index.longest_prefixes(chain, index.live_mask(engines))
     return found, table.probes
 
@@ -86,12 +90,15 @@ def test_counts_copies_like_the_redis_index() -> None:
     assert index.blocks_of("a") == {CHAIN[0]}
 
 
-def test_matches_a_reference_model_on_random_op_sequences() -> None:
+@pytest.mark.parametrize("lookup", [pytest.param("c", marks=native), "python"])
+def test_matches_a_reference_model_on_random_op_sequences(lookup: str) -> None:
     rng = random.Random(17)
     engines = ["a", "b", "c"]
     hashes = list(range(1, 13))
     for _ in range(200):
         index = LocalPrefixIndex(10_000)
+        if lookup == "python":
+            index._native_lookup = None
         counts: dict[str, dict[int, int]] = {e: {} for e in engines}
         for _ in range(40):
             engine = rng.choice(engines)

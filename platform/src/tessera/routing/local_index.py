@@ -36,8 +36,15 @@ the eviction queue, and one pass over its head removes a whole batch.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from itertools import islice
+
+from tessera.native_steps import CHAIN_LOOKUP_STEP
+
+# The lookup in C (``_chain_lookup.c``: the same search, dict for dict; ``longest_prefixes`` below is its
+# Python twin), or None where it is not built or ``TESSERA_NATIVE_CHAIN_LOOKUP=0`` keeps the Python one.
+NativeLookup = Callable[[dict[int, int], Sequence[int], int, list[str | None]], dict[str, int]]
+NATIVE_LOOKUP: NativeLookup | None = CHAIN_LOOKUP_STEP.load()
 
 # A full index evicts this fraction of its cap at once (see the module docstring).
 EVICT_FRACTION = 64
@@ -52,7 +59,7 @@ MAX_INTERNED_MASKS = 1 << 15
 class LocalPrefixIndex:
     """Block hash -> holder engines, with per-engine matched-prefix lookup. Not thread-safe (one event loop)."""
 
-    __slots__ = ("_bits", "_extra", "_free_slots", "_holders", "_masks", "_max_blocks", "_retired",
+    __slots__ = ("_bits", "_extra", "_free_slots", "_holders", "_masks", "_max_blocks", "_native_lookup", "_retired",
                  "_slot_engine", "_slots", "generation", "num_evicted")
 
     def __init__(self, max_blocks: int) -> None:
@@ -70,6 +77,7 @@ class LocalPrefixIndex:
         # Bumped whenever an engine's slot changes, so a caller's cached live mask knows it is stale.
         self.generation = 0
         self.num_evicted = 0
+        self._native_lookup = NATIVE_LOOKUP  # None: the Python search below
 
     # ---- engines ---------------------------------------------------------------------------------------
 
@@ -255,6 +263,8 @@ class LocalPrefixIndex:
         num = len(chain)
         if not num or not alive:
             return {}
+        if self._native_lookup is not None:
+            return self._native_lookup(self._holders, chain, alive, self._slot_engine)
         get = self._holders.get
         first = get(chain[0])
         holders = first & alive if first is not None else 0
