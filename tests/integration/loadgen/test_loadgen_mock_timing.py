@@ -4,7 +4,8 @@ Tolerances: a measured time can exceed the configured one by the server's and th
 lateness. The client's lateness is what its own schedule lag shows, so the allowed excess is a fixed
 floor for the server side and the network stack plus a multiple of the run's measured schedule-lag p99;
 medians are compared, so a few stragglers on a busy machine do not fail the test. A time can undershoot
-the configured one only by timer rounding (under 2 ms).
+the configured one only by timer rounding (under 2 ms), and a gap between two tokens also by the client's
+lateness reading the first of them.
 """
 
 from __future__ import annotations
@@ -133,8 +134,11 @@ def test_a_run_given_its_t0_schedules_what_tenant_arrival_offsets_predicts(mock_
 
 def test_a_stalled_server_does_not_catch_up_by_shortening_the_gaps(mock_server: MockFactory) -> None:
     """Held by a stall (a busy machine, in effect), the mock's streams resume a gap apart, as an engine's decode steps
-    would, instead of sending what the schedule missed back to back: a gap undershoots only by timer rounding."""
+    would, instead of sending what the schedule missed back to back (~5 us apart before the mock's mend)."""
     url = mock_server(ttft_s=0.010, itl_s=0.020, stall_after_requests=3, stall_s=0.3)
     overall = run(url, rate=20.0, n=8)
     itl = overall["latency"]["itl_s"]
-    assert itl["min"] >= 0.020 - EARLY_S, itl
+    # The client sees a gap short by its lateness reading the earlier token (2.1 ms once, beside the other
+    # pytest worker starting an engine): allowed as an overshoot is, by the run's schedule lag, up to half a gap.
+    allowed = min(EARLY_S + 3 * overall["schedule_lag_s"]["p99"], 0.010)
+    assert itl["min"] >= 0.020 - allowed, (itl, allowed)
