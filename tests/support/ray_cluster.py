@@ -224,6 +224,22 @@ class ClusterDriver:
             raise RuntimeError(f"in the cluster driver:\n{value}")
         return value
 
+    def replica_states(self, app: str, deployment: str) -> dict[str, int]:
+        """Serve's replica count per state of ``deployment`` in ``app`` ({} while Serve has none)."""
+        states: dict[str, int] = self.call("status", app).get("deployments", {}).get(deployment, {}).get(
+            "replica_states", {})
+        return states
+
+    def wait_for_replica_states(self, app: str, deployment: str, accept: Callable[[dict[str, int]], bool],
+                                timeout_s: float, what: str) -> None:
+        """Polls Serve until ``accept(replica_states)``; a timeout names Serve's status and its controller's last
+        lines (why a replica is not RUNNING: a failed start or health check, a restart)."""
+        try:
+            wait_for(lambda: accept(self.replica_states(app, deployment)), timeout_s, what)
+        except TimeoutError as exc:
+            raise AssertionError(f"{exc}\nServe's status: {self.call('status', app)}\n"
+                                 f"{self.call('serve_controller_log')}") from None
+
     def close(self) -> None:
         try:
             if self._process.is_alive():

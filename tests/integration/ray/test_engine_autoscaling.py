@@ -138,20 +138,11 @@ async def engine_urls(redis_url: str) -> dict[str, str]:
     return {r.engine_id: r.url for r in await asyncio.to_thread(live_engines, redis_url) if r.model == MODEL}
 
 
-async def running_replicas(cluster: ClusterDriver) -> int:
-    status = await asyncio.to_thread(cluster.call, "status", APP)
-    states = status.get("deployments", {}).get(f"engine-{MODEL}", {}).get("replica_states", {})
-    return int(states.get("RUNNING", 0))
-
-
 async def wait_for_running_replicas(cluster: ClusterDriver, count: int, timeout_s: float) -> None:
-    try:
-        await async_wait_until(lambda: _is(running_replicas(cluster), count), timeout_s,
-                               f"Serve at {count} running replica(s)", every_s=0.5)
-    except AssertionError as exc:
-        status = await asyncio.to_thread(cluster.call, "status", APP)
-        log = await asyncio.to_thread(cluster.call, "serve_controller_log")
-        raise AssertionError(f"{exc}\nServe's status: {status}\n{log}") from None
+    """In a thread: the burst shares this event loop."""
+    await asyncio.to_thread(cluster.wait_for_replica_states, APP, f"engine-{MODEL}",
+                            lambda states: states.get("RUNNING", 0) == count, timeout_s,
+                            f"Serve at {count} running replica(s)")
 
 
 async def open_requests(url: str) -> list[str]:
@@ -283,6 +274,3 @@ async def gateway_request_spans(gateway: GatewayProcess, request_ids: set[str]) 
 async def _count_is(ids: Awaitable[set[str]], n: int) -> bool:
     return len(await ids) == n
 
-
-async def _is(value: Awaitable[int], expected: int) -> bool:
-    return await value == expected

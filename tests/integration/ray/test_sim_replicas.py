@@ -109,8 +109,8 @@ def test_sim_replicas_register_serve_through_a_gateway_and_ray_replaces_a_killed
                      "the killed replica out of the registry and its replacement in")
     (replacement,) = set(after) - set(before)
     assert set(before) - set(after) == {victim["engine_id"]}
-    wait_for(lambda: cluster.call("status", sim_app)["deployments"][f"engine-{MODEL}"]["replica_states"]
-             == {"RUNNING": REPLICAS}, 30, "Serve back at all replicas running")
+    cluster.wait_for_replica_states(sim_app, f"engine-{MODEL}", lambda states: states == {"RUNNING": REPLICAS}, 30,
+                                    "Serve back at all replicas running")
     assert httpx.get(f"{after[replacement]}/health", timeout=10).status_code == 200
     engine, _ = complete(gateway, key)
     assert engine in after
