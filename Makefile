@@ -23,6 +23,7 @@ install: $(STAMP)
 $(STAMP): requirements.txt requirements-dev.txt platform/pyproject.toml platform/setup.py \
           platform/src/tessera/gateway/_delta_chunk.c \
           platform/src/tessera/routing/_pod_replay.c platform/src/tessera/routing/_chain_lookup.c \
+          platform/src/tessera/routing/_affinity_rank.c \
           operators/pyproject.toml loadgen/pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip wheel

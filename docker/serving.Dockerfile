@@ -35,8 +35,8 @@ RUN (getent group "${GID}" || groupadd --gid "${GID}" tessera) \
 WORKDIR /opt/tessera
 COPY requirements.txt ./requirements.txt
 COPY platform/pyproject.toml platform/pyproject.toml
-# setup.py builds the gateway's three steps in C (tessera/gateway/_delta_chunk.c, tessera/routing/_pod_replay.c,
-# tessera/routing/_chain_lookup.c)
+# setup.py builds the gateway's four steps in C (tessera/gateway/_delta_chunk.c, tessera/routing/_pod_replay.c,
+# tessera/routing/_chain_lookup.c, tessera/routing/_affinity_rank.c)
 # where the image has a C compiler and Python's headers; without them the package installs and the gateway runs
 # their Python twins.
 COPY platform/setup.py platform/setup.py

@@ -27,10 +27,11 @@ class NativeStep:
         """The C module imports here (built, and for this interpreter), whatever the switch says."""
         return self._module() is not None
 
-    def load(self) -> Any | None:
-        """The C function, or None: not built here (the Python twin runs), or switched off."""
+    def load(self, attribute: str | None = None) -> Any | None:
+        """The C function (``attribute``, or the step's own), or None: not built here (the Python twin runs), or
+        switched off."""
         module = None if self.forced_off() else self._module()
-        return None if module is None else getattr(module, self.attribute)
+        return None if module is None else getattr(module, attribute or self.attribute)
 
     def _module(self) -> Any | None:
         try:
@@ -48,4 +49,7 @@ POD_REPLAY_STEP = NativeStep("pod decision's replay of the other workers' counts
 # The local prefix index's lookup of a prompt's chain (routing/local_index.py).
 CHAIN_LOOKUP_STEP = NativeStep("prefix index's lookup of a prompt's chain", "tessera/routing/_chain_lookup.c",
                                "tessera.routing._chain_lookup", "longest_prefixes", "TESSERA_NATIVE_CHAIN_LOOKUP")
-NATIVE_STEPS = (RELAY_STEP, POD_REPLAY_STEP, CHAIN_LOOKUP_STEP)
+# prefix_affinity's usual decision (routing/affinity_native.py; the policy in routing/policies.py is its twin).
+AFFINITY_STEP = NativeStep("prefix_affinity's usual decision", "tessera/routing/_affinity_rank.c",
+                           "tessera.routing._affinity_rank", "rank", "TESSERA_NATIVE_AFFINITY")
+NATIVE_STEPS = (RELAY_STEP, POD_REPLAY_STEP, CHAIN_LOOKUP_STEP, AFFINITY_STEP)

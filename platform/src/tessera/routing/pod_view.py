@@ -234,6 +234,11 @@ class PodWaits(Mapping[str, float]):
         self._waiting = waiting  # engine id -> {row: prefilled-at stamp}
         self.now = now
 
+    @property
+    def stamps(self) -> Mapping[str, Mapping[int, int]]:
+        """Engine id -> {row: prefilled-at stamp}: what ``get`` sums from ``now`` (the C policy reads it whole)."""
+        return self._waiting
+
     def get(self, engine_id: str, default: float | None = None) -> float | None:  # type: ignore[override]
         # On the policy's path, several times a decision: one dict read where nothing is waiting there.
         stamps = self._waiting.get(engine_id)

@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import lru_cache
 
+from tessera.routing.affinity_native import Constants, NativeRanking, native_fleet, rank_natively
 from tessera.routing.hashing import stable_hash64
 from tessera.routing.prefill_clock import PrefillFit
 from tessera.routing.snapshot import EngineView, RouteDecision, RouteRequest, RouteSnapshot
@@ -433,14 +434,18 @@ class _Fleet:
     # (load, engine) by load, highest first; and the closed sets made so far, by threshold.
     by_load: list[tuple[int, int]]
     _closed: dict[int, frozenset[int]]
+    # The same engines and ring as the C step's arrays (affinity_native.py), or None where it is not built.
+    native: object | None
 
     @classmethod
     def of(cls, engines: tuple[EngineView, ...]) -> _Fleet:
         loads = [e.load for e in engines]
         ids = tuple(e.engine_id for e in engines)
-        return cls(engines, {engine_id: i for i, engine_id in enumerate(ids)}, loads, sum(loads), _ring(ids), ids,
-                   [e.under_pressure for e in engines], sorted(((load, i) for i, load in enumerate(loads)),
-                                                          reverse=True), {})
+        index = {engine_id: i for i, engine_id in enumerate(ids)}
+        ring = _ring(ids)
+        native = native_fleet(engines, index, loads, ring.points, ring.short_walks, ring.positions, _CONSTANTS)
+        return cls(engines, index, loads, sum(loads), ring, ids, [e.under_pressure for e in engines],
+                   sorted(((load, i) for i, load in enumerate(loads)), reverse=True), {}, native)
 
     def closed_at(self, threshold: int) -> frozenset[int]:
         """Engines under pressure or with a heartbeat load of at least ``threshold``: closed to affinity
@@ -452,6 +457,42 @@ class _Fleet:
             closed = self._closed[threshold] = frozenset(
                 [i for _, i in over] + [i for i, flag in enumerate(self.under_pressure) if flag])
         return closed
+
+
+_CONSTANTS = Constants(MAX_RANKED_ENGINES, BOUND_FACTOR, TOKENS_PER_RUNNING_REQUEST, TOKENS_PER_WAITING_REQUEST,
+                       WAIT_STEP_TOKENS, MOVE_MARGIN_TOKENS, PENDING_PREFILL_STEP)
+
+# How a prefix_affinity decision came about, for its reason (the Python rules and the C step report alike).
+PLAIN, MOVED, PENDING, PLACED_BY_LOAD = 0, 1, 2, 3
+
+
+def _reason(outcome: int, top_cached: int, top_load: int, holder_wait_s: float, any_cached: bool) -> str | None:
+    """The decision's reason, or None for a request whose holders all rank after an uncredited engine (the
+    policy names the holder's state then)."""
+    if outcome == MOVED:
+        return (f"prefix_affinity sooner elsewhere: holder's prefill wait {holder_wait_s * 1e3:.1f} ms, "
+                f"cached_tokens={top_cached} load={top_load}")
+    if outcome == PENDING:
+        return f"prefix_affinity miss: pending where it was sent, load={top_load}"
+    if outcome == PLACED_BY_LOAD:
+        return f"prefix_affinity miss: new prefix, shortest backlog of its homes load={top_load}"
+    if top_cached > 0:
+        return f"prefix_affinity cached_tokens={top_cached} load={top_load}"
+    if not any_cached:
+        return f"prefix_affinity miss: home load={top_load}"
+    return None
+
+
+def _native_decision(ranking: NativeRanking, placements: _Placements, key: int) -> RouteDecision:
+    """The C step's decision as the policy returns it, its placement recorded."""
+    ranked, outcome, top_cached, top_load, holder_wait_s, place = ranking
+    if place is not None:
+        placements.set(key, place)
+    # A plain decision without credit is a miss with no holder: the C step hands back a request whose holders
+    # rank after an engine without its prefix.
+    reason = _reason(outcome, top_cached, top_load, holder_wait_s, False)
+    assert reason is not None
+    return RouteDecision(ranked, reason, top_cached)
 
 
 def _to_front(ranked: list[int], i: int) -> None:
@@ -583,7 +624,12 @@ def _prefix_affinity() -> PolicyFn:
     def policy(snapshot: RouteSnapshot, request: RouteRequest) -> RouteDecision:
         if (empty := _empty(snapshot)) is not None:
             return empty
-        fleet = fleet_of(snapshot.engines)
+        fleet = fleets.get(id(snapshot.engines)) or fleet_of(snapshot.engines)
+        key = request.block_hashes[0] if request.block_hashes else _engine_salt(request.session_id or request.tenant)
+        if fleet.native is not None:
+            ranking = rank_natively(fleet.native, snapshot, request.num_prompt_tokens, key, placements.get(key))
+            if ranking is not None:
+                return _native_decision(ranking, placements, key)
         engines, index, fleet_loads = fleet.engines, fleet.index, fleet.loads
         # Load = max(heartbeat, this gateway's in-flight count): only engines with requests in flight change.
         loads: dict[int, int] = {}
@@ -606,7 +652,6 @@ def _prefix_affinity() -> PolicyFn:
         # The prefix's homes: the engines in ring order from its key, up to MAX_RANKED_ENGINES open to it
         # (under the bound, not under pressure) or all of them; an engine's rank is its place in that walk.
         # Engines beyond it rank after every one in it.
-        key = request.block_hashes[0] if request.block_hashes else _engine_salt(request.session_id or request.tenant)
         num_engines = len(engines)
         ring = fleet.ring
         # Closed engines: the fleet's at this bound, and those this gateway's own requests took over it (a
@@ -708,19 +753,10 @@ def _prefix_affinity() -> PolicyFn:
                 placements.set(key, fleet.ids[ranked[0]])
         top = ranked[0]
         top_cached, top_load = cached.get(top, 0), loads.get(top, fleet_loads[top])
-        if moved_from >= 0:
-            holder_wait_ms = waits.get(fleet.ids[moved_from], 0.0) * 1e3
-            reason = (f"prefix_affinity sooner elsewhere: holder's prefill wait {holder_wait_ms:.1f} ms, "
-                      f"cached_tokens={top_cached} load={top_load}")
-        elif pending:
-            reason = f"prefix_affinity miss: pending where it was sent, load={top_load}"
-        elif placed_by_load:
-            reason = f"prefix_affinity miss: new prefix, shortest backlog of its homes load={top_load}"
-        elif top_cached > 0:
-            reason = f"prefix_affinity cached_tokens={top_cached} load={top_load}"
-        elif not cached:
-            reason = f"prefix_affinity miss: home load={top_load}"
-        else:
+        outcome = MOVED if moved_from >= 0 else PENDING if pending else PLACED_BY_LOAD if placed_by_load else PLAIN
+        holder_wait_s = waits.get(fleet.ids[moved_from], 0.0) if moved_from >= 0 else 0.0
+        reason = _reason(outcome, top_cached, top_load, holder_wait_s, bool(cached))
+        if reason is None:
             holder = max(cached, key=lambda i: (cached[i], -loads.get(i, fleet_loads[i])))
             if (holder_load := loads.get(holder, fleet_loads[holder])) >= bound:
                 reason = f"prefix_affinity bounded_load: holder load {holder_load} >= {bound:.1f}, load={top_load}"
