@@ -193,6 +193,21 @@ def test_bad_arguments_raise_type_errors() -> None:
     assert rank(fleet, {}, {}, 10, 1, None, None, None, 0, {}, {}) is None
 
 
+def test_a_bad_value_midway_leaves_the_fleets_scratch_as_it_was() -> None:
+    """The C step keeps per-decision loads and credits in the fleet's arrays and resets them before it returns:
+    an exception halfway (a count that is not an int) must not leave one engine's load raised for the next."""
+    rank, make = affinity_native.NATIVE_RANK, affinity_native.NATIVE_FLEET
+    assert rank is not None and make is not None
+    fleet = policies._Fleet.of(tuple(EngineView(f"e{i:02d}", "u", 0, 0, 0.0, 1000, 16) for i in range(20))).native
+    args = (10_000, 99, None, None, None, 0, {}, {})
+    before = rank(fleet, {}, {}, *args)
+    with pytest.raises(TypeError):
+        rank(fleet, {"e00": 40, "e01": 40, "e02": "many"}, {}, *args)
+    with pytest.raises(TypeError):
+        rank(fleet, {"e03": 40}, {"e04": 3, "e05": None}, *args)
+    assert rank(fleet, {}, {}, *args) == before
+
+
 def test_the_switch_keeps_the_python_policy(monkeypatch: pytest.MonkeyPatch) -> None:
     from tessera.native_steps import AFFINITY_STEP
 
