@@ -199,7 +199,7 @@ def test_a_bad_value_midway_leaves_the_fleets_scratch_as_it_was() -> None:
     rank, make = affinity_native.NATIVE_RANK, affinity_native.NATIVE_FLEET
     assert rank is not None and make is not None
     fleet = policies._Fleet.of(tuple(EngineView(f"e{i:02d}", "u", 0, 0, 0.0, 1000, 16) for i in range(20))).native
-    args = (10_000, 99, None, None, None, 0, {}, {})
+    args: tuple[object, ...] = (10_000, 99, None, None, None, 0, {}, {})
     before = rank(fleet, {}, {}, *args)
     with pytest.raises(TypeError):
         rank(fleet, {"e00": 40, "e01": 40, "e02": "many"}, {}, *args)
