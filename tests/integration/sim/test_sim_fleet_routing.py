@@ -95,7 +95,7 @@ def test_a_gateway_follows_a_prefix_to_its_engine_over_a_24_engine_fleet(
         async with httpx.AsyncClient(timeout=30.0) as client:
             first_engine, first_reason = await chat(client, url, "hello")
             assert first_reason.startswith("prefix_affinity miss: new prefix"), first_reason
-            reasons = []
+            reasons: list[str] = []
             async with asyncio.timeout(20):
                 while True:
                     engine, reason = await chat(client, url, f"question {len(reasons)}")
