@@ -8,6 +8,7 @@ from __future__ import annotations
 import random
 from collections.abc import Iterator
 from contextlib import contextmanager
+from types import MappingProxyType
 
 import pytest
 
@@ -22,7 +23,7 @@ from tests.support.native_build import skip_where_nothing_can_be_built
 @pytest.fixture(autouse=True)
 def _built() -> None:
     skip_where_nothing_can_be_built()
-    assert affinity_native.NATIVE_RANK is not None, "tessera.routing._affinity_rank did not build: run make install"
+    assert affinity_native.NATIVE_FLEET is not None, "tessera.routing._affinity_rank did not build: run make install"
 
 
 @contextmanager
@@ -33,23 +34,32 @@ def python_only(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
         yield
 
 
+REASON_OUTCOMES = (("prefix_affinity sooner elsewhere", policies.MOVED),
+                   ("prefix_affinity miss: pending where it was sent", policies.PENDING),
+                   ("prefix_affinity miss: new prefix", policies.PLACED_BY_LOAD))
+
+
+def outcome_of(decision: RouteDecision) -> int:
+    return next((outcome for prefix, outcome in REASON_OUTCOMES if decision.reason.startswith(prefix)), policies.PLAIN)
+
+
 class Counting:
     """Counts the decisions the C step took (and their outcomes) and those it handed back."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.taken = self.handed_back = 0
         self.outcomes: set[int] = set()
-        self.last: affinity_native.NativeRanking | None = None
+        self.last: tuple[RouteDecision, str | None] | None = None
         real = policies.rank_natively
 
-        def counted(*args: object) -> affinity_native.NativeRanking | None:
-            ranking = self.last = real(*args)  # type: ignore[arg-type]
-            if ranking is None:
+        def counted(*args: object) -> tuple[RouteDecision, str | None] | None:
+            native = self.last = real(*args)  # type: ignore[arg-type]
+            if native is None:
                 self.handed_back += 1
             else:
                 self.taken += 1
-                self.outcomes.add(ranking[1])
-            return ranking
+                self.outcomes.add(outcome_of(native[0]))
+            return native
 
         monkeypatch.setattr(policies, "rank_natively", counted)
 
@@ -145,24 +155,24 @@ def test_the_c_step_reports_each_outcome(monkeypatch: pytest.MonkeyPatch) -> Non
     # A new prefix: the open home with the shortest backlog, all alike here, so its first home.
     assert first.reason == "prefix_affinity miss: new prefix, shortest backlog of its homes load=1"
     assert first.ranked[0] == policies.prefix_homes(ids, 42)[0] and len(first.ranked) == 16
-    assert counting.last is not None and counting.last[5] == first.ranked[0]
+    assert counting.last is not None and counting.last[1] == first.ranked[0]
     again = policy(RouteSnapshot(fleet), fresh)
     assert again.reason == "prefix_affinity miss: pending where it was sent, load=1"
-    assert again.ranked[0] == first.ranked[0] and counting.last[1] == policies.PENDING
+    assert again.ranked[0] == first.ranked[0] and outcome_of(counting.last[0]) == policies.PENDING
     holder = first.ranked[0]
     hit = policy(RouteSnapshot(fleet, {holder: 10}), fresh)
     assert hit.reason == "prefix_affinity cached_tokens=160 load=1" and hit.expected_cached_tokens == 160
-    assert counting.last[5] == ""  # settled
+    assert counting.last[1] == ""  # settled
     moved = policy(RouteSnapshot(fleet, {holder: 10}, prefill_wait_s={holder: 2.0},
                                  prefill_fit=PrefillFit(0.0, 1e-3)), fresh)
     assert moved.reason == ("prefix_affinity sooner elsewhere: holder's prefill wait 2000.0 ms, "
                             "cached_tokens=0 load=1")
-    assert moved.ranked[:2] == (hit.ranked[1], holder) and counting.last[1] == policies.MOVED
+    assert moved.ranked[:2] == (hit.ranked[1], holder) and outcome_of(counting.last[0]) == policies.MOVED
     homes = policies.prefix_homes(ids, 77)
     backlog = {engine_id: 4096 for engine_id in ids}
     backlog[homes[3]] = 0
     placed = policy(RouteSnapshot(fleet, local_pending_prefill_tokens=backlog), RouteRequest("t", "m", 1000, (77,)))
-    assert placed.ranked[0] == homes[3] and counting.last[1] == policies.PLACED_BY_LOAD
+    assert placed.ranked[0] == homes[3] and outcome_of(counting.last[0]) == policies.PLACED_BY_LOAD
     assert counting.taken == 5 and counting.handed_back == 0
 
 
@@ -178,34 +188,49 @@ def test_a_small_fleet_or_a_crowded_walk_is_left_to_python(monkeypatch: pytest.M
 
 
 def test_bad_arguments_raise_type_errors() -> None:
-    rank = affinity_native.NATIVE_RANK
+    rank = policies.rank_natively
     make = affinity_native.NATIVE_FLEET
-    assert rank is not None and make is not None
-    with pytest.raises(TypeError, match="11 arguments"):
-        rank(None)
+    assert make is not None
+    with pytest.raises(TypeError, match="5 arguments"):
+        rank(None)  # type: ignore[call-arg]
     with pytest.raises(TypeError, match="agree"):
         make(("a",), {"a": 0}, [0], [0], [16], [], [0], [1], [(0,)], [[0]], (16, 2.0, 64, 512, 128, 256, 1024))
+    views = (EngineView("a", "u", 0, 0, 0.0, 1000, 16),)
     fleet = make(("a",), {"a": 0}, [0], [0], [16], [False], [0], [1], [(0,)], [[0]],
                  (16, 2.0, 64, 512, 128, 256, 1024))
-    with pytest.raises(TypeError, match="must be dicts"):
-        rank(fleet, [], {}, 10, 1, None, None, None, 0, {}, {})
+    with pytest.raises(TypeError, match="must be a RouteSnapshot"):
+        rank(fleet, ("not", "a", "snapshot"), 10, 1, None)  # type: ignore[arg-type]
     # One engine: fewer open than 16, so the Python policy decides.
-    assert rank(fleet, {}, {}, 10, 1, None, None, None, 0, {}, {}) is None
+    assert rank(fleet, RouteSnapshot(views), 10, 1, None) is None
+
+
+def test_mappings_of_another_kind_go_to_python_and_empty_ones_read_as_empty(monkeypatch: pytest.MonkeyPatch) -> None:
+    counting = Counting(monkeypatch)
+    fleet = tuple(EngineView(f"e{i:02d}", "u", 1, 0, 0.0, 1000, 16) for i in range(20))
+    native, python = make_policy("prefix_affinity"), make_policy("prefix_affinity")
+    request = RouteRequest("t", "m", 1000, (5, 1))
+    for snapshot in (RouteSnapshot(fleet, MappingProxyType({"e03": 4})), RouteSnapshot(fleet),
+                     RouteSnapshot(fleet, {"e03": 4}, MappingProxyType({}))):
+        got, want = decide_both(native, python, snapshot, request, monkeypatch)
+        assert got == want
+    assert counting.handed_back == 1 and counting.taken == 2
 
 
 def test_a_bad_value_midway_leaves_the_fleets_scratch_as_it_was() -> None:
     """The C step keeps per-decision loads and credits in the fleet's arrays and resets them before it returns:
     an exception halfway (a count that is not an int) must not leave one engine's load raised for the next."""
-    rank, make = affinity_native.NATIVE_RANK, affinity_native.NATIVE_FLEET
-    assert rank is not None and make is not None
-    fleet = policies._Fleet.of(tuple(EngineView(f"e{i:02d}", "u", 0, 0, 0.0, 1000, 16) for i in range(20))).native
-    args: tuple[object, ...] = (10_000, 99, None, None, None, 0, {}, {})
-    before = rank(fleet, {}, {}, *args)
+    rank = policies.rank_natively
+    views = tuple(EngineView(f"e{i:02d}", "u", 0, 0, 0.0, 1000, 16) for i in range(20))
+    fleet = policies._Fleet.of(views).native
+    before = rank(fleet, RouteSnapshot(views), 10_000, 99, None)
+    assert before is not None
+    bad_count: dict[str, int] = {"e00": 40, "e01": 40, "e02": "many"}  # type: ignore[dict-item]
     with pytest.raises(TypeError):
-        rank(fleet, {"e00": 40, "e01": 40, "e02": "many"}, {}, *args)
+        rank(fleet, RouteSnapshot(views, {}, bad_count), 10_000, 99, None)
+    bad_blocks: dict[str, int] = {"e04": 3, "e05": None}  # type: ignore[dict-item]
     with pytest.raises(TypeError):
-        rank(fleet, {"e03": 40}, {"e04": 3, "e05": None}, *args)
-    assert rank(fleet, {}, {}, *args) == before
+        rank(fleet, RouteSnapshot(views, bad_blocks, {"e03": 40}), 10_000, 99, None)
+    assert rank(fleet, RouteSnapshot(views), 10_000, 99, None) == before
 
 
 def test_the_switch_keeps_the_python_policy(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -15,20 +15,19 @@
  *   constants (max_ranked, bound_factor, tokens_per_running, tokens_per_waiting, wait_step_tokens,
  *             move_margin_tokens, pending_prefill_step)
  *
- * rank(fleet, in_flight, cached_blocks, num_prompt_tokens, key, state, s_per_token, waiting, now, waits, pending)
- *   in_flight      engine id -> the pod's requests there (a dict; only those above the heartbeat matter)
- *   cached_blocks  engine id -> leading blocks of the prompt's chain it holds (a dict)
- *   key            the prefix's key (its first block hash, or the session's salt: an int)
- *   state          the key's placement: None (never routed), "" (settled), or the engine id it was sent to
- *   s_per_token    the prefill fit's seconds a token, or None for no fit
- *   waiting, now   the pod's prefill waits as pod_view.PodWaits keeps them (engine id -> {row: stamp}, the
- *                  reader's stamp), or None with `waits` (engine id -> seconds, a dict) instead
- *   pending        engine id -> this pod's prompt tokens awaiting a first token (a dict)
- * -> None: not the usual case (fewer than max_ranked engines open in the ring's short walk, or a request whose
- *    holders all rank after an uncredited engine): the Python policy decides. Else a tuple
- *    (ranked engine ids, outcome, top_cached, top_load, moved_wait_s, place): outcome 0 plain, 1 moved sooner
- *    elsewhere, 2 followed a pending placement, 3 a new prefix placed by backlog; place: what the caller sets as
- *    the key's placement (None: nothing).
+ * configure(route_decision, pod_waits)
+ *   The types the step reads and makes: snapshot.RouteDecision, pod_view.PodWaits (once, at import).
+ *
+ * rank(fleet, snapshot, num_prompt_tokens, key, state)
+ *   snapshot  the policy's RouteSnapshot (engines, cached_prefix_blocks, local_in_flight,
+ *             local_pending_prefill_tokens, prefill_wait_s, prefill_fit): the mappings dicts (an empty mapping
+ *             of another type reads as empty), the waits a dict or a PodWaits (its stamps read whole)
+ *   key       the prefix's key (its first block hash, or the session's salt: an int)
+ *   state     the key's placement: None (never routed), "" (settled), or the engine id it was sent to
+ * -> None: not the usual case (fewer than max_ranked engines open in the ring's short walk, a request whose
+ *    holders all rank after an uncredited engine, a mapping of another kind): the Python policy decides. Else
+ *    (RouteDecision, place): the decision, its reason as the Python policy words it, and what the caller records
+ *    as the key's placement (None: nothing).
  *
  * Why C: on a 2-vCPU VM the policy's bytecode was ~15 us of a ~30 us decision, and a p99 there is a p50 plus the
  * VM's pauses (docs/routing.md). Nothing here calls Python code: dict reads with str keys, int and float
@@ -41,9 +40,19 @@
 #define GOLDEN_64 0x9E3779B97F4A7C15ULL
 #define HALF_32 2147483648LL
 #define WRAP_32 4294967296LL
+/* How a decision came about (policies.PLAIN, MOVED, PENDING, PLACED_BY_LOAD). */
+#define OUTCOME_PLAIN 0
+#define OUTCOME_MOVED 1
+#define OUTCOME_PENDING 2
+#define OUTCOME_PLACED_BY_LOAD 3
+
+/* configure()'s types. */
+static PyObject *RouteDecisionType = NULL, *PodWaitsType = NULL;
+static PyObject *str_waiting = NULL, *str_now = NULL;
 
 typedef struct {
     Py_ssize_t n;
+    long long sum_loads;
     PyObject *ids;   /* tuple of str */
     PyObject *index; /* dict str -> int */
     long long *loads, *waiting, *block_size, *pending;
@@ -148,6 +157,7 @@ static PyObject *make_fleet(PyObject *self, PyObject *args) {
         fill_ll(sizes, f->block_size, n, "block_sizes") < 0 || fill_ll(pending, f->pending, n, "pending") < 0)
         goto fail;
     for (Py_ssize_t i = 0; i < n; i++) {
+        f->sum_loads += f->loads[i];
         int flag = PyObject_IsTrue(PyList_GET_ITEM(pressure, i));
         if (flag < 0) goto fail;
         f->pressure[i] = (char)flag;
@@ -348,38 +358,146 @@ static int32_t sooner_elsewhere(const Call *c, const int32_t *ranked, Py_ssize_t
     return best;
 }
 
+/* The decision's reason, worded as policies._reason words it (the tests hold the two to the same strings). */
+static PyObject *reason(int outcome, long long top_cached, long long top_load, double moved_wait_s) {
+    Py_ssize_t cached = (Py_ssize_t)top_cached, load = (Py_ssize_t)top_load;
+    if (outcome == OUTCOME_MOVED) {
+        char *ms = PyOS_double_to_string(moved_wait_s * 1e3, 'f', 1, 0, NULL);
+        if (ms == NULL) return NULL;
+        PyObject *text = PyUnicode_FromFormat(
+            "prefix_affinity sooner elsewhere: holder's prefill wait %s ms, cached_tokens=%zd load=%zd", ms, cached,
+            load);
+        PyMem_Free(ms);
+        return text;
+    }
+    if (outcome == OUTCOME_PENDING)
+        return PyUnicode_FromFormat("prefix_affinity miss: pending where it was sent, load=%zd", load);
+    if (outcome == OUTCOME_PLACED_BY_LOAD)
+        return PyUnicode_FromFormat("prefix_affinity miss: new prefix, shortest backlog of its homes load=%zd", load);
+    if (top_cached > 0) return PyUnicode_FromFormat("prefix_affinity cached_tokens=%zd load=%zd", cached, load);
+    return PyUnicode_FromFormat("prefix_affinity miss: home load=%zd", load);
+}
+
+/* (RouteDecision(ranked ids, reason, the first engine's credited tokens), place): place NULL for "" (settled). */
+static PyObject *decision(const Fleet *f, const int32_t *ranked, Py_ssize_t len, int outcome, double moved_wait_s,
+                          PyObject *place) {
+    long long top_cached = cached_of(f, ranked[0]);
+    PyObject *ids = PyTuple_New(len);
+    if (ids == NULL) return NULL;
+    for (Py_ssize_t k = 0; k < len; k++) PyTuple_SET_ITEM(ids, k, Py_NewRef(PyTuple_GET_ITEM(f->ids, ranked[k])));
+    PyObject *text = reason(outcome, top_cached, f->eff[ranked[0]], moved_wait_s);
+    PyObject *tokens = text == NULL ? NULL : PyLong_FromLongLong(top_cached);
+    PyTypeObject *type = (PyTypeObject *)RouteDecisionType;
+    PyObject *made = tokens == NULL ? NULL : type->tp_alloc(type, 3);
+    if (made == NULL) {
+        Py_DECREF(ids);
+        Py_XDECREF(text);
+        Py_XDECREF(tokens);
+        return NULL;
+    }
+    PyTuple_SET_ITEM(made, 0, ids);
+    PyTuple_SET_ITEM(made, 1, text);
+    PyTuple_SET_ITEM(made, 2, tokens);
+    PyObject *place_obj = place == NULL ? PyUnicode_FromStringAndSize("", 0) : Py_NewRef(place);
+    if (place_obj == NULL) {
+        Py_DECREF(made);
+        return NULL;
+    }
+    return Py_BuildValue("(NN)", made, place_obj);
+}
+
+/* A snapshot's mapping as a dict the step reads: the dict itself, NULL for an empty mapping of another kind
+ * (MappingProxy's empty default), or *other = 1 for anything else (the Python policy decides). -1: an error. */
+static int as_dict(PyObject *mapping, PyObject **out, int *other) {
+    if (PyDict_CheckExact(mapping)) {
+        *out = mapping;
+        return 0;
+    }
+    *out = NULL;
+    Py_ssize_t size = PyObject_Length(mapping);
+    if (size < 0) return -1;
+    if (size > 0) *other = 1;
+    return 0;
+}
+
 static PyObject *rank(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 11) {
-        PyErr_SetString(PyExc_TypeError, "rank takes 11 arguments");
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "rank(fleet, snapshot, num_prompt_tokens, key, state) takes 5 arguments");
+        return NULL;
+    }
+    if (RouteDecisionType == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "rank: configure() was not called");
         return NULL;
     }
     Fleet *f = (Fleet *)PyCapsule_GetPointer(args[0], "tessera.affinity_fleet");
     if (f == NULL) return NULL;
-    PyObject *in_flight = args[1], *cached_blocks = args[2], *state = args[5];
-    PyObject *waiting = args[7], *waits = args[9], *pending = args[10];
-    if (!PyDict_Check(in_flight) || !PyDict_Check(cached_blocks) || !PyDict_Check(pending) ||
-        (waiting != Py_None && !PyDict_Check(waiting)) || (waiting == Py_None && !PyDict_Check(waits)) ||
-        (state != Py_None && !PyUnicode_Check(state))) {
-        PyErr_SetString(PyExc_TypeError, "rank: the mappings must be dicts, the state None or a str");
+    PyObject *snapshot = args[1], *state = args[4];
+    if (!PyTuple_Check(snapshot) || PyTuple_GET_SIZE(snapshot) != 6 || (state != Py_None && !PyUnicode_Check(state))) {
+        PyErr_SetString(PyExc_TypeError, "rank: snapshot must be a RouteSnapshot, the state None or a str");
         return NULL;
     }
-    long long num_prompt_tokens = PyLong_AsLongLong(args[3]);
-    if (num_prompt_tokens == -1 && PyErr_Occurred()) return NULL;
-    uint64_t key = PyLong_AsUnsignedLongLongMask(args[4]);
-    if (PyErr_Occurred()) return NULL;
-    int has_fit = args[6] != Py_None;
-    double s_per_token = has_fit ? PyFloat_AsDouble(args[6]) : 0.0;
-    if (s_per_token == -1.0 && PyErr_Occurred()) return NULL;
-    long long now = PyLong_AsLongLong(args[8]);
-    if (now == -1 && PyErr_Occurred()) return NULL;
+    PyObject *cached_blocks, *in_flight, *pending, *waits = NULL, *waiting = Py_None;
+    int other = 0;
+    if (as_dict(PyTuple_GET_ITEM(snapshot, 1), &cached_blocks, &other) < 0 ||
+        as_dict(PyTuple_GET_ITEM(snapshot, 2), &in_flight, &other) < 0 ||
+        as_dict(PyTuple_GET_ITEM(snapshot, 3), &pending, &other) < 0)
+        return NULL;
+    PyObject *waits_in = PyTuple_GET_ITEM(snapshot, 4), *fit = PyTuple_GET_ITEM(snapshot, 5);
+    PyObject *now_obj = NULL;
+    long long now = 0;
+    if ((PyObject *)Py_TYPE(waits_in) == PodWaitsType) {
+        waiting = PyObject_GetAttr(waits_in, str_waiting);
+        if (waiting == NULL) return NULL;
+        now_obj = PyObject_GetAttr(waits_in, str_now);
+        if (now_obj == NULL) {
+            Py_DECREF(waiting);
+            return NULL;
+        }
+        now = PyLong_AsLongLong(now_obj);
+        Py_DECREF(now_obj);
+        if (!PyDict_CheckExact(waiting)) other = 1;
+        Py_DECREF(waiting);  /* the PodWaits holds it for the call */
+        if (now == -1 && PyErr_Occurred()) return NULL;
+    } else if (as_dict(waits_in, &waits, &other) < 0) {
+        return NULL;
+    }
+    if (other) Py_RETURN_NONE;
+    PyObject *empty = NULL;
+    if (cached_blocks == NULL || in_flight == NULL || pending == NULL || (waiting == Py_None && waits == NULL)) {
+        empty = PyDict_New();
+        if (empty == NULL) return NULL;
+        if (cached_blocks == NULL) cached_blocks = empty;
+        if (in_flight == NULL) in_flight = empty;
+        if (pending == NULL) pending = empty;
+        if (waiting == Py_None && waits == NULL) waits = empty;
+    }
+    int has_fit = fit != Py_None;
+    double s_per_token = 0.0;
+    if (has_fit) {
+        if (!PyTuple_Check(fit) || PyTuple_GET_SIZE(fit) != 2) {
+            Py_XDECREF(empty);
+            PyErr_SetString(PyExc_TypeError, "rank: prefill_fit must be a PrefillFit");
+            return NULL;
+        }
+        s_per_token = PyFloat_AsDouble(PyTuple_GET_ITEM(fit, 1));
+        if (s_per_token == -1.0 && PyErr_Occurred()) {
+            Py_XDECREF(empty);
+            return NULL;
+        }
+    }
+    long long num_prompt_tokens = PyLong_AsLongLong(args[2]);
+    uint64_t key = PyLong_AsUnsignedLongLongMask(args[3]);
+    if (PyErr_Occurred()) {
+        Py_XDECREF(empty);
+        return NULL;
+    }
 
     PyObject *result = NULL;
     Py_ssize_t num_touched = 0, num_cached = 0;
     Py_ssize_t n = f->n;
     /* Loads: the pod's count where above the heartbeat's. */
-    long long sum_loads = 0;
-    for (Py_ssize_t i = 0; i < n; i++) sum_loads += f->loads[i];
+    long long sum_loads = f->sum_loads;
     Py_ssize_t pos = 0;
     PyObject *engine_id, *value;
     while (PyDict_Next(in_flight, &pos, &engine_id, &value)) {
@@ -488,7 +606,7 @@ static PyObject *rank(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (len > f->max_ranked) len = f->max_ranked;
 
     /* The placement rules. */
-    int outcome = 0;
+    int outcome = OUTCOME_PLAIN;
     double moved_wait_s = 0.0;
     PyObject *place = Py_None;  /* borrowed; "" for settled, or an id */
     int settled = state != Py_None && PyUnicode_GET_LENGTH(state) == 0;
@@ -499,12 +617,12 @@ static PyObject *rank(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
             int32_t sooner = sooner_elsewhere(&call, ranked, len, s_per_token, &holder_wait);
             if (sooner == -2) goto done;
             if (sooner >= 0) {
-                outcome = 1;
+                outcome = OUTCOME_MOVED;
                 moved_wait_s = holder_wait;
                 to_front(f, ranked, &len, sooner);
             }
         }
-        if (!cached_of(f, ranked[0]) && outcome == 0) {
+        if (!cached_of(f, ranked[0]) && outcome == OUTCOME_PLAIN) {
             /* Holders over the bound, or nothing creditable: the Python policy's rarer rules. */
             result = Py_NewRef(Py_None);
             goto done;
@@ -514,7 +632,7 @@ static PyObject *rank(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
         if (best == -2) goto done;
         if (best >= 0) {
             to_front(f, ranked, &len, best);
-            outcome = 3;
+            outcome = OUTCOME_PLACED_BY_LOAD;
         }
         place = PyTuple_GET_ITEM(f->ids, ranked[0]);
     } else if (!settled) {
@@ -523,33 +641,41 @@ static PyObject *rank(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
         long i = at == NULL ? -1 : PyLong_AsLong(at);
         if (i >= 0 && !is_closed(&call, (int32_t)i)) {
             to_front(f, ranked, &len, (int32_t)i);
-            outcome = 2;
+            outcome = OUTCOME_PENDING;
         } else {
             place = PyTuple_GET_ITEM(f->ids, ranked[0]);
         }
     }
-    PyObject *ids = PyTuple_New(len);
-    if (ids == NULL) goto done;
-    for (Py_ssize_t k = 0; k < len; k++) PyTuple_SET_ITEM(ids, k, Py_NewRef(PyTuple_GET_ITEM(f->ids, ranked[k])));
-    PyObject *place_obj = place == NULL ? PyUnicode_FromStringAndSize("", 0) : Py_NewRef(place);
-    if (place_obj == NULL) {
-        Py_DECREF(ids);
-        goto done;
-    }
-    result = Py_BuildValue("(NiLLdN)", ids, outcome, cached_of(f, ranked[0]), f->eff[ranked[0]], moved_wait_s,
-                           place_obj);
+    result = decision(f, ranked, len, outcome, moved_wait_s, place);
 done:
     for (Py_ssize_t k = 0; k < num_touched; k++) {
         int32_t i = f->touched[k];
         f->eff[i] = f->loads[i];
         f->cached[i] = -1;
     }
+    Py_XDECREF(empty);
     return result;
+}
+
+static PyObject *configure(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *decision_type, *waits_type;
+    if (!PyArg_ParseTuple(args, "O!O!", &PyType_Type, &decision_type, &PyType_Type, &waits_type)) return NULL;
+    if (!PyType_IsSubtype((PyTypeObject *)decision_type, &PyTuple_Type)) {
+        PyErr_SetString(PyExc_TypeError, "configure: the decision type must be a NamedTuple");
+        return NULL;
+    }
+    Py_XSETREF(RouteDecisionType, Py_NewRef(decision_type));
+    Py_XSETREF(PodWaitsType, Py_NewRef(waits_type));
+    if (str_waiting == NULL && (str_waiting = PyUnicode_InternFromString("_waiting")) == NULL) return NULL;
+    if (str_now == NULL && (str_now = PyUnicode_InternFromString("now")) == NULL) return NULL;
+    Py_RETURN_NONE;
 }
 
 static PyMethodDef methods[] = {
     {"fleet", make_fleet, METH_VARARGS, "A registry read's engines and ring as prefix_affinity's arrays."},
     {"rank", (PyCFunction)(void (*)(void))rank, METH_FASTCALL, "prefix_affinity's usual decision, or None."},
+    {"configure", configure, METH_VARARGS, "The RouteDecision and PodWaits types the step makes and reads."},
     {NULL, NULL, 0, NULL},
 };
 

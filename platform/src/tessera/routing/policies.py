@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from tessera.routing.affinity_native import Constants, NativeRanking, native_fleet, rank_natively
+from tessera.routing.affinity_native import Constants, native_fleet, rank_natively
 from tessera.routing.hashing import stable_hash64
 from tessera.routing.prefill_clock import PrefillFit
 from tessera.routing.snapshot import EngineView, RouteDecision, RouteRequest, RouteSnapshot
@@ -462,7 +462,7 @@ class _Fleet:
 _CONSTANTS = Constants(MAX_RANKED_ENGINES, BOUND_FACTOR, TOKENS_PER_RUNNING_REQUEST, TOKENS_PER_WAITING_REQUEST,
                        WAIT_STEP_TOKENS, MOVE_MARGIN_TOKENS, PENDING_PREFILL_STEP)
 
-# How a prefix_affinity decision came about, for its reason (the Python rules and the C step report alike).
+# How a prefix_affinity decision came about, for its reason (_affinity_rank.c words its reasons alike).
 PLAIN, MOVED, PENDING, PLACED_BY_LOAD = 0, 1, 2, 3
 
 
@@ -481,18 +481,6 @@ def _reason(outcome: int, top_cached: int, top_load: int, holder_wait_s: float, 
     if not any_cached:
         return f"prefix_affinity miss: home load={top_load}"
     return None
-
-
-def _native_decision(ranking: NativeRanking, placements: _Placements, key: int) -> RouteDecision:
-    """The C step's decision as the policy returns it, its placement recorded."""
-    ranked, outcome, top_cached, top_load, holder_wait_s, place = ranking
-    if place is not None:
-        placements.set(key, place)
-    # A plain decision without credit is a miss with no holder: the C step hands back a request whose holders
-    # rank after an engine without its prefix.
-    reason = _reason(outcome, top_cached, top_load, holder_wait_s, False)
-    assert reason is not None
-    return RouteDecision(ranked, reason, top_cached)
 
 
 def _to_front(ranked: list[int], i: int) -> None:
@@ -627,9 +615,12 @@ def _prefix_affinity() -> PolicyFn:
         fleet = fleets.get(id(snapshot.engines)) or fleet_of(snapshot.engines)
         key = request.block_hashes[0] if request.block_hashes else _engine_salt(request.session_id or request.tenant)
         if fleet.native is not None:
-            ranking = rank_natively(fleet.native, snapshot, request.num_prompt_tokens, key, placements.get(key))
-            if ranking is not None:
-                return _native_decision(ranking, placements, key)
+            native = rank_natively(fleet.native, snapshot, request.num_prompt_tokens, key, placements.get(key))
+            if native is not None:  # the C step's decision (affinity_native.py), worded as _reason words it
+                decision, place = native
+                if place is not None:
+                    placements.set(key, place)
+                return decision
         engines, index, fleet_loads = fleet.engines, fleet.index, fleet.loads
         # Load = max(heartbeat, this gateway's in-flight count): only engines with requests in flight change.
         loads: dict[int, int] = {}
