@@ -189,17 +189,26 @@ def test_a_small_fleet_or_a_crowded_walk_is_left_to_python(monkeypatch: pytest.M
 
 def test_bad_arguments_raise_type_errors() -> None:
     rank = policies.rank_natively
-    make = affinity_native.NATIVE_FLEET
-    assert make is not None
+    make_ring, make_fleet = affinity_native.NATIVE_RING, affinity_native.NATIVE_FLEET
+    assert make_ring is not None and make_fleet is not None
+    constants = tuple(policies._CONSTANTS)
     with pytest.raises(TypeError, match="5 arguments"):
         rank(None)  # type: ignore[call-arg]
     with pytest.raises(TypeError, match="agree"):
-        make(("a",), {"a": 0}, [0], [0], [16], [], [0], [1], [(0,)], [[0]], (16, 2.0, 64, 512, 128, 256, 1024))
-    views = (EngineView("a", "u", 0, 0, 0.0, 1000, 16),)
-    fleet = make(("a",), {"a": 0}, [0], [0], [16], [False], [0], [1], [(0,)], [[0]],
-                 (16, 2.0, 64, 512, 128, 256, 1024))
+        make_ring([1, 2], [(0,)], [[0]])
+    with pytest.raises(ValueError, match="names an engine the ring lacks"):
+        make_ring([1], [(3,)], [[0]])
+    with pytest.raises(ValueError, match="past the ring's points"):
+        make_ring([1], [(0,)], [[5]])
+    ring = make_ring([1], [(0,)], [[0]])
+    with pytest.raises(TypeError, match="must agree"):
+        make_fleet(("a", "b"), {"a": 0, "b": 1}, [0, 0], [0, 0], [16, 16], [False, False], [0, 0], ring, constants)
+    with pytest.raises(ValueError, match="invalid PyCapsule"):
+        make_fleet(("a",), {"a": 0}, [0], [0], [16], [False], [0], object(), constants)
+    fleet = make_fleet(("a",), {"a": 0}, [0], [0], [16], [False], [0], ring, constants)
     with pytest.raises(TypeError, match="must be a RouteSnapshot"):
         rank(fleet, ("not", "a", "snapshot"), 10, 1, None)  # type: ignore[arg-type]
+    views = (EngineView("a", "u", 0, 0, 0.0, 1000, 16),)
     # One engine: fewer open than 16, so the Python policy decides.
     assert rank(fleet, RouteSnapshot(views), 10, 1, None) is None
 

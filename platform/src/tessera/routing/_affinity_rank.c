@@ -2,16 +2,20 @@
  * why each rule is there; this must give the same ranking, reason inputs and placement for every decision it
  * takes, and hand every other decision back to Python).
  *
- * fleet(ids, index, loads, waiting, block_sizes, pressure, pending, points, walks, positions, constants) -> capsule
+ * ring(points, walks, positions) -> capsule
+ *   A consistent-hash ring as arrays (built once per set of engine ids, as policies._Ring is):
+ *   points    the ring's points, ascending (a list of 64-bit ints)
+ *   walks     per ring position, the first `depth` distinct engines clockwise (a list of equal-length tuples)
+ *   positions per engine, its ring positions ascending (a list of lists)
+ *
+ * fleet(ids, index, loads, waiting, block_sizes, pressure, pending, ring, constants) -> capsule
  *   A registry read's engines as arrays (built once a read, off the request path, by policies._Fleet.of):
  *   ids       engine ids (a tuple; index i is engine i)
  *   index     engine id -> i (a dict)
  *   loads, waiting, block_sizes, pending   per engine: heartbeat load, waiting requests, block size, heartbeat
  *             prompt tokens awaiting a first token (lists of ints)
  *   pressure  per engine: under KV pressure (a list of bools)
- *   points    the consistent-hash ring's points, ascending (a list of 64-bit ints)
- *   walks     per ring position, the first `depth` distinct engines clockwise (a list of equal-length tuples)
- *   positions per engine, its ring positions ascending (a list of lists)
+ *   ring      ring()'s capsule for these engines
  *   constants (max_ranked, bound_factor, tokens_per_running, tokens_per_waiting, wait_step_tokens,
  *             move_margin_tokens, pending_prefill_step)
  *
@@ -51,17 +55,22 @@ static PyObject *RouteDecisionType = NULL, *PodWaitsType = NULL;
 static PyObject *str_waiting = NULL, *str_now = NULL;
 
 typedef struct {
-    Py_ssize_t n;
-    long long sum_loads;
-    PyObject *ids;   /* tuple of str */
-    PyObject *index; /* dict str -> int */
-    long long *loads, *waiting, *block_size, *pending;
-    char *pressure;
-    Py_ssize_t num_points, depth;
+    Py_ssize_t n, num_points, depth;
     uint64_t *points;
     int32_t *walks;     /* num_points x depth */
     int32_t *pos_start; /* n + 1 offsets into pos */
     int32_t *pos;
+} Ring;
+
+typedef struct {
+    Py_ssize_t n;
+    long long sum_loads;
+    PyObject *ids;   /* tuple of str */
+    PyObject *index; /* dict str -> int */
+    PyObject *ring_capsule;
+    const Ring *ring;
+    long long *loads, *waiting, *block_size, *pending;
+    char *pressure;
     /* constants */
     Py_ssize_t max_ranked;
     double bound_factor;
@@ -74,14 +83,21 @@ typedef struct {
     int32_t *ranked;     /* up to n + max_ranked */
 } Fleet;
 
+static void ring_free(PyObject *capsule) {
+    Ring *r = (Ring *)PyCapsule_GetPointer(capsule, "tessera.affinity_ring");
+    if (r == NULL) return;
+    PyMem_Free(r->points); PyMem_Free(r->walks); PyMem_Free(r->pos_start); PyMem_Free(r->pos);
+    PyMem_Free(r);
+}
+
 static void fleet_free(PyObject *capsule) {
     Fleet *f = (Fleet *)PyCapsule_GetPointer(capsule, "tessera.affinity_fleet");
     if (f == NULL) return;
     Py_XDECREF(f->ids);
     Py_XDECREF(f->index);
+    Py_XDECREF(f->ring_capsule);
     PyMem_Free(f->loads); PyMem_Free(f->waiting); PyMem_Free(f->block_size); PyMem_Free(f->pending);
-    PyMem_Free(f->pressure); PyMem_Free(f->points); PyMem_Free(f->walks); PyMem_Free(f->pos_start);
-    PyMem_Free(f->pos); PyMem_Free(f->eff); PyMem_Free(f->cached); PyMem_Free(f->touched);
+    PyMem_Free(f->pressure); PyMem_Free(f->eff); PyMem_Free(f->cached); PyMem_Free(f->touched);
     PyMem_Free(f->order); PyMem_Free(f->ranked);
     PyMem_Free(f);
 }
@@ -99,21 +115,96 @@ static int fill_ll(PyObject *list, long long *out, Py_ssize_t n, const char *wha
     return 0;
 }
 
+static PyObject *make_ring(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *points, *walks, *positions;
+    if (!PyArg_ParseTuple(args, "O!O!O!", &PyList_Type, &points, &PyList_Type, &walks, &PyList_Type, &positions))
+        return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(positions), num_points = PyList_GET_SIZE(points);
+    if (PyList_GET_SIZE(walks) != num_points || n == 0 || num_points == 0) {
+        PyErr_SetString(PyExc_TypeError, "ring: points, walks and positions must be lists that agree");
+        return NULL;
+    }
+    Ring *r = PyMem_Calloc(1, sizeof(Ring));
+    if (r == NULL) return PyErr_NoMemory();
+    PyObject *capsule = PyCapsule_New(r, "tessera.affinity_ring", ring_free);
+    if (capsule == NULL) {
+        PyMem_Free(r);
+        return NULL;
+    }
+    r->n = n;
+    r->num_points = num_points;
+    r->depth = PyObject_Length(PyList_GET_ITEM(walks, 0));
+    if (r->depth <= 0 || r->depth > n) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "ring: a walk must name 1 to n engines");
+        goto fail;
+    }
+    r->points = PyMem_Calloc(num_points, sizeof(uint64_t));
+    r->walks = PyMem_Calloc(num_points * r->depth, sizeof(int32_t));
+    r->pos_start = PyMem_Calloc(n + 1, sizeof(int32_t));
+    r->pos = PyMem_Calloc(num_points, sizeof(int32_t));
+    if (!r->points || !r->walks || !r->pos_start || !r->pos) {
+        PyErr_NoMemory();
+        goto fail;
+    }
+    for (Py_ssize_t p = 0; p < num_points; p++) {
+        r->points[p] = PyLong_AsUnsignedLongLongMask(PyList_GET_ITEM(points, p));
+        if (PyErr_Occurred()) goto fail;
+        PyObject *walk = PyList_GET_ITEM(walks, p);
+        if (!PyTuple_Check(walk) || PyTuple_GET_SIZE(walk) != r->depth) {
+            PyErr_SetString(PyExc_TypeError, "ring: every walk must be a tuple of the same length");
+            goto fail;
+        }
+        for (Py_ssize_t k = 0; k < r->depth; k++) {
+            long engine = PyLong_AsLong(PyTuple_GET_ITEM(walk, k));
+            if (engine == -1 && PyErr_Occurred()) goto fail;
+            if (engine < 0 || engine >= n) {
+                PyErr_SetString(PyExc_ValueError, "ring: a walk names an engine the ring lacks");
+                goto fail;
+            }
+            r->walks[p * r->depth + k] = (int32_t)engine;
+        }
+    }
+    Py_ssize_t at = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *places = PyList_GET_ITEM(positions, i);
+        if (!PyList_Check(places) || PyList_GET_SIZE(places) == 0 || at + PyList_GET_SIZE(places) > num_points) {
+            PyErr_SetString(PyExc_TypeError, "ring: every engine needs its ring positions");
+            goto fail;
+        }
+        r->pos_start[i] = (int32_t)at;
+        for (Py_ssize_t k = 0; k < PyList_GET_SIZE(places); k++) {
+            long place = PyLong_AsLong(PyList_GET_ITEM(places, k));
+            if (place == -1 && PyErr_Occurred()) goto fail;
+            if (place < 0 || place >= num_points) {
+                PyErr_SetString(PyExc_ValueError, "ring: a position past the ring's points");
+                goto fail;
+            }
+            r->pos[at++] = (int32_t)place;
+        }
+    }
+    r->pos_start[n] = (int32_t)at;
+    return capsule;
+fail:
+    Py_DECREF(capsule);
+    return NULL;
+}
+
 static PyObject *make_fleet(PyObject *self, PyObject *args) {
     (void)self;
-    PyObject *ids, *index, *loads, *waiting, *sizes, *pressure, *pending, *points, *walks, *positions;
+    PyObject *ids, *index, *loads, *waiting, *sizes, *pressure, *pending, *ring;
     Py_ssize_t max_ranked;
     double bound_factor;
     long long per_running, per_waiting, wait_step, move_margin, pending_step;
-    if (!PyArg_ParseTuple(args, "O!O!OOOOOOOO(ndLLLLL)", &PyTuple_Type, &ids, &PyDict_Type, &index, &loads,
-                          &waiting, &sizes, &pressure, &pending, &points, &walks, &positions, &max_ranked,
-                          &bound_factor, &per_running, &per_waiting, &wait_step, &move_margin, &pending_step))
+    if (!PyArg_ParseTuple(args, "O!O!OOOO!OO(ndLLLLL)", &PyTuple_Type, &ids, &PyDict_Type, &index, &loads,
+                          &waiting, &sizes, &PyList_Type, &pressure, &pending, &ring, &max_ranked, &bound_factor,
+                          &per_running, &per_waiting, &wait_step, &move_margin, &pending_step))
         return NULL;
+    Ring *r = (Ring *)PyCapsule_GetPointer(ring, "tessera.affinity_ring");
+    if (r == NULL) return NULL;
     Py_ssize_t n = PyTuple_GET_SIZE(ids);
-    if (!PyList_Check(points) || !PyList_Check(walks) || !PyList_Check(positions) || !PyList_Check(pressure) ||
-        PyList_GET_SIZE(walks) != PyList_GET_SIZE(points) || PyList_GET_SIZE(positions) != n ||
-        PyList_GET_SIZE(pressure) != n || n == 0 || max_ranked < 1) {
-        PyErr_SetString(PyExc_TypeError, "fleet: points, walks, positions and pressure must be lists that agree");
+    if (PyList_GET_SIZE(pressure) != n || r->n != n || max_ranked < 2) {
+        PyErr_SetString(PyExc_TypeError, "fleet: the engines, their pressure flags and the ring must agree");
         return NULL;
     }
     Fleet *f = PyMem_Calloc(1, sizeof(Fleet));
@@ -126,30 +217,24 @@ static PyObject *make_fleet(PyObject *self, PyObject *args) {
     f->n = n;
     f->ids = Py_NewRef(ids);
     f->index = Py_NewRef(index);
+    f->ring_capsule = Py_NewRef(ring);
+    f->ring = r;
     f->max_ranked = max_ranked;
     f->bound_factor = bound_factor;
     f->per_running = per_running; f->per_waiting = per_waiting; f->wait_step_tokens = wait_step;
     f->move_margin_tokens = move_margin; f->pending_step = pending_step;
-    Py_ssize_t num_points = PyList_GET_SIZE(points);
-    f->num_points = num_points;
-    f->depth = num_points ? PyObject_Length(PyList_GET_ITEM(walks, 0)) : 0;
-    if (f->depth < 0) goto fail;
     f->loads = PyMem_Calloc(n, sizeof(long long));
     f->waiting = PyMem_Calloc(n, sizeof(long long));
     f->block_size = PyMem_Calloc(n, sizeof(long long));
     f->pending = PyMem_Calloc(n, sizeof(long long));
     f->pressure = PyMem_Calloc(n, 1);
-    f->points = PyMem_Calloc(num_points + 1, sizeof(uint64_t));
-    f->walks = PyMem_Calloc(num_points * f->depth + 1, sizeof(int32_t));
-    f->pos_start = PyMem_Calloc(n + 1, sizeof(int32_t));
-    f->pos = PyMem_Calloc(num_points + 1, sizeof(int32_t));
     f->eff = PyMem_Calloc(n, sizeof(long long));
     f->cached = PyMem_Calloc(n, sizeof(long long));
     f->touched = PyMem_Calloc(2 * n + 1, sizeof(int32_t));
     f->order = PyMem_Calloc(n + 1, sizeof(int32_t));
     f->ranked = PyMem_Calloc(n + max_ranked + 1, sizeof(int32_t));
-    if (!f->loads || !f->waiting || !f->block_size || !f->pending || !f->pressure || !f->points || !f->walks ||
-        !f->pos_start || !f->pos || !f->eff || !f->cached || !f->touched || !f->order || !f->ranked) {
+    if (!f->loads || !f->waiting || !f->block_size || !f->pending || !f->pressure || !f->eff || !f->cached ||
+        !f->touched || !f->order || !f->ranked) {
         PyErr_NoMemory();
         goto fail;
     }
@@ -164,39 +249,6 @@ static PyObject *make_fleet(PyObject *self, PyObject *args) {
         f->eff[i] = f->loads[i];
         f->cached[i] = -1;
     }
-    for (Py_ssize_t p = 0; p < num_points; p++) {
-        f->points[p] = PyLong_AsUnsignedLongLongMask(PyList_GET_ITEM(points, p));
-        if (PyErr_Occurred()) goto fail;
-        PyObject *walk = PyList_GET_ITEM(walks, p);
-        if (!PyTuple_Check(walk) || PyTuple_GET_SIZE(walk) != f->depth) {
-            PyErr_SetString(PyExc_TypeError, "fleet: every walk must be a tuple of the same length");
-            goto fail;
-        }
-        for (Py_ssize_t k = 0; k < f->depth; k++) {
-            long engine = PyLong_AsLong(PyTuple_GET_ITEM(walk, k));
-            if (engine == -1 && PyErr_Occurred()) goto fail;
-            if (engine < 0 || engine >= n) {
-                PyErr_SetString(PyExc_ValueError, "fleet: a walk names an engine the fleet lacks");
-                goto fail;
-            }
-            f->walks[p * f->depth + k] = (int32_t)engine;
-        }
-    }
-    Py_ssize_t at = 0;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *places = PyList_GET_ITEM(positions, i);
-        if (!PyList_Check(places) || PyList_GET_SIZE(places) == 0 || at + PyList_GET_SIZE(places) > num_points) {
-            PyErr_SetString(PyExc_TypeError, "fleet: every engine needs its ring positions");
-            goto fail;
-        }
-        f->pos_start[i] = (int32_t)at;
-        for (Py_ssize_t k = 0; k < PyList_GET_SIZE(places); k++) {
-            long place = PyLong_AsLong(PyList_GET_ITEM(places, k));
-            if (place == -1 && PyErr_Occurred()) goto fail;
-            f->pos[at++] = (int32_t)place;
-        }
-    }
-    f->pos_start[n] = (int32_t)at;
     return capsule;
 fail:
     Py_DECREF(capsule);
@@ -204,28 +256,28 @@ fail:
 }
 
 /* _Ring.start: the first point at or after the key's ring key (0 past the end). */
-static Py_ssize_t ring_start(const Fleet *f, uint64_t key) {
+static Py_ssize_t ring_start(const Ring *r, uint64_t key) {
     uint64_t ring_key = key * GOLDEN_64;
-    Py_ssize_t lo = 0, hi = f->num_points;
+    Py_ssize_t lo = 0, hi = r->num_points;
     while (lo < hi) {
         Py_ssize_t mid = (lo + hi) / 2;
-        if (f->points[mid] < ring_key) lo = mid + 1;
+        if (r->points[mid] < ring_key) lo = mid + 1;
         else hi = mid;
     }
-    return lo == f->num_points ? 0 : lo;
+    return lo == r->num_points ? 0 : lo;
 }
 
 /* _Ring.offset: how far clockwise from `start` the engine's first point lies. */
-static Py_ssize_t ring_offset(const Fleet *f, Py_ssize_t start, int32_t engine) {
-    const int32_t *places = f->pos + f->pos_start[engine];
-    Py_ssize_t count = f->pos_start[engine + 1] - f->pos_start[engine];
+static Py_ssize_t ring_offset(const Ring *r, Py_ssize_t start, int32_t engine) {
+    const int32_t *places = r->pos + r->pos_start[engine];
+    Py_ssize_t count = r->pos_start[engine + 1] - r->pos_start[engine];
     Py_ssize_t lo = 0, hi = count;
     while (lo < hi) {
         Py_ssize_t mid = (lo + hi) / 2;
         if (places[mid] < start) lo = mid + 1;
         else hi = mid;
     }
-    return lo < count ? places[lo] - start : places[0] + f->num_points - start;
+    return lo < count ? places[lo] - start : places[0] + r->num_points - start;
 }
 
 typedef struct {
@@ -537,9 +589,10 @@ static PyObject *rank(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
         f->cached[i] = tokens;
     }
     /* The walk: the usual case has max_ranked open engines in the ring's short walk. */
-    Py_ssize_t walk_len = n < f->depth ? n : f->depth;
-    Py_ssize_t start = ring_start(f, key);
-    const int32_t *walk = f->walks + start * f->depth;
+    const Ring *ring = f->ring;
+    Py_ssize_t walk_len = n < ring->depth ? n : ring->depth;
+    Py_ssize_t start = ring_start(ring, key);
+    const int32_t *walk = ring->walks + start * ring->depth;
     int32_t *open = f->ranked + n;  /* max_ranked slots past the ranking's n */
     Py_ssize_t num_open = 0;
     for (Py_ssize_t k = 0; k < walk_len && num_open < f->max_ranked; k++)
@@ -576,7 +629,7 @@ static PyObject *rank(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
             int32_t placed = i == swap_a ? swap_b : (i == swap_b ? swap_a : i);
             credit[k] = f->cached[i];
             price[k] = f->per_running * f->eff[i] + f->per_waiting * f->waiting[i];
-            home[k] = ring_offset(f, start, placed);
+            home[k] = ring_offset(ring, start, placed);
         }
         for (Py_ssize_t k = 1; k < len; k++) {
             int32_t i = ranked[k];
@@ -673,7 +726,8 @@ static PyObject *configure(PyObject *self, PyObject *args) {
 }
 
 static PyMethodDef methods[] = {
-    {"fleet", make_fleet, METH_VARARGS, "A registry read's engines and ring as prefix_affinity's arrays."},
+    {"ring", make_ring, METH_VARARGS, "A consistent-hash ring as prefix_affinity's arrays."},
+    {"fleet", make_fleet, METH_VARARGS, "A registry read's engines as prefix_affinity's arrays."},
     {"rank", (PyCFunction)(void (*)(void))rank, METH_FASTCALL, "prefix_affinity's usual decision, or None."},
     {"configure", configure, METH_VARARGS, "The RouteDecision and PodWaits types the step makes and reads."},
     {NULL, NULL, 0, NULL},

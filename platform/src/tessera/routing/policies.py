@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from tessera.routing.affinity_native import Constants, native_fleet, rank_natively
+from tessera.routing.affinity_native import Constants, native_fleet, native_ring, rank_natively
 from tessera.routing.hashing import stable_hash64
 from tessera.routing.prefill_clock import PrefillFit
 from tessera.routing.snapshot import EngineView, RouteDecision, RouteRequest, RouteSnapshot
@@ -254,7 +254,7 @@ class _Ring:
     each, and, per point, the distinct engines met walking clockwise from it: the first ``short_depth``
     (what a decision reads) made with the ring, longer walks on first use."""
 
-    __slots__ = ("_walks", "owners", "points", "positions", "short_depth", "short_walks")
+    __slots__ = ("_walks", "native", "owners", "points", "positions", "short_depth", "short_walks")
 
     def __init__(self, engine_ids: tuple[str, ...]) -> None:
         per_engine = max(1, min(RING_POINTS_PER_ENGINE, RING_MAX_POINTS // max(len(engine_ids), 1)))
@@ -271,6 +271,8 @@ class _Ring:
         self._walks: dict[int, tuple[int, ...]] = {}
         self.short_depth = min(len(engine_ids), 2 * MAX_RANKED_ENGINES)
         self.short_walks = self._short_walks()
+        # The same ring as the C step's arrays (affinity_native.py), or None where it is not built.
+        self.native = native_ring(self.points, self.short_walks, self.positions)
 
     def _short_walks(self) -> list[tuple[int, ...]]:
         """Every position's walk to ``short_depth`` engines. Made on first use, a walk cost a decision 2-5 us
@@ -443,7 +445,7 @@ class _Fleet:
         ids = tuple(e.engine_id for e in engines)
         index = {engine_id: i for i, engine_id in enumerate(ids)}
         ring = _ring(ids)
-        native = native_fleet(engines, index, loads, ring.points, ring.short_walks, ring.positions, _CONSTANTS)
+        native = native_fleet(engines, index, loads, ring.native, _CONSTANTS)
         return cls(engines, index, loads, sum(loads), ring, ids, [e.under_pressure for e in engines],
                    sorted(((load, i) for i, load in enumerate(loads)), reverse=True), {}, native)
 
