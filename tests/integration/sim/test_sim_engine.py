@@ -5,14 +5,10 @@ blocks in the prefix index under the gateway's hashes, and on SIGTERM it leaves 
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -27,51 +23,22 @@ from tessera.routing.prefix_index import PrefixIndex
 from tests.support.data_plane import ENGINE_AUTH
 from tests.support.gateways import running_gateways
 from tests.support.routing_stack import issue_tenant_key
+from tests.support.sim_process import START_TIMEOUT_S, SimProcess, running_sim
 
 MODEL = "sim-small"
 BLOCK_SIZE = 16
-# Seconds for the sim process to serve and register: generous, the shared 2-core machine is often busy.
-START_TIMEOUT_S = 120.0
-
-
-@dataclass
-class SimProcess:
-    process: subprocess.Popen[bytes]
-    urls: list[str]
 
 
 @pytest.fixture(scope="module")
 def sim_process(small_model_dir: Path, redis_server: EmbeddedRedis, tmp_path_factory: pytest.TempPathFactory
                 ) -> Iterator[SimProcess]:
-    work = tmp_path_factory.mktemp("sim")
     # Measured step costs and a small cache: a test-sized engine (the roofline preset's H100 cache would do
     # as well, it is only bigger).
     config = {"served_model_name": MODEL, "tokenizer": str(small_model_dir), "block_size": BLOCK_SIZE,
               "num_gpu_blocks": 64, "max_model_len": 512, "heartbeat_interval_s": 0.5,
               "step_time": {"kind": "measured", "step_s": 0.002, "per_seq_s": 0.0, "per_prefill_token_s": 1e-5}}
-    ready = work / "ready.json"
-    env = {**os.environ, "TESSERA_REDIS_URL": redis_server.url}
-    log = open(work / "sim.log", "wb")  # noqa: SIM115 - closed after the process
-    process = subprocess.Popen(
-        [str(Path(sys.executable).parent / "tessera"), "engine", "sim", "--config", json.dumps(config),
-         "--num-engines", "1", "--ready-file", str(ready)],
-        env=env, stdout=log, stderr=subprocess.STDOUT, process_group=0)
-    try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while not ready.exists():
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the sim did not start:\n{(work / 'sim.log').read_text()[-3000:]}")
-            time.sleep(0.1)
-        yield SimProcess(process, json.loads(ready.read_text()))
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGTERM)
-            try:
-                process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
-        log.close()
+    with running_sim(config, 1, redis_server.url, tmp_path_factory.mktemp("sim")) as sim:
+        yield sim
 
 
 async def registered(redis_url: str, url: str) -> EngineRecord:

@@ -7,11 +7,6 @@ them the reason names the cached tokens; a prompt that shares nothing goes by it
 from __future__ import annotations
 
 import asyncio
-import json
-import os
-import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,43 +20,21 @@ from tessera.registry import EngineRegistry
 from tests.support.gateways import running_gateways
 from tests.support.native_build import skip_where_nothing_can_be_built
 from tests.support.routing_stack import issue_tenant_key
+from tests.support.sim_process import START_TIMEOUT_S, SimProcess, running_sim
 
 MODEL = "sim-fleet-routing"
 NUM_ENGINES = 24
-START_TIMEOUT_S = 120.0
 SHARED = "a long system prompt that every turn of this conversation begins with, " * 12
 
 
 @pytest.fixture(scope="module")
 def sim_fleet(small_model_dir: Path, redis_server: EmbeddedRedis, tmp_path_factory: pytest.TempPathFactory
-              ) -> Iterator[subprocess.Popen[bytes]]:
-    work = tmp_path_factory.mktemp("sim-fleet")
+              ) -> Iterator[SimProcess]:
     config = {"served_model_name": MODEL, "tokenizer": str(small_model_dir), "block_size": 16,
               "num_gpu_blocks": 256, "max_model_len": 1024, "heartbeat_interval_s": 0.5,
               "step_time": {"kind": "measured", "step_s": 0.002, "per_seq_s": 0.0, "per_prefill_token_s": 1e-5}}
-    ready = work / "ready.json"
-    log = open(work / "sim.log", "wb")  # noqa: SIM115 - closed after the process
-    process = subprocess.Popen(
-        [str(Path(sys.executable).parent / "tessera"), "engine", "sim", "--config", json.dumps(config),
-         "--num-engines", str(NUM_ENGINES), "--ready-file", str(ready)],
-        env={**os.environ, "TESSERA_REDIS_URL": redis_server.url}, stdout=log, stderr=subprocess.STDOUT,
-        process_group=0)
-    try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while not ready.exists():
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the sim fleet did not start:\n{(work / 'sim.log').read_text()[-3000:]}")
-            time.sleep(0.1)
-        yield process
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGTERM)
-            try:
-                process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
-        log.close()
+    with running_sim(config, NUM_ENGINES, redis_server.url, tmp_path_factory.mktemp("sim-fleet")) as sim:
+        yield sim
 
 
 async def all_registered(redis_url: str) -> None:
@@ -75,7 +48,7 @@ async def all_registered(redis_url: str) -> None:
 
 
 def test_a_gateway_follows_a_prefix_to_its_engine_over_a_24_engine_fleet(
-        sim_fleet: subprocess.Popen[bytes], redis_server: EmbeddedRedis,
+        sim_fleet: SimProcess, redis_server: EmbeddedRedis,
         tmp_path_factory: pytest.TempPathFactory) -> None:
     skip_where_nothing_can_be_built()
     assert AFFINITY_STEP.built() and not AFFINITY_STEP.forced_off()  # the gateway below decides in C
