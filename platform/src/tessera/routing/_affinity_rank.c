@@ -1,5 +1,5 @@
 /* prefix_affinity's usual decision in C (tessera/routing/policies.py holds the policy, its Python twin, and says
- * why each rule is there; this must give the same ranking, reason inputs and placement for every decision it
+ * why each rule is there; this must give the same ranking, reason and placement for every decision it
  * takes, and hand every other decision back to Python).
  *
  * ring(points, walks, positions) -> capsule
