@@ -588,7 +588,11 @@ def _prefix_affinity() -> PolicyFn:
     ranking where its first token comes sooner than behind its holder's queue, by a margin (``_sooner_elsewhere``).
 
     Cost: O(engines holding the prefix + engines with this gateway's requests in flight + the ring walk to
-    ``MAX_RANKED_ENGINES`` engines under the bound), not O(fleet)."""
+    ``MAX_RANKED_ENGINES`` engines under the bound), not O(fleet).
+
+    Where ``make install`` built it, the usual decision is taken in C (``_affinity_rank.c``, affinity_native.py)
+    and this Python takes the rest: a change to a rule here is a change there too, and
+    tests/unit/routing/test_affinity_native.py, which holds the two to the same decisions, fails until both agree."""
     # Each model's fleet by the id of its engines tuple: a fleet holds its tuple, so no other object can have
     # that id while the entry lives. Rebuilt by ``prepare`` at each registry read; a decision over engines it
     # has not seen (a plan made before the read) builds one itself.
