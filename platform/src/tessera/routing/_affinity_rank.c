@@ -496,29 +496,37 @@ static PyObject *rank(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
         as_dict(PyTuple_GET_ITEM(snapshot, 3), &pending, &other) < 0)
         return NULL;
     PyObject *waits_in = PyTuple_GET_ITEM(snapshot, 4), *fit = PyTuple_GET_ITEM(snapshot, 5);
-    PyObject *now_obj = NULL;
+    PyObject *now_obj = NULL, *owned = NULL;  /* owned: the PodWaits' stamps, held for the call */
     long long now = 0;
     if ((PyObject *)Py_TYPE(waits_in) == PodWaitsType) {
-        waiting = PyObject_GetAttr(waits_in, str_waiting);
+        owned = waiting = PyObject_GetAttr(waits_in, str_waiting);
         if (waiting == NULL) return NULL;
         now_obj = PyObject_GetAttr(waits_in, str_now);
         if (now_obj == NULL) {
-            Py_DECREF(waiting);
+            Py_DECREF(owned);
             return NULL;
         }
         now = PyLong_AsLongLong(now_obj);
         Py_DECREF(now_obj);
         if (!PyDict_CheckExact(waiting)) other = 1;
-        Py_DECREF(waiting);  /* the PodWaits holds it for the call */
-        if (now == -1 && PyErr_Occurred()) return NULL;
+        if (now == -1 && PyErr_Occurred()) {
+            Py_DECREF(owned);
+            return NULL;
+        }
     } else if (as_dict(waits_in, &waits, &other) < 0) {
         return NULL;
     }
-    if (other) Py_RETURN_NONE;
+    if (other) {
+        Py_XDECREF(owned);
+        Py_RETURN_NONE;
+    }
     PyObject *empty = NULL;
     if (cached_blocks == NULL || in_flight == NULL || pending == NULL || (waiting == Py_None && waits == NULL)) {
         empty = PyDict_New();
-        if (empty == NULL) return NULL;
+        if (empty == NULL) {
+            Py_XDECREF(owned);
+            return NULL;
+        }
         if (cached_blocks == NULL) cached_blocks = empty;
         if (in_flight == NULL) in_flight = empty;
         if (pending == NULL) pending = empty;
@@ -529,12 +537,14 @@ static PyObject *rank(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (has_fit) {
         if (!PyTuple_Check(fit) || PyTuple_GET_SIZE(fit) != 2) {
             Py_XDECREF(empty);
+            Py_XDECREF(owned);
             PyErr_SetString(PyExc_TypeError, "rank: prefill_fit must be a PrefillFit");
             return NULL;
         }
         s_per_token = PyFloat_AsDouble(PyTuple_GET_ITEM(fit, 1));
         if (s_per_token == -1.0 && PyErr_Occurred()) {
             Py_XDECREF(empty);
+            Py_XDECREF(owned);
             return NULL;
         }
     }
@@ -542,6 +552,7 @@ static PyObject *rank(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     uint64_t key = PyLong_AsUnsignedLongLongMask(args[3]);
     if (PyErr_Occurred()) {
         Py_XDECREF(empty);
+        Py_XDECREF(owned);
         return NULL;
     }
 
@@ -707,6 +718,7 @@ done:
         f->cached[i] = -1;
     }
     Py_XDECREF(empty);
+    Py_XDECREF(owned);
     return result;
 }
 
