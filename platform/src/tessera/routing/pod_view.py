@@ -228,16 +228,12 @@ class PodWaits(Mapping[str, float]):
     worked out for the engines a decision asks about (a handful) rather than for all: engines with none are
     absent."""
 
+    # routing/_affinity_rank.c reads both by these names (the stamps whole, as ``get`` sums them).
     __slots__ = ("_waiting", "now")
 
     def __init__(self, waiting: Mapping[str, Mapping[int, int]], now: int) -> None:
         self._waiting = waiting  # engine id -> {row: prefilled-at stamp}
         self.now = now
-
-    @property
-    def stamps(self) -> Mapping[str, Mapping[int, int]]:
-        """Engine id -> {row: prefilled-at stamp}: what ``get`` sums from ``now`` (the C policy reads it whole)."""
-        return self._waiting
 
     def get(self, engine_id: str, default: float | None = None) -> float | None:  # type: ignore[override]
         # On the policy's path, several times a decision: one dict read where nothing is waiting there.
