@@ -18,9 +18,16 @@ def test_a_built_step_loads_its_function_unless_switched_off(step: NativeStep, m
     skip_where_nothing_can_be_built()
     monkeypatch.delenv(step.env, raising=False)
     assert step.built(), f"{step.module} did not build: run `make install`"
-    assert step.load() is getattr(importlib.import_module(step.module), step.attribute)
+    module = importlib.import_module(step.module)
+    assert step.load() is getattr(module, step.attribute)
+    # Every function the module gives, named (a step of several: prefix_affinity's ring, fleet and rank), follows
+    # the same switch.
+    functions = [name for name in dir(module) if not name.startswith("_") and callable(getattr(module, name))]
+    assert step.attribute in functions
+    assert all(step.load(name) is getattr(module, name) for name in functions)
     monkeypatch.setenv(step.env, "0")
     assert step.forced_off() and step.load() is None
+    assert all(step.load(name) is None for name in functions)
     assert step.built()  # what doctor reports beside the switch
     monkeypatch.setenv(step.env, "1")
     assert step.load() is not None

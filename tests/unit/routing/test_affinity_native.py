@@ -240,10 +240,3 @@ def test_a_bad_value_midway_leaves_the_fleets_scratch_as_it_was() -> None:
     with pytest.raises(TypeError):
         rank(fleet, RouteSnapshot(views, bad_blocks, {"e03": 40}), 10_000, 99, None)
     assert rank(fleet, RouteSnapshot(views), 10_000, 99, None) == before
-
-
-def test_the_switch_keeps_the_python_policy(monkeypatch: pytest.MonkeyPatch) -> None:
-    from tessera.native_steps import AFFINITY_STEP
-
-    monkeypatch.setenv(AFFINITY_STEP.env, "0")
-    assert AFFINITY_STEP.load() is None and AFFINITY_STEP.load("fleet") is None and AFFINITY_STEP.built()

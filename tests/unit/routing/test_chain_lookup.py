@@ -83,8 +83,3 @@ def test_a_mask_naming_a_slot_no_engine_holds_is_refused_as_in_python() -> None:
     with pytest.raises(TypeError, match="sequence of ints"):
         lookup({}, 7, 1, ["a"])
     assert lookup({}, [], 1, ["a"]) == {} and lookup({7: 1}, [7], 0, ["a"]) == {}
-
-
-def test_the_switch_keeps_the_python_search(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(CHAIN_LOOKUP_STEP.env, "0")
-    assert CHAIN_LOOKUP_STEP.load() is None and CHAIN_LOOKUP_STEP.built()
